@@ -1,0 +1,5 @@
+"""``python -m proxy`` runs the ``opgate`` command."""
+
+from proxy.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,145 @@
+"""Wires the parts into a running sidecar: the composition root of ``opgate serve``.
+
+Only this module knows every part: it resolves the upstream, loads the policies, builds the
+middleware chain in its fixed order, starts the API and admin listeners and the policy watcher,
+and stops them in reverse order on SIGTERM or SIGINT.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+from collections.abc import Mapping, Sequence
+
+from proxy.admin import NamedCheck, bound_address, build_admin_app, serve_admin
+from proxy.engine.chain import Chain
+from proxy.engine.check import check
+from proxy.engine.policies import PolicyStore
+from proxy.engine.reload import watch_policies
+from proxy.engine.schema import SectionParser
+from proxy.middlewares import ratelimit
+from proxy.middlewares.accesslog import AccessLog
+from proxy.middlewares.metrics import Metrics
+from proxy.relay import Relay, RelaySettings, resolve_upstream, serve_api
+from proxy.relay.upstream import UpstreamConfigError
+from proxy.settings import Settings
+
+log = logging.getLogger("opgate")
+
+
+def section_parsers() -> Mapping[str, SectionParser]:
+    """The ``spec`` sections this build understands, each owned by its middleware."""
+    return {ratelimit.SECTION: ratelimit.parse_section}
+
+
+def check_paths(paths: Sequence[str]) -> int:
+    errors = check(paths, parsers=section_parsers())
+    for line in errors:
+        print(line)
+    if errors:
+        return 1
+    print(f"opgate: {', '.join(paths)}: valid")
+    return 0
+
+
+def configure_logging(settings: Settings) -> None:
+    level = getattr(logging, settings.log.level.upper(), logging.INFO)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level)
+    access = logging.getLogger("opgate.access")
+    access.propagate = False
+    access.handlers[:] = []
+    if settings.log.access_log:
+        out = logging.StreamHandler(sys.stdout)
+        out.setFormatter(logging.Formatter("%(message)s"))
+        access.addHandler(out)
+        access.setLevel(logging.INFO)
+    else:
+        access.setLevel(logging.CRITICAL + 1)
+
+
+def serve(settings: Settings) -> int:
+    configure_logging(settings)
+    try:
+        return asyncio.run(_serve(settings))
+    except KeyboardInterrupt:
+        return 0
+
+
+async def _serve(settings: Settings) -> int:
+    up = settings.upstream
+    try:
+        upstream = resolve_upstream(url=up.url, kubeconfig=up.kubeconfig, ca_file=up.ca_file,
+                                    insecure=up.insecure, token_file=up.token_file)
+    except UpstreamConfigError as exc:
+        log.error("cannot configure the upstream: %s", exc)
+        return 2
+
+    store = PolicyStore(settings.policies.paths, parsers=section_parsers())
+    if settings.policies.paths and not store.reload():
+        log.error("policies not loaded; fix them (`opgate check`) and start again:\n%s",
+                  store.last_error)
+        return 1
+
+    rl = settings.ratelimit
+    buckets = ratelimit.build_store(redis_url=rl.redis_url, timeout=rl.redis_timeout,
+                                    replicas=rl.replicas)
+    chain = Chain([ratelimit.RateLimit(store=buckets), Metrics(), AccessLog()])
+    relay = Relay(upstream=upstream, chain=chain, policies=store, settings=RelaySettings(
+        connect_timeout=up.connect_timeout, header_timeout=up.header_timeout,
+        request_timeout=up.request_timeout, watch_idle_timeout=up.watch_idle_timeout))
+    await relay.start()
+
+    async def ratelimit_ready() -> tuple[bool, str]:
+        health = buckets.health()
+        return True, ", ".join(f"{k}={v}" for k, v in health.items())
+
+    checks = [NamedCheck("upstream", relay.upstream_ready),
+              NamedCheck("ratelimit-store", ratelimit_ready)]
+    tasks: list[asyncio.Task[None]] = []
+    admin = None
+    listener = None
+    try:
+        listener = await serve_api(relay, listen=settings.listen.listen,
+                                   tls_cert=settings.listen.tls_cert,
+                                   tls_key=settings.listen.tls_key)
+        admin = await serve_admin(build_admin_app(store=store, checks=checks),
+                                  listen=settings.listen.admin_listen)
+        if settings.policies.paths:
+            tasks.append(asyncio.create_task(watch_policies(store), name="policy-watch"))
+        log.info("serving the Kubernetes API on %s -> %s; admin on %s; policies %s",
+                 listener.address, upstream.url, bound_address(admin),
+                 ", ".join(settings.policies.paths) or "(none)")
+        await _until_signalled()
+        log.info("shutting down")
+    finally:
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if listener is not None:
+            await listener.close()
+        if admin is not None:
+            await admin.cleanup()
+        await relay.close()
+        await buckets.close()
+    return 0
+
+
+async def _until_signalled() -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)

@@ -1,0 +1,165 @@
+"""The ``opgate`` command: ``serve`` the sidecar, ``check`` policy files, run the ``demo``.
+
+``python -m proxy`` is the same command. Every ``serve`` flag can also come from an ``OPGATE_*``
+environment variable named after it (``--redis-url`` ↔ ``OPGATE_REDIS_URL``); a flag given on the
+command line wins over the environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+
+from proxy.settings import (
+    ListenSettings,
+    LogSettings,
+    PolicySettings,
+    RateLimitSettings,
+    Settings,
+    UpstreamSettings,
+)
+
+_TRUE = {"1", "true", "yes", "on"}
+
+
+def _env(flag: str) -> str | None:
+    return os.environ.get("OPGATE_" + flag.lstrip("-").upper().replace("-", "_"))
+
+
+class _EnvDefaults(argparse.HelpFormatter):
+    """Shows each flag's environment variable in ``--help``."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        long_flags = [o for o in action.option_strings if o.startswith("--") and o != "--help"]
+        if long_flags:
+            var = "OPGATE_" + long_flags[0][2:].upper().replace("-", "_")
+            text += f" [env {var}]"
+            if action.default not in (None, False, argparse.SUPPRESS):
+                text += " (default: %(default)s)"
+        return text
+
+
+def _add(
+    parser: argparse.ArgumentParser, flag: str, *, help: str, default: object = None,
+    kind: type = str, metavar: str | None = None,
+) -> None:
+    env = _env(flag)
+    if kind is bool:
+        value = env.strip().lower() in _TRUE if env is not None else bool(default)
+        parser.add_argument(flag, action="store_true", default=value, help=help)
+        return
+    value = kind(env) if env is not None else default
+    parser.add_argument(flag, type=kind, default=value, help=help, metavar=metavar)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="opgate",
+        description="A sidecar reverse proxy for Kubernetes operators: every API call from the "
+        "controller to kube-apiserver passes through identity, rate-limit, quota and audit "
+        "policies read from hot-reloaded YAML files.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    serve = sub.add_parser("serve", help="run the sidecar proxy", formatter_class=_EnvDefaults,
+                           description="Relay the Kubernetes API from a local listener to "
+                           "kube-apiserver through the policy chain.")
+    g = serve.add_argument_group("listeners")
+    _add(g, "--listen", default="127.0.0.1:8001", metavar="ADDR",
+         help="API listener: HOST:PORT, [V6]:PORT or unix:/path")
+    _add(g, "--tls-cert", metavar="FILE",
+         help="serve TLS on the API listener with this certificate (reloaded when it changes)")
+    _add(g, "--tls-key", metavar="FILE", help="private key for --tls-cert")
+    _add(g, "--admin-listen", default="127.0.0.1:9091", metavar="ADDR",
+         help="admin listener for /metrics, /healthz, /readyz and /debug/policies")
+    g = serve.add_argument_group("upstream (kube-apiserver)")
+    _add(g, "--upstream", metavar="URL",
+         help="apiserver URL; default: in-cluster service and mounted CA, else the current "
+         "context of --kubeconfig")
+    _add(g, "--kubeconfig", metavar="FILE",
+         help="kubeconfig whose current context is the upstream (default $KUBECONFIG, "
+         "~/.kube/config)")
+    _add(g, "--upstream-ca", metavar="FILE", help="CA bundle that signs the apiserver's cert")
+    _add(g, "--upstream-insecure", kind=bool,
+         help="do not verify the apiserver's certificate (testing only)")
+    _add(g, "--token-file", metavar="FILE",
+         help="bearer token sent upstream when the client sent none (re-read when it changes)")
+    _add(g, "--connect-timeout", kind=float, default=5.0, metavar="SECONDS",
+         help="time to open a connection to the apiserver")
+    _add(g, "--header-timeout", kind=float, default=30.0, metavar="SECONDS",
+         help="time for the apiserver to answer headers before opgate answers 504")
+    _add(g, "--request-timeout", kind=float, default=300.0, metavar="SECONDS",
+         help="total time of a non-long-running call (0: none); watches, exec, logs have none")
+    _add(g, "--watch-idle-timeout", kind=float, default=0.0, metavar="SECONDS",
+         help="end a long-running stream after this long without bytes (0: never)")
+    g = serve.add_argument_group("policies and state")
+    _add(g, "--policies", metavar="PATH",
+         help="policy file or directory of *.yaml, watched and hot-reloaded")
+    _add(g, "--redis-url", metavar="URL",
+         help="Redis for rate-limit buckets shared by replicas (redis://, rediss://, "
+         "redis+sentinel://); default: in-process buckets")
+    _add(g, "--redis-timeout", kind=float, default=0.05, metavar="SECONDS",
+         help="timeout of one Redis call before the rule's failure mode applies")
+    _add(g, "--replicas", kind=int, default=1, metavar="N",
+         help="replicas sharing the budgets; with Redis down each admits qps/N locally")
+    g = serve.add_argument_group("logging")
+    _add(g, "--log-level", default="info", metavar="LEVEL",
+         help="debug, info, warning or error")
+    _add(g, "--no-access-log", kind=bool, help="do not write one JSON line per request")
+
+    check = sub.add_parser("check", help="validate policy files offline",
+                           description="Validate policy files; print file:line: message per "
+                           "error; exit 0 when valid, 1 otherwise.")
+    check.add_argument("paths", nargs="+", metavar="PATH", help="policy file or directory")
+
+    demo = sub.add_parser("demo", help="run the demo: a real apiserver, opgate, a sample operator",
+                          description="Start etcd + kube-apiserver, Redis when available, "
+                          "opgate with policies/ and the sample reconciler; Ctrl-C stops all.")
+    demo.add_argument("--policies", default="policies/demo", metavar="PATH",
+                      help="policies to serve (edit them while the demo runs)")
+    demo.add_argument("--widgets", type=int, default=5, help="widgets to create")
+    demo.add_argument("--duration", type=float, default=0.0,
+                      help="stop by itself after this many seconds (0: run until Ctrl-C)")
+    return parser
+
+
+def settings_from(args: argparse.Namespace) -> Settings:
+    return Settings(
+        listen=ListenSettings(listen=args.listen, tls_cert=args.tls_cert, tls_key=args.tls_key,
+                              admin_listen=args.admin_listen),
+        upstream=UpstreamSettings(
+            url=args.upstream, kubeconfig=args.kubeconfig, ca_file=args.upstream_ca,
+            insecure=args.upstream_insecure, token_file=args.token_file,
+            connect_timeout=args.connect_timeout, header_timeout=args.header_timeout,
+            request_timeout=args.request_timeout, watch_idle_timeout=args.watch_idle_timeout,
+        ),
+        policies=PolicySettings(paths=(args.policies,) if args.policies else ()),
+        ratelimit=RateLimitSettings(redis_url=args.redis_url, redis_timeout=args.redis_timeout,
+                                    replicas=args.replicas),
+        log=LogSettings(level=args.log_level, access_log=not args.no_access_log),
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "check":
+        from proxy.app import check_paths
+
+        return check_paths(args.paths)
+    if args.command == "demo":
+        from proxy.demo import run_demo
+
+        return run_demo(policies=args.policies, widgets=args.widgets, duration=args.duration)
+    if args.tls_cert and not args.tls_key or args.tls_key and not args.tls_cert:
+        print("opgate: --tls-cert and --tls-key go together", file=sys.stderr)
+        return 2
+    from proxy.app import serve
+
+    return serve(settings_from(args))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,100 @@
+"""Per-request state shared by the relay and the middleware chain, free of any transport type.
+
+The relay builds one :class:`RequestContext` per call and hands it to the chain; middlewares read
+it, may add response headers or drop request headers, and decide with a :class:`Deny` or a
+:class:`Delay`. After the response the relay fills in the outcome (status code, bytes, timings)
+for the exit and retry hooks.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from proxy.engine.requestinfo import RequestInfo
+from proxy.engine.status import StatusError, warning_header
+
+if TYPE_CHECKING:
+    from proxy.engine.policies import PolicySet
+
+
+@dataclass(frozen=True, slots=True)
+class Identity:
+    """Who is calling, once a middleware has verified it (never the token itself)."""
+
+    user: str
+    groups: tuple[str, ...] = ()
+    uid: str = ""
+    source: str = ""  # serviceaccount | oidc | tokenreview
+
+
+@dataclass(frozen=True, slots=True)
+class Deny:
+    """End the chain: answer ``status`` instead of relaying.
+
+    ``decision`` is the bounded label recorded in metrics and the access log
+    (``denied``, ``throttled``, ``quota``, ``fault``, ``unauthorized``).
+    """
+
+    status: StatusError
+    decision: str = "denied"
+
+
+@dataclass(frozen=True, slots=True)
+class Delay:
+    """Wait ``seconds``, then go on with the next hook."""
+
+    seconds: float
+
+
+Decision = Deny | Delay
+
+
+@dataclass(slots=True, eq=False)
+class RequestContext:
+    """One API call on its way through opgate.
+
+    ``headers`` is a case-insensitive, read-only view of the client's request headers.
+    ``body`` is set only when a middleware that declared ``needs_body`` is in the chain, and only
+    for requests that carry one (bounded by the relay).
+    """
+
+    info: RequestInfo
+    method: str
+    path: str
+    query: str
+    headers: Mapping[str, str]
+    policies: PolicySet
+    trace_id: str = ""
+    started: float = field(default_factory=time.monotonic)
+    wall_time: float = field(default_factory=time.time)
+    identity: Identity | None = None
+    body: bytes | None = None
+    # what middlewares ask of the relay
+    drop_request_headers: set[str] = field(default_factory=set)  # lower-case names
+    response_headers: list[tuple[str, str]] = field(default_factory=list)
+    allow_impersonation: bool = False
+    decision: str = "allowed"
+    # the outcome, filled in by the relay before the exit hooks
+    status_code: int = 0
+    bytes_in: int = 0
+    bytes_out: int = 0
+    upstream_seconds: float = 0.0
+    finished: float = 0.0
+    error: str = ""
+    # scratch space for middlewares, keyed by middleware name
+    state: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def user(self) -> str:
+        return self.identity.user if self.identity else ""
+
+    @property
+    def duration(self) -> float:
+        return (self.finished or time.monotonic()) - self.started
+
+    def warn(self, text: str) -> None:
+        """Add a ``Warning: 299`` header (kubectl prints it) to whatever the client gets."""
+        self.response_headers.append(warning_header(text))

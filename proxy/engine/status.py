@@ -1,0 +1,102 @@
+"""Kubernetes ``Status`` bodies: the only place that renders opgate's own error responses.
+
+kubectl and client-go decode any non-2xx body of kind ``Status`` and show its ``message``; a
+``429`` with an integer ``Retry-After`` is retried by client-go after that many seconds. Every
+error opgate answers itself goes through :class:`StatusError`, so all of them look like the
+apiserver's own (see the table in DESIGN.md). opgate never answers 422: clients take it for a
+conflict to retry silently.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+_REASONS: dict[int, str] = {
+    400: "BadRequest",
+    401: "Unauthorized",
+    403: "Forbidden",
+    404: "NotFound",
+    409: "Conflict",
+    429: "TooManyRequests",
+    500: "InternalError",
+    503: "ServiceUnavailable",
+    504: "Timeout",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class StatusError:
+    """An error response opgate sends instead of relaying the call.
+
+    ``headers`` are extra response headers (``Retry-After``, ``RateLimit-*``, ``Warning``).
+    """
+
+    code: int
+    message: str
+    reason: str = ""
+    details: dict[str, Any] | None = None
+    headers: tuple[tuple[str, str], ...] = field(default_factory=tuple)
+
+    def body(self) -> bytes:
+        obj: dict[str, Any] = {
+            "kind": "Status",
+            "apiVersion": "v1",
+            "metadata": {},
+            "status": "Failure",
+            "message": self.message,
+            "reason": self.reason or _REASONS.get(self.code, ""),
+            "code": self.code,
+        }
+        if self.details:
+            obj["details"] = self.details
+        return json.dumps(obj, separators=(",", ":")).encode() + b"\n"
+
+    def response_headers(self) -> list[tuple[str, str]]:
+        return [("Content-Type", "application/json"), *self.headers]
+
+
+def bad_request(message: str) -> StatusError:
+    return StatusError(400, message, "BadRequest")
+
+
+def unauthorized(message: str = "Unauthorized") -> StatusError:
+    return StatusError(401, message, "Unauthorized")
+
+
+def forbidden(message: str, *, details: dict[str, Any] | None = None) -> StatusError:
+    return StatusError(403, message, "Forbidden", details)
+
+
+def too_many_requests(
+    message: str, *, retry_after: float, extra_headers: tuple[tuple[str, str], ...] = ()
+) -> StatusError:
+    """429 the way the apiserver sends it: integer ``Retry-After`` (at least 1 s)."""
+    seconds = max(1, math.ceil(retry_after))
+    return StatusError(
+        429,
+        message,
+        "TooManyRequests",
+        {"retryAfterSeconds": seconds},
+        (("Retry-After", str(seconds)), *extra_headers),
+    )
+
+
+def internal_error(message: str) -> StatusError:
+    return StatusError(500, message, "InternalError")
+
+
+def service_unavailable(message: str) -> StatusError:
+    return StatusError(503, message, "ServiceUnavailable")
+
+
+def gateway_timeout(message: str) -> StatusError:
+    return StatusError(504, message, "Timeout")
+
+
+def warning_header(text: str) -> tuple[str, str]:
+    """A ``Warning: 299`` header that kubectl and client-go print (RFC 7234 warn-text quoting)."""
+    escaped = text.replace("\\", "\\\\").replace('"', '\\"')
+    return ("Warning", f'299 - "opgate: {escaped}"')

@@ -1,0 +1,57 @@
+"""Grouped, immutable settings for ``opgate serve``, read from flags and ``OPGATE_*`` variables.
+
+Every flag ``--some-flag`` can also be given as ``OPGATE_SOME_FLAG`` (the flag wins). The groups
+mirror the parts they configure, so each part receives only its own settings.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class ListenSettings:
+    listen: str = "127.0.0.1:8001"  # HOST:PORT, [V6]:PORT or unix:/path
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    admin_listen: str = "127.0.0.1:9091"
+
+
+@dataclass(frozen=True, slots=True)
+class UpstreamSettings:
+    url: str | None = None
+    kubeconfig: str | None = None
+    ca_file: str | None = None
+    insecure: bool = False
+    token_file: str | None = None
+    connect_timeout: float = 5.0
+    header_timeout: float = 30.0
+    request_timeout: float = 300.0
+    watch_idle_timeout: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class PolicySettings:
+    paths: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class RateLimitSettings:
+    redis_url: str | None = None
+    redis_timeout: float = 0.05
+    replicas: int = 1
+
+
+@dataclass(frozen=True, slots=True)
+class LogSettings:
+    level: str = "info"
+    access_log: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    listen: ListenSettings = field(default_factory=ListenSettings)
+    upstream: UpstreamSettings = field(default_factory=UpstreamSettings)
+    policies: PolicySettings = field(default_factory=PolicySettings)
+    ratelimit: RateLimitSettings = field(default_factory=RateLimitSettings)
+    log: LogSettings = field(default_factory=LogSettings)

