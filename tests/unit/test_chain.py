@@ -1,0 +1,131 @@
+"""The chain runs hooks in order, stops at the first deny, and contains middleware crashes."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import pytest
+
+from proxy.engine import telemetry
+from proxy.engine.chain import Chain, is_retryable
+from proxy.engine.context import Delay, Deny, RequestContext
+from proxy.engine.requestinfo import parse_request_info
+from proxy.engine.status import forbidden
+
+
+class _Policies:
+    allow_impersonation = False
+
+    def section(self, key: str) -> tuple[Any, ...]:
+        return ()
+
+
+def make_ctx(method: str = "GET", path: str = "/api/v1/namespaces/a/configmaps") -> RequestContext:
+    return RequestContext(info=parse_request_info(method, path, ""), method=method, path=path,
+                          query="", headers={}, policies=_Policies())  # type: ignore[arg-type]
+
+
+class Recorder:
+    def __init__(self, name: str, calls: list[str], decision: Any = None, *,
+                 crash: str = "", fail_open: bool = False) -> None:
+        self.name, self.calls, self.decision, self.crash = name, calls, decision, crash
+        self.needs_body = False
+        self.fail_open = fail_open
+
+    async def entry(self, ctx: RequestContext) -> Any:
+        self.calls.append(f"{self.name}.entry")
+        if self.crash == "entry":
+            raise RuntimeError("boom")
+        return self.decision
+
+    async def exit(self, ctx: RequestContext) -> None:
+        self.calls.append(f"{self.name}.exit")
+        if self.crash == "exit":
+            raise RuntimeError("boom")
+
+    async def retry(self, ctx: RequestContext) -> None:
+        self.calls.append(f"{self.name}.retry")
+
+
+class ExitOnly:
+    name = "exitonly"
+    needs_body = True
+
+    def __init__(self, calls: list[str]) -> None:
+        self.calls = calls
+
+    async def exit(self, ctx: RequestContext) -> None:
+        self.calls.append("exitonly.exit")
+
+
+def test_hooks_run_in_order_and_missing_hooks_are_skipped() -> None:
+    calls: list[str] = []
+    chain = Chain([Recorder("a", calls), ExitOnly(calls), Recorder("b", calls)])
+    ctx = make_ctx()
+    assert asyncio.run(chain.entry(ctx)) is None
+    ctx.status_code = 200
+    asyncio.run(chain.exit(ctx))
+    assert calls == ["a.entry", "b.entry", "a.exit", "exitonly.exit", "b.exit"]
+    assert chain.needs_body is True
+
+
+def test_first_deny_ends_the_chain() -> None:
+    calls: list[str] = []
+    denial = forbidden("no")
+    chain = Chain([Recorder("a", calls, Deny(denial, "denied")), Recorder("b", calls)])
+    ctx = make_ctx()
+    assert asyncio.run(chain.entry(ctx)) is denial
+    assert ctx.decision == "denied"
+    assert calls == ["a.entry"]
+
+
+def test_delay_waits_then_goes_on() -> None:
+    calls: list[str] = []
+    chain = Chain([Recorder("a", calls, Delay(0.05)), Recorder("b", calls)])
+    started = time.monotonic()
+    assert asyncio.run(chain.entry(make_ctx())) is None
+    assert time.monotonic() - started >= 0.05
+    assert calls == ["a.entry", "b.entry"]
+
+
+@pytest.mark.parametrize(("fail_open", "expect_code", "expect_calls"), [
+    (False, 500, ["crash.entry"]),
+    (True, None, ["crash.entry", "b.entry"]),
+])
+def test_crash_in_entry_is_contained(fail_open: bool, expect_code: int | None,
+                                     expect_calls: list[str]) -> None:
+    calls: list[str] = []
+    before = telemetry.REGISTRY.get_sample_value(
+        "opgate_middleware_errors_total", {"middleware": "crash", "hook": "entry"}) or 0
+    chain = Chain([Recorder("crash", calls, crash="entry", fail_open=fail_open),
+                   Recorder("b", calls)])
+    result = asyncio.run(chain.entry(make_ctx()))
+    assert (result.code if result else None) == expect_code
+    assert calls == expect_calls
+    after = telemetry.REGISTRY.get_sample_value(
+        "opgate_middleware_errors_total", {"middleware": "crash", "hook": "entry"})
+    assert after == before + 1
+
+
+def test_crash_in_exit_does_not_stop_later_hooks() -> None:
+    calls: list[str] = []
+    chain = Chain([Recorder("a", calls, crash="exit"), Recorder("b", calls)])
+    ctx = make_ctx()
+    ctx.status_code = 200
+    asyncio.run(chain.exit(ctx))
+    assert calls == ["a.exit", "b.exit"]
+
+
+@pytest.mark.parametrize(("code", "retry"), [
+    (200, False), (201, False), (404, False), (409, True), (422, False), (429, True),
+    (500, True), (503, True), (504, True),
+])
+def test_retry_hooks_see_retryable_outcomes(code: int, retry: bool) -> None:
+    calls: list[str] = []
+    chain = Chain([Recorder("a", calls)])
+    ctx = make_ctx()
+    ctx.status_code = code
+    asyncio.run(chain.exit(ctx))
+    assert ("a.retry" in calls) is retry is is_retryable(code)

@@ -1,0 +1,76 @@
+"""The command line: every serve flag has an OPGATE_* twin, and --help says so."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from proxy.cli import build_parser, settings_from
+
+SERVE_FLAGS = [
+    "--listen", "--tls-cert", "--tls-key", "--admin-listen", "--upstream", "--kubeconfig",
+    "--upstream-ca", "--upstream-insecure", "--token-file", "--policies", "--redis-url",
+    "--connect-timeout", "--header-timeout", "--request-timeout", "--watch-idle-timeout",
+    "--redis-timeout", "--replicas", "--log-level", "--no-access-log",
+]
+
+
+def test_defaults_are_secure() -> None:
+    s = settings_from(build_parser().parse_args(["serve"]))
+    assert s.listen.listen == "127.0.0.1:8001"
+    assert s.listen.admin_listen == "127.0.0.1:9091"
+    assert s.upstream.insecure is False
+    assert s.ratelimit.redis_url is None
+    assert s.log.access_log is True
+
+
+@pytest.mark.parametrize(("var", "value", "read"), [
+    ("OPGATE_LISTEN", "unix:/tmp/x.sock", lambda s: s.listen.listen),
+    ("OPGATE_ADMIN_LISTEN", "127.0.0.1:9999", lambda s: s.listen.admin_listen),
+    ("OPGATE_UPSTREAM", "https://127.0.0.1:6443", lambda s: s.upstream.url),
+    ("OPGATE_UPSTREAM_INSECURE", "true", lambda s: s.upstream.insecure),
+    ("OPGATE_REDIS_URL", "redis://127.0.0.1:6379/0", lambda s: s.ratelimit.redis_url),
+    ("OPGATE_HEADER_TIMEOUT", "2.5", lambda s: s.upstream.header_timeout),
+    ("OPGATE_REPLICAS", "3", lambda s: s.ratelimit.replicas),
+    ("OPGATE_POLICIES", "/etc/opgate", lambda s: s.policies.paths),
+    ("OPGATE_NO_ACCESS_LOG", "1", lambda s: not s.log.access_log),
+])
+def test_environment_variables(monkeypatch: pytest.MonkeyPatch, var: str, value: str,
+                               read: object) -> None:
+    monkeypatch.setenv(var, value)
+    s = settings_from(build_parser().parse_args(["serve"]))
+    got = read(s)  # type: ignore[operator]
+    expected: object = value
+    if var == "OPGATE_UPSTREAM_INSECURE" or var == "OPGATE_NO_ACCESS_LOG":
+        expected = True
+    elif var == "OPGATE_HEADER_TIMEOUT":
+        expected = 2.5
+    elif var == "OPGATE_REPLICAS":
+        expected = 3
+    elif var == "OPGATE_POLICIES":
+        expected = (value,)
+    assert got == expected
+
+
+def test_flag_wins_over_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OPGATE_LISTEN", "127.0.0.1:1")
+    s = settings_from(build_parser().parse_args(["serve", "--listen", "127.0.0.1:2"]))
+    assert s.listen.listen == "127.0.0.1:2"
+
+
+def test_help_lists_every_flag_with_its_variable() -> None:
+    out = subprocess.run([sys.executable, "-m", "proxy", "serve", "--help"],
+                         capture_output=True, text=True, check=True).stdout
+    flat = " ".join(out.split())
+    for flag in SERVE_FLAGS:
+        assert flag in out
+        assert "OPGATE_" + flag[2:].upper().replace("-", "_") in flat
+
+
+def test_top_level_help_names_the_commands() -> None:
+    out = subprocess.run([sys.executable, "-m", "proxy", "--help"],
+                         capture_output=True, text=True, check=True).stdout
+    for command in ("serve", "check", "demo"):
+        assert command in out

@@ -1,0 +1,71 @@
+"""Metrics keep bounded labels; the access log writes one JSON line and never a token."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+
+import pytest
+
+from proxy.engine import telemetry
+from proxy.engine.context import Identity
+from proxy.middlewares import metrics as metrics_mod
+from proxy.middlewares.accesslog import AccessLog
+from proxy.middlewares.metrics import Metrics
+from tests.unit.test_chain import make_ctx
+
+
+def _count(**labels: str) -> float:
+    return telemetry.REGISTRY.get_sample_value("opgate_requests_total", labels) or 0.0
+
+
+def test_request_counted_with_its_labels() -> None:
+    ctx = make_ctx("GET", "/apis/apps/v1/namespaces/a/deployments/web")
+    ctx.status_code, ctx.decision = 200, "allowed"
+    labels = dict(verb="get", group="apps", resource="deployments", code="200",
+                  decision="allowed")
+    before = _count(**labels)
+    asyncio.run(Metrics().exit(ctx))
+    assert _count(**labels) == before + 1
+
+
+def test_non_resource_paths_do_not_become_labels() -> None:
+    ctx = make_ctx("GET", "/some/random/path/abc123")
+    ctx.status_code = 404
+    before = _count(verb="get", group="", resource="", code="404", decision="allowed")
+    asyncio.run(Metrics().exit(ctx))
+    assert _count(verb="get", group="", resource="", code="404", decision="allowed") == before + 1
+
+
+def test_invented_resources_collapse_to_other(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(metrics_mod, "MAX_RESOURCES", 3)
+    m = Metrics()
+    for i in range(10):
+        ctx = make_ctx("GET", f"/apis/g{i}.example/v1/things{i}")
+        ctx.status_code = 404
+        asyncio.run(m.exit(ctx))
+    assert len(m._resources) == 3
+    assert _count(verb="list", group="other", resource="other", code="404",
+                  decision="allowed") >= 7
+
+
+def test_access_log_line(caplog: pytest.LogCaptureFixture) -> None:
+    ctx = make_ctx("DELETE", "/api/v1/namespaces/team-a/configmaps/cfg")
+    ctx.status_code, ctx.bytes_out = 200, 123
+    ctx.identity = Identity(user="system:serviceaccount:ops:op")
+    logger = logging.getLogger("opgate.access")
+    logger.setLevel(logging.INFO)
+    with caplog.at_level(logging.INFO, logger="opgate.access"):
+        asyncio.run(AccessLog().exit(ctx))
+    [record] = [r for r in caplog.records if r.name == "opgate.access"]
+    line = json.loads(record.getMessage())
+    assert line["verb"] == "delete"
+    assert line["resource"] == "configmaps"
+    assert line["namespace"] == "team-a"
+    assert line["name"] == "cfg"
+    assert line["code"] == 200
+    assert line["bytes_out"] == 123
+    assert line["user"] == "system:serviceaccount:ops:op"
+    assert line["time"].endswith("Z")
+    assert "token" not in record.getMessage().lower()

@@ -1,0 +1,46 @@
+"""Status bodies look exactly like the apiserver's, so kubectl and client-go decode them."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from proxy.engine import status
+
+
+@pytest.mark.parametrize(
+    ("error", "code", "reason"),
+    [
+        (status.bad_request("no"), 400, "BadRequest"),
+        (status.unauthorized(), 401, "Unauthorized"),
+        (status.forbidden("rule r in p.yaml denies"), 403, "Forbidden"),
+        (status.too_many_requests("slow down", retry_after=0.2), 429, "TooManyRequests"),
+        (status.internal_error("boom"), 500, "InternalError"),
+        (status.service_unavailable("apiserver unreachable"), 503, "ServiceUnavailable"),
+        (status.gateway_timeout("apiserver slow"), 504, "Timeout"),
+    ],
+)
+def test_status_body_shape(error: status.StatusError, code: int, reason: str) -> None:
+    body = json.loads(error.body())
+    assert body["kind"] == "Status"
+    assert body["apiVersion"] == "v1"
+    assert body["status"] == "Failure"
+    assert body["code"] == code == error.code
+    assert body["reason"] == reason
+    assert body["metadata"] == {}
+    assert ("Content-Type", "application/json") in error.response_headers()
+    assert code != 422
+
+
+@pytest.mark.parametrize(("after", "header"), [(0.01, "1"), (1.0, "1"), (1.2, "2"), (30, "30")])
+def test_retry_after_is_an_integer_of_at_least_one(after: float, header: str) -> None:
+    error = status.too_many_requests("x", retry_after=after)
+    assert dict(error.headers)["Retry-After"] == header
+    assert json.loads(error.body())["details"] == {"retryAfterSeconds": int(header)}
+
+
+def test_warning_header_quotes_like_rfc7234() -> None:
+    name, value = status.warning_header('rule "w" would deny')
+    assert name == "Warning"
+    assert value == '299 - "opgate: rule \\"w\\" would deny"'
