@@ -1,0 +1,157 @@
+"""Classify a Kubernetes API call (method + path + query) exactly as kube-apiserver does.
+
+Every policy in opgate is written in the apiserver's vocabulary (verb, group, resource,
+subresource, namespace, name), so opgate must derive those attributes with the apiserver's own
+rules, not a look-alike: a watch that opgate counted as a list, or a collection DELETE it saw as a
+plain delete, would slip past the very rule meant for it. This module ports
+``RequestInfoFactory.NewRequestInfo`` (k8s.io/apiserver ``pkg/endpoints/request/requestinfo.go``,
+prefixes ``api`` and ``apis``, ``api`` groupless) plus the bits of list-option decoding it depends
+on: the ``watch`` flag and the ``metadata.name`` field selector that names the object of a list
+or watch.
+
+It knows no transport: give it the decoded URL path (aiohttp's ``request.path``) and the raw query
+string (``request.raw_query_string``). The query is only looked at for a GET/HEAD on a collection,
+the one case where it changes the verb or the name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from proxy.engine.selectors import list_or_watch
+
+__all__ = [
+    "CONNECT_SUBRESOURCES",
+    "LONG_RUNNING_SUBRESOURCES",
+    "LONG_RUNNING_VERBS",
+    "RequestInfo",
+    "parse_request_info",
+]
+
+_API_PREFIXES = frozenset({"api", "apis"})
+_GROUPLESS_PREFIXES = frozenset({"api"})
+# Verbs that may stand in the path right after the version (the deprecated /watch/, /proxy/ forms).
+_PATH_VERBS = frozenset({"proxy", "watch"})
+# `/namespaces/{ns}/{x}`: these x are parts of the namespace object, anything else is a resource.
+_NAMESPACE_SUBRESOURCES = frozenset({"status", "finalize"})
+_METHOD_VERBS = {
+    "POST": "create",
+    "GET": "get",
+    "HEAD": "get",
+    "PUT": "update",
+    "PATCH": "patch",
+    "DELETE": "delete",
+}
+
+# kube-apiserver's LongRunningFunc: BasicLongRunningRequestCheck(verbs, subresources).
+LONG_RUNNING_VERBS = frozenset({"watch", "proxy"})
+LONG_RUNNING_SUBRESOURCES = frozenset({"attach", "exec", "proxy", "log", "portforward"})
+# pods/{exec,attach,portforward}: SPDY arrives as POST ("create"), WebSocket as GET ("get"); since
+# 1.35 (AuthorizePodWebsocketUpgradeCreatePermission) the apiserver demands "create" for both.
+CONNECT_SUBRESOURCES = frozenset({"exec", "attach", "portforward"})
+
+
+@dataclass(frozen=True, slots=True)
+class RequestInfo:
+    """What the apiserver's RequestInfo holds; ``parts`` starts at ``{resource}/{name}``."""
+
+    is_resource_request: bool
+    path: str
+    verb: str
+    api_prefix: str = ""
+    api_group: str = ""
+    api_version: str = ""
+    namespace: str = ""
+    resource: str = ""
+    subresource: str = ""
+    name: str = ""
+    parts: tuple[str, ...] = ()
+
+    @property
+    def is_long_running(self) -> bool:
+        """True where the apiserver lifts its request timeout and in-flight limit."""
+        if self.verb in LONG_RUNNING_VERBS:
+            return True
+        if self.is_resource_request:
+            return self.subresource in LONG_RUNNING_SUBRESOURCES
+        return self.path.startswith("/debug/pprof/")
+
+    @property
+    def policy_verb(self) -> str:
+        """The verb to authorize: ``verb``, except pod exec/attach/portforward are always create."""
+        if (
+            self.verb == "get"
+            and self.subresource in CONNECT_SUBRESOURCES
+            and self.resource == "pods"
+            and self.api_group == ""
+            and self.is_resource_request
+        ):
+            return "create"
+        return self.verb
+
+
+def parse_request_info(method: str, path: str, query: str = "") -> RequestInfo:
+    """Classify one request; ``query`` is the raw query string without its ``?``.
+
+    A path with a verb prefix but nothing after it (``/api/v1/watch``) is one the apiserver
+    answers with a 500; it comes back here as the partial info the apiserver had at that point
+    (a resource request with an empty resource), and the upstream gives the error.
+    """
+    trimmed = path.strip("/")
+    segments = trimmed.split("/") if trimmed else []
+    if len(segments) < 3 or segments[0] not in _API_PREFIXES:
+        return RequestInfo(is_resource_request=False, path=path, verb=method.lower())
+    prefix = segments[0]
+    if prefix in _GROUPLESS_PREFIXES:
+        group, version, rest = "", segments[1], segments[2:]
+    elif len(segments) < 4:
+        # Not a resource request, though the apiserver has recorded the prefix by then.
+        return RequestInfo(
+            is_resource_request=False, path=path, verb=method.lower(), api_prefix=prefix
+        )
+    else:
+        group, version, rest = segments[1], segments[2], segments[3:]
+
+    if rest[0] in _PATH_VERBS:
+        if len(rest) < 2:
+            return RequestInfo(
+                is_resource_request=True,
+                path=path,
+                verb=method.lower(),
+                api_prefix=prefix,
+                api_group=group,
+                api_version=version,
+            )
+        verb = rest[0]
+        rest = rest[1:]
+    else:
+        verb = _METHOD_VERBS.get(method, "")
+
+    namespace = ""
+    if rest[0] == "namespaces" and len(rest) > 1:
+        namespace = rest[1]
+        if len(rest) > 2 and rest[2] not in _NAMESPACE_SUBRESOURCES:
+            rest = rest[2:]
+
+    count = len(rest)
+    name = rest[1] if count >= 2 else ""
+    subresource = rest[2] if count >= 3 and verb != "proxy" else ""
+    if not name:
+        if verb == "get":
+            verb, name = list_or_watch(query)
+        elif verb == "delete":
+            verb = "deletecollection"
+
+    return RequestInfo(
+        is_resource_request=True,
+        path=path,
+        verb=verb,
+        api_prefix=prefix,
+        api_group=group,
+        api_version=version,
+        namespace=namespace,
+        resource=rest[0],
+        subresource=subresource,
+        name=name,
+        parts=tuple(rest),
+    )
