@@ -1,0 +1,328 @@
+"""Policy files → one immutable, validated :class:`PolicySet`, and the store that swaps it in.
+
+The engine validates the envelope of each YAML document (``apiVersion``, ``kind``,
+``metadata.name``, ``spec.mode``/``failure``/``allowImpersonation``); each section of ``spec``
+belongs to the middleware that enforces it and is validated by that middleware's
+:data:`~proxy.engine.schema.SectionParser`, passed in ``parsers`` (so a new middleware brings
+its schema with it). Every problem in every file is collected, then reported together.
+
+:class:`PolicyStore` holds the active set. A reload reads every file, validates, and replaces
+``store.current`` with one attribute assignment, only when everything is valid: the last good set
+stays active otherwise. A request takes ``ctx.policies = store.current`` once, at its start, and
+uses only that reference until it ends, so it finishes under the set it started with however
+many reloads happen meanwhile (sets are immutable and never change in place).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import re
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+from proxy.engine import telemetry
+from proxy.engine.schema import (
+    Fields,
+    Located,
+    PolicyError,
+    SectionParser,
+    parse_yaml_documents,
+    read_error,
+)
+
+log = logging.getLogger("opgate.policies")
+
+API_VERSION = "opgate.dev/v1alpha1"
+KIND = "Policy"
+KNOWN_SECTIONS = ("identity", "rateLimits", "quotas", "faults")
+MODES = ("enforce", "dryrun")
+FAILURES = ("closed", "open")
+_DNS1123_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+_SUFFIXES = (".yaml", ".yml")
+
+
+@dataclass(frozen=True, slots=True)
+class Policy:
+    """One validated policy document. ``sections`` maps a YAML key (``rateLimits``) to the spec
+    its middleware parsed; ``source`` is ``file:line`` of the document."""
+
+    name: str
+    mode: str = "enforce"
+    source: str = ""
+    failure: str = "closed"
+    sections: Mapping[str, object] = field(default_factory=lambda: MappingProxyType({}))
+    allow_impersonation: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.sections, MappingProxyType):
+            object.__setattr__(self, "sections", MappingProxyType(dict(self.sections)))
+
+    @property
+    def dryrun(self) -> bool:
+        return self.mode == "dryrun"
+
+
+@dataclass(frozen=True, slots=True)
+class PolicySet:
+    """Every active policy, in file order then document order. Immutable; replaced, never edited."""
+
+    policies: tuple[Policy, ...] = ()
+    files: tuple[str, ...] = ()
+    digest: str = ""
+    loaded_at: float = 0.0  # wall-clock time.time()
+    allow_impersonation: bool = field(init=False, default=False)  # any policy allows it
+    _sections: Mapping[str, tuple[tuple[Policy, object], ...]] = field(
+        init=False, repr=False, compare=False, default_factory=lambda: MappingProxyType({}))
+
+    def __post_init__(self) -> None:
+        by_key: dict[str, list[tuple[Policy, object]]] = {}
+        for policy in self.policies:
+            for key, spec in policy.sections.items():
+                by_key.setdefault(key, []).append((policy, spec))
+        sections = {key: tuple(pairs) for key, pairs in by_key.items()}
+        object.__setattr__(self, "_sections", MappingProxyType(sections))
+        object.__setattr__(self, "allow_impersonation",
+                           any(p.allow_impersonation for p in self.policies))
+
+    def section(self, key: str) -> tuple[tuple[Policy, object], ...]:
+        """``(policy, parsed spec)`` for every policy that has section ``key``, in order."""
+        return self._sections.get(key, ())
+
+
+EMPTY = PolicySet()
+
+
+class PolicyLoadError(Exception):
+    """The files do not make a valid set; ``errors`` lists every problem found."""
+
+    def __init__(self, errors: Sequence[PolicyError]) -> None:
+        self.errors = list(errors)
+        super().__init__("\n".join(str(e) for e in self.errors))
+
+
+def policy_files(paths: Sequence[str | Path], errors: list[PolicyError]) -> list[str]:
+    """The files to read, in order: a file as given; a directory's ``*.yaml``/``*.yml``, sorted,
+    not recursive, hidden entries skipped (``..data``, dotfiles). Symlinks are followed, which is
+    how a ConfigMap volume's ``name.yaml -> ..data/name.yaml`` links are read."""
+    found: list[str] = []
+    seen: set[str] = set()
+    for raw in paths:
+        path = str(raw)
+        if os.path.isdir(path):
+            names = sorted(n for n in os.listdir(path)
+                           if not n.startswith(".") and n.endswith(_SUFFIXES)
+                           and os.path.isfile(os.path.join(path, n)))  # a dangling link is not
+            if not names:
+                errors.append(PolicyError(path, 0, "no policy files (*.yaml, *.yml) here"))
+            candidates = [os.path.join(path, n) for n in names]
+        elif os.path.exists(path):
+            candidates = [path]
+        else:
+            errors.append(PolicyError(path, 0, "no such file or directory"))
+            candidates = []
+        for candidate in candidates:
+            real = os.path.realpath(candidate)
+            if real not in seen:
+                seen.add(real)
+                found.append(candidate)
+    return found
+
+
+def read_policy_files(
+    paths: Sequence[str | Path],
+) -> tuple[list[tuple[str, bytes]], list[PolicyError], str]:
+    """``([(file, bytes)], read errors, digest)``. The digest is a sha256 over each file's name
+    and bytes, in order (and any read error, so an unchanged failure has a stable digest)."""
+    errors: list[PolicyError] = []
+    files: list[tuple[str, bytes]] = []
+    for name in policy_files(paths, errors):
+        try:
+            with open(name, "rb") as fh:
+                files.append((name, fh.read()))
+        except OSError as exc:  # e.g. removed since it was listed
+            errors.append(PolicyError(name, 0, read_error(exc)))
+    sha = hashlib.sha256()
+    for name, data in files:
+        sha.update(f"{name}\0{len(data)}\0".encode())
+        sha.update(data)
+    for error in errors:
+        sha.update(f"error\0{error}\0".encode())
+    return files, errors, sha.hexdigest()
+
+
+def _parse_policy(doc: Located, *, parsers: Mapping[str, SectionParser],
+                  errors: list[PolicyError]) -> Policy | None:
+    """Validate one document's envelope and hand each section to its parser."""
+    before = len(errors)
+    top = Fields(doc, what="", errors=errors)
+    if not top.ok:
+        return None
+    api_version = top.str("apiVersion", required=True)
+    if api_version is not None and api_version != API_VERSION:
+        top.fail("apiVersion", f'must be "{API_VERSION}" (got "{api_version}")')
+    kind = top.str("kind", required=True)
+    if kind is not None and kind != KIND:
+        top.fail("kind", f'must be "{KIND}" (got "{kind}")')
+    name = ""
+    metadata_node = top.node("metadata", required=True)
+    if metadata_node is not None:
+        metadata = Fields(metadata_node, what="metadata", errors=errors)
+        name = metadata.str("name", required=True) or ""
+        if name and (len(name) > 253 or not _DNS1123_SUBDOMAIN.fullmatch(name)):
+            metadata.fail("name", f'"{name}" is not a valid name (lower-case letters, digits, '
+                           "'-' and '.', starting and ending with a letter or digit)")
+        metadata.finish()
+    spec_node = top.node("spec", required=True)
+    top.finish()
+    if spec_node is None:
+        return None
+    spec = Fields(spec_node, what="spec", errors=errors)
+    mode = spec.str("mode", default="enforce", choices=MODES) or "enforce"
+    failure = spec.str("failure", default="closed", choices=FAILURES) or "closed"
+    impersonation = spec.bool("allowImpersonation", default=False)
+    sections: dict[str, object] = {}
+    for key in (*KNOWN_SECTIONS, *(k for k in parsers if k not in KNOWN_SECTIONS)):
+        node = spec.node(key)
+        if node is None:  # absent or null: the policy has no such section
+            continue
+        parser = parsers.get(key)
+        if parser is None:
+            spec.fail(key, f'"{key}" is not supported by this opgate build yet '
+                       "(its middleware is not built in)")
+            continue
+        try:
+            sections[key] = parser(node, errors)
+        except Exception as exc:  # a parser bug must not take the reload task down
+            log.exception("section parser for %s crashed", key)
+            errors.append(node.error(f"spec.{key}: could not be validated ({exc!r})"))
+    spec.finish()
+    if len(errors) > before or not spec.ok:
+        return None
+    return Policy(name=name, mode=mode, source=doc.where(), failure=failure,
+                  sections=sections, allow_impersonation=impersonation)
+
+
+def build_policy_set(files: Sequence[tuple[str, bytes]], *, parsers: Mapping[str, SectionParser],
+                     digest: str = "", errors: list[PolicyError] | None = None) -> PolicySet:
+    """Parse and validate already-read files; raise :class:`PolicyLoadError` with every problem
+    (plus any in ``errors``, e.g. from reading) when there is one."""
+    errors = [] if errors is None else list(errors)
+    policies: list[Policy] = []
+    first_seen: dict[str, str] = {}
+    for file, data in files:
+        for doc in parse_yaml_documents(data, file=file, errors=errors):
+            if doc.value is None:
+                continue  # an empty document
+            policy = _parse_policy(doc, parsers=parsers, errors=errors)
+            if policy is None:
+                continue
+            line = doc.value["metadata"].key_lines.get("name", doc.line)
+            if policy.name in first_seen:
+                errors.append(doc.error(f'duplicate policy name "{policy.name}" '
+                                        f"(also at {first_seen[policy.name]})", line=line))
+                continue
+            first_seen[policy.name] = f"{file}:{line}"
+            policies.append(policy)
+    if errors:
+        order = {file: index for index, (file, _) in enumerate(files)}
+        errors.sort(key=lambda e: (order.get(e.file, -1), e.line))
+        raise PolicyLoadError(errors)
+    return PolicySet(policies=tuple(policies), files=tuple(file for file, _ in files),
+                     digest=digest, loaded_at=time.time())
+
+
+def load_policy_set(paths: Sequence[str | Path], *,
+                    parsers: Mapping[str, SectionParser]) -> PolicySet:
+    """Read, parse and validate every policy file; raise :class:`PolicyLoadError` listing every
+    problem in every file when any is invalid."""
+    files, errors, digest = read_policy_files(paths)
+    return build_policy_set(files, parsers=parsers, digest=digest, errors=errors)
+
+
+def _iso(ts: float | None) -> str | None:
+    return None if ts is None else datetime.fromtimestamp(ts, UTC).isoformat()
+
+
+class PolicyStore:
+    """The active :class:`PolicySet` and how it got there.
+
+    ``current`` starts as :data:`EMPTY` and is only ever replaced whole by :meth:`reload`; read
+    it once per request and keep that reference. ``last_error`` is the text of the most recent
+    failed load (kept after a later success, with ``last_error_at``); ``failing`` says whether
+    the files as they are now fail to validate.
+    """
+
+    def __init__(self, paths: Sequence[str | Path], *,
+                 parsers: Mapping[str, SectionParser]) -> None:
+        self.paths: tuple[str, ...] = tuple(str(p) for p in paths)
+        self.parsers = MappingProxyType(dict(parsers))
+        self.current: PolicySet = EMPTY
+        self.loaded = False
+        self.failing = False
+        self.last_error = ""
+        self.last_error_at: float | None = None
+        self.last_loaded_at: float | None = None
+        self.seen_digest = ""  # digest of the files at the last attempt, good or bad
+        self._lock = threading.Lock()
+
+    def changed(self) -> bool:
+        """Whether the files differ from what the last reload saw (a cheap read, no parsing)."""
+        return read_policy_files(self.paths)[2] != self.seen_digest
+
+    def reload(self) -> bool:
+        """Read and validate the files; swap them in when valid. Safe to call from any thread.
+
+        Returns whether the active set matches the files: ``True`` after a swap or when the
+        files are the ones already active, ``False`` when they fail to validate.
+        """
+        with self._lock:
+            files, errors, digest = read_policy_files(self.paths)
+            if digest == self.seen_digest:
+                telemetry.POLICY_RELOADS.labels(result="unchanged").inc()
+                return not self.failing
+            self.seen_digest = digest
+            try:
+                new = build_policy_set(files, parsers=self.parsers, digest=digest, errors=errors)
+            except PolicyLoadError as exc:
+                self.failing = True
+                self.last_error = str(exc)
+                self.last_error_at = time.time()
+                telemetry.POLICY_RELOADS.labels(result="error").inc()
+                log.error("policy reload failed, keeping the active set (%s): %d error(s)\n%s",
+                          self.current.digest[:12] or "none", len(exc.errors), exc)
+                return False
+            self.current = new  # the atomic swap: requests that already hold the old set keep it
+            self.loaded = True
+            self.failing = False
+            self.last_loaded_at = new.loaded_at
+            telemetry.POLICY_RELOADS.labels(result="success").inc()
+            log.info("loaded %d policies from %d files (sha256 %s)",
+                     len(new.policies), len(new.files), digest[:12])
+            return True
+
+    def describe(self) -> dict[str, Any]:
+        """What ``/debug/policies`` shows (JSON-ready)."""
+        current = self.current
+        return {
+            "loaded": self.loaded,
+            "failing": self.failing,
+            "paths": list(self.paths),
+            "digest": current.digest,
+            "files": list(current.files),
+            "loaded_at": _iso(self.last_loaded_at),
+            "policies": [
+                {"name": p.name, "mode": p.mode, "failure": p.failure, "source": p.source,
+                 "sections": list(p.sections), "allow_impersonation": p.allow_impersonation}
+                for p in current.policies
+            ],
+            "last_error": self.last_error or None,
+            "last_error_at": _iso(self.last_error_at),
+        }

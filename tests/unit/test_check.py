@@ -1,0 +1,61 @@
+"""``opgate check`` (proxy.engine.check): the file:line: message lines the CLI prints."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from proxy.engine.check import check
+from tests.unit.test_policies import GOOD, PARSERS, policy_doc
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "policies" / "examples"
+
+
+def test_valid_files_give_no_lines(tmp_path: Path) -> None:
+    (tmp_path / "a.yaml").write_text(GOOD + "---\n" + policy_doc("beta"))
+    (tmp_path / "b.yml").write_text(policy_doc("gamma", "  mode: dryrun\n  failure: open\n"))
+    assert check([tmp_path], parsers=PARSERS) == []
+    assert check([tmp_path / "a.yaml", str(tmp_path / "b.yml")], parsers=PARSERS) == []
+
+
+@pytest.mark.parametrize("parsers", [{}, PARSERS])
+def test_minimal_example_is_valid(parsers: dict[str, object]) -> None:
+    assert check([EXAMPLES / "minimal.yaml"], parsers=parsers) == []  # type: ignore[arg-type]
+
+
+def test_broken_files_give_one_line_per_error(tmp_path: Path) -> None:
+    (tmp_path / "a.yaml").write_text(
+        GOOD.replace("opgate.dev/v1alpha1", "opgate.dev/v2")
+            .replace("mode: dryrun", "mode: strict")
+            .replace("code: 409", "code: many")
+        + "      colour: red\n"
+        + "  quotas:\n    - max: 1\n"
+    )
+    (tmp_path / "b.yaml").write_text(policy_doc("alpha") + "---\n" + policy_doc("Beta"))
+    (tmp_path / "c.yaml").write_text(policy_doc("gamma") + "  faults: [\n")
+    assert check([tmp_path], parsers=PARSERS) == [
+        f'{tmp_path}/a.yaml:1: apiVersion: must be "opgate.dev/v1alpha1" (got "opgate.dev/v2")',
+        f'{tmp_path}/a.yaml:5: spec.mode: must be one of enforce, dryrun (got "strict")',
+        f"{tmp_path}/a.yaml:8: spec.faults[0].code: expected an integer, got a string",
+        f'{tmp_path}/a.yaml:10: unknown field "colour" in spec.faults[0]',
+        f'{tmp_path}/a.yaml:11: spec.quotas: "quotas" is not supported by this opgate build yet '
+        "(its middleware is not built in)",
+        f'{tmp_path}/b.yaml:11: metadata.name: "Beta" is not a valid name (lower-case letters, '
+        "digits, '-' and '.', starting and ending with a letter or digit)",
+        f"{tmp_path}/c.yaml:8: invalid YAML: did not find expected node content",
+    ]
+
+
+def test_duplicate_names_across_files(tmp_path: Path) -> None:
+    (tmp_path / "a.yaml").write_text(policy_doc("same"))
+    (tmp_path / "b.yaml").write_text(policy_doc("other") + "---\n" + policy_doc("same"))
+    assert check([tmp_path], parsers=PARSERS) == [
+        f'{tmp_path}/b.yaml:11: duplicate policy name "same" (also at {tmp_path}/a.yaml:4)']
+
+
+def test_missing_paths(tmp_path: Path) -> None:
+    assert check([tmp_path / "nope.yaml"], parsers=PARSERS) == [
+        f"{tmp_path}/nope.yaml: no such file or directory"]
+    assert check([tmp_path], parsers=PARSERS) == [
+        f"{tmp_path}: no policy files (*.yaml, *.yml) here"]
