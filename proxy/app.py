@@ -26,6 +26,7 @@ from proxy.middlewares.metrics import Metrics
 from proxy.relay import Relay, RelaySettings, resolve_upstream, serve_api
 from proxy.relay.upstream import UpstreamConfigError
 from proxy.settings import Settings
+from proxy.stores import build_store
 
 log = logging.getLogger("opgate")
 
@@ -88,7 +89,7 @@ async def _serve(settings: Settings) -> int:
         return 1
 
     rl = settings.ratelimit
-    buckets = ratelimit.build_store(redis_url=rl.redis_url, timeout=rl.redis_timeout,
+    buckets = build_store(redis_url=rl.redis_url, timeout=rl.redis_timeout,
                                     replicas=rl.replicas)
     chain = Chain([ratelimit.RateLimit(store=buckets), Metrics(), AccessLog()])
     relay = Relay(upstream=upstream, chain=chain, policies=store, settings=RelaySettings(

@@ -153,7 +153,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from proxy.demo import run_demo
 
         return run_demo(policies=args.policies, widgets=args.widgets, duration=args.duration)
-    if args.tls_cert and not args.tls_key or args.tls_key and not args.tls_cert:
+    if bool(args.tls_cert) != bool(args.tls_key):
         print("opgate: --tls-cert and --tls-key go together", file=sys.stderr)
         return 2
     from proxy.app import serve

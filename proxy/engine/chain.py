@@ -50,7 +50,7 @@ def is_retryable(code: int) -> bool:
 class Chain:
     """An ordered, immutable list of middlewares, with their hooks resolved once."""
 
-    __slots__ = ("middlewares", "needs_body", "_entry", "_exit", "_retry")
+    __slots__ = ("_entry", "_exit", "_retry", "middlewares", "needs_body")
 
     def __init__(self, middlewares: Sequence[object] = ()) -> None:
         self.middlewares = tuple(middlewares)

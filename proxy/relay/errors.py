@@ -1,0 +1,144 @@
+"""What the relay answers when it cannot relay, and how it counts and logs upstream failures.
+
+(Also the bounded body read for middlewares, whose failure modes are answers too: 413, 400.)
+
+An unreachable, refusing or TLS-failing upstream is a ``503 ServiceUnavailable``; a connect,
+header or request timeout is a ``504 Timeout`` (both Kubernetes ``Status`` bodies, so client-go
+shows and retries them). Failures are counted in ``opgate_upstream_errors_total{kind}`` with a
+bounded ``kind`` and logged at most once per kind every few seconds, so an apiserver outage does
+not flood the log.
+"""
+
+from __future__ import annotations
+
+import logging
+import ssl
+import time
+
+import aiohttp
+from aiohttp import web
+
+from proxy.engine import telemetry
+from proxy.engine.context import RequestContext
+from proxy.engine.status import StatusError, bad_request, gateway_timeout, service_unavailable
+
+__all__ = [
+    "Answer",
+    "describe",
+    "read_body",
+    "send_continue",
+    "stream_broke",
+    "too_large",
+    "upstream_failed",
+]
+
+log = logging.getLogger("opgate.relay")
+
+LOG_EVERY = 5.0  # seconds between two log lines of the same failure kind
+_last_logged: dict[str, float] = {}
+_suppressed: dict[str, int] = {}
+
+
+class Answer(Exception):
+    """Stop relaying and answer ``status`` (optionally closing the connection afterwards)."""
+
+    def __init__(self, status: StatusError, *, close: bool = False) -> None:
+        super().__init__(status.message)
+        self.status = status
+        self.close = close
+
+
+def too_large(limit: int) -> StatusError:
+    return StatusError(413, f"Request entity too large: limit is {limit}", "RequestEntityTooLarge")
+
+
+async def send_continue(request: web.BaseRequest) -> None:
+    """Answer ``Expect: 100-continue`` before reading a body (opgate does not forward Expect)."""
+    expect = request.headers.get("Expect")
+    if expect is not None and expect.lower() == "100-continue" and request.version >= (1, 1):
+        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+
+
+async def read_body(request: web.BaseRequest, *, limit: int) -> bytes:
+    """The whole request body for the middlewares, at most ``limit`` bytes (else a 413)."""
+    declared = request.content_length
+    if declared is not None and declared > limit:
+        raise Answer(too_large(limit), close=True)
+    await send_continue(request)
+    buf = bytearray()
+    content = request.content
+    try:
+        while chunk := await content.readany():
+            buf += chunk
+            if len(buf) > limit:
+                raise Answer(too_large(limit), close=True)
+    except web.RequestPayloadError as e:
+        raise Answer(bad_request(f"cannot read the request body: {e}"), close=True) from e
+    return bytes(buf)
+
+
+def describe(exc: BaseException) -> str:
+    """A short, token-free description of a connection failure."""
+    if isinstance(exc, aiohttp.ClientConnectorCertificateError):
+        return f"TLS certificate verification failed: {exc.certificate_error}"
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        return f"cannot connect: {exc.os_error.strerror or exc.os_error}"
+    if isinstance(exc, aiohttp.ConnectionTimeoutError):
+        return "connect timed out"
+    if isinstance(exc, TimeoutError):
+        return "timed out"
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def _kind(exc: BaseException) -> str:
+    if isinstance(exc, (aiohttp.ClientSSLError, ssl.SSLError)):
+        return "tls"
+    if isinstance(exc, aiohttp.ConnectionTimeoutError):
+        return "connect_timeout"
+    if isinstance(exc, TimeoutError):
+        return "timeout"
+    if isinstance(exc, (aiohttp.ClientConnectorError, ConnectionRefusedError)):
+        return "connect"
+    if isinstance(exc, (aiohttp.ServerDisconnectedError, ConnectionError)):
+        return "disconnect"
+    return "other"
+
+
+def upstream_failed(exc: BaseException, ctx: RequestContext, where: str) -> Answer:
+    """Count and log a failure before the upstream's headers; the Status to answer with."""
+    kind = _kind(exc)
+    telemetry.UPSTREAM_ERRORS.labels(kind).inc()
+    text = describe(exc)
+    ctx.error = f"upstream {kind}: {text}"
+    _log(kind, "upstream %s failed before its response (%s %s): %s", where, ctx.method, ctx.path,
+         text)
+    if kind in ("timeout", "connect_timeout"):
+        what = "connect" if kind == "connect_timeout" else "response"
+        return Answer(gateway_timeout(f"opgate: the apiserver did not {what} in time ({text})"))
+    return Answer(service_unavailable(f"opgate: the apiserver is unavailable ({text})"))
+
+
+def stream_broke(exc: BaseException, ctx: RequestContext, *, idle: bool) -> None:
+    """Count and log an upstream body that ended in an error after the headers went out."""
+    kind = "idle" if idle else "stream"
+    telemetry.UPSTREAM_ERRORS.labels(kind).inc()
+    text = describe(exc)
+    ctx.error = f"upstream {kind}: {text}"
+    if idle:
+        log.debug("watch idle timeout, ending it (%s)", ctx.trace_id)
+    else:
+        _log(kind, "upstream response broke mid-stream (%s %s): %s", ctx.method, ctx.path, text)
+
+
+def _log(kind: str, message: str, *args: object) -> None:
+    now = time.monotonic()
+    if now - _last_logged.get(kind, -LOG_EVERY) < LOG_EVERY:
+        _suppressed[kind] = _suppressed.get(kind, 0) + 1
+        return
+    _last_logged[kind] = now
+    more = _suppressed.pop(kind, 0)
+    if more:
+        message += " (and %d more like it)"
+        args = (*args, more)
+    log.warning(message, *args)

@@ -1,0 +1,296 @@
+"""The request flow: classify, run the entry hooks, relay (streaming), run the exit hooks.
+
+``Relay.handle`` is the aiohttp handler of the API listener (DESIGN.md steps 1-7). The hot path
+does no parsing beyond ``parse_request_info``, no regex, no JSON and no logging; bodies are never
+read whole unless a middleware declared ``needs_body`` (then bounded by ``max_body_bytes``).
+
+Cancellation: the listener runs with ``handler_cancellation=True``, so a client that goes away
+cancels this handler wherever it is. The ``finally`` blocks close the upstream response (never
+return a half-read connection to the pool), ``CancelledError`` propagates, and the exit hooks
+still run, in a task of their own, bounded, so metrics count the call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import aiohttp
+from aiohttp import web
+from multidict import CIMultiDict
+from yarl import URL
+
+from proxy.engine import telemetry
+from proxy.engine.chain import Chain
+from proxy.engine.context import RequestContext
+from proxy.engine.requestinfo import parse_request_info
+from proxy.engine.status import StatusError, internal_error
+from proxy.relay import errors, tunnel
+from proxy.relay.errors import read_body
+from proxy.relay.headers import for_upstream, is_upgrade_request, response_headers
+from proxy.relay.response import BufferedRelayResponse, RelayResponse, pump, send_status
+from proxy.relay.session import Endpoint, TokenSource, make_session, make_ssl_context, probe
+from proxy.relay.upstream import UpstreamConfig
+
+__all__ = ["PolicyStoreLike", "Relay", "RelaySettings"]
+
+log = logging.getLogger("opgate.relay")
+
+EXIT_HOOK_TIMEOUT = 10.0  # bound for exit hooks that run after the client went away
+CLIENT_GONE = 499  # status recorded for a call whose client left before any response
+
+
+class PolicyStoreLike(Protocol):
+    @property
+    def current(self) -> object: ...
+
+
+@dataclass(frozen=True, slots=True)
+class RelaySettings:
+    """Timeouts in seconds (0 = off) and the bound on bodies read for middlewares."""
+
+    connect_timeout: float = 5.0
+    header_timeout: float = 30.0
+    request_timeout: float = 300.0
+    watch_idle_timeout: float = 0.0
+    max_body_bytes: int = 3 * 1024 * 1024
+
+
+_trace_prefix = os.urandom(4).hex() + "-"
+_trace_counter = itertools.count(1)
+
+
+class Relay:
+    """Relays API calls to one upstream through one middleware chain."""
+
+    def __init__(
+        self,
+        *,
+        upstream: UpstreamConfig,
+        chain: Chain,
+        policies: PolicyStoreLike,
+        settings: RelaySettings = RelaySettings(),
+    ) -> None:
+        self.upstream = upstream
+        self.settings = settings
+        self._chain = chain
+        self._policies = policies
+        self._endpoint = Endpoint.from_config(upstream, make_ssl_context(upstream))
+        self._token = TokenSource(token=upstream.token, token_file=upstream.token_file)
+        self._session: aiohttp.ClientSession | None = None
+        self._has_after_hooks = any(
+            getattr(m, "exit", None) or getattr(m, "retry", None) for m in chain.middlewares
+        )
+        self._timeout = aiohttp.ClientTimeout(
+            total=settings.request_timeout or None, sock_connect=settings.connect_timeout or None
+        )
+        self._long_timeout = aiohttp.ClientTimeout(
+            total=None,
+            sock_connect=settings.connect_timeout or None,
+            sock_read=settings.watch_idle_timeout or None,
+        )
+        self._header_timeout = settings.header_timeout or None
+        self._background: set[asyncio.Task[None]] = set()
+        self._upstream_hist: dict[str, Any] = {}
+
+    async def start(self) -> None:
+        if self._session is None:
+            self._session = make_session(
+                self._endpoint, connect_timeout=self.settings.connect_timeout
+            )
+
+    async def close(self) -> None:
+        if self._background:
+            await asyncio.wait(self._background, timeout=EXIT_HOOK_TIMEOUT)
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    # --- the handler -------------------------------------------------------------------
+
+    async def handle(self, request: web.BaseRequest) -> web.StreamResponse:
+        raw = request.raw_path
+        cut = raw.find("?")
+        query = raw[cut + 1 :] if cut >= 0 else ""
+        method = request.method
+        path = request.path
+        ctx = RequestContext(
+            info=parse_request_info(method, path, query),
+            method=method,
+            path=path,
+            query=query,
+            headers=request.headers,
+            policies=self._policies.current,  # type: ignore[arg-type]
+            trace_id=f"{_trace_prefix}{next(_trace_counter):x}",
+        )
+        watch = ctx.info.verb == "watch"
+        telemetry.INFLIGHT.inc()
+        if watch:
+            telemetry.WATCHES_OPEN.inc()
+        try:
+            resp = await self._serve(request, ctx)
+        except BaseException:  # cancelled: the client has gone
+            ctx.status_code = ctx.status_code or CLIENT_GONE
+            ctx.error = ctx.error or "client went away"
+            ctx.finished = time.monotonic()
+            if self._has_after_hooks:
+                self._exit_later(ctx)
+            raise
+        finally:
+            telemetry.INFLIGHT.dec()
+            if watch:
+                telemetry.WATCHES_OPEN.dec()
+        ctx.finished = time.monotonic()
+        if self._has_after_hooks:
+            # shielded: a client that leaves now must not cut the hooks short
+            await asyncio.shield(self._chain.exit(ctx))
+        return resp
+
+    async def _serve(self, request: web.BaseRequest, ctx: RequestContext) -> web.StreamResponse:
+        """Run the call; contain everything but cancellation (the client gone) here."""
+        try:
+            try:
+                return await self._dispatch(request, ctx)
+            except Exception as e:
+                if isinstance(e, ConnectionError) or ctx.status_code:
+                    raise
+                log.exception("relay failed (%s %s, trace %s)", ctx.method, ctx.path, ctx.trace_id)
+                ctx.error = f"internal error: {type(e).__name__}"
+                status = internal_error("opgate: internal error; see the opgate log")
+                return await self._answer(request, ctx, status)
+        except ConnectionError:  # the client has gone
+            ctx.error = ctx.error or "client went away"
+        except Exception as e:  # broke after the headers went out: cut the response short
+            log.exception("relay failed (%s %s, trace %s)", ctx.method, ctx.path, ctx.trace_id)
+            ctx.error = f"internal error: {type(e).__name__}"
+        ctx.status_code = ctx.status_code or CLIENT_GONE
+        transport = request.transport
+        if transport is not None:
+            transport.close()
+        gone = web.StreamResponse()
+        gone.force_close()
+        return gone  # aiohttp's prepare() of it fails quietly on the closed transport
+
+    async def _dispatch(
+        self, request: web.BaseRequest, ctx: RequestContext
+    ) -> web.StreamResponse:
+        # an upgrade request that is not tunnelled leaves aiohttp's parser mid-upgrade: close
+        upgrade = "Upgrade" in request.headers and is_upgrade_request(request.headers)
+        try:
+            if request.body_exists and self._chain.needs_body:
+                ctx.body = await read_body(request, limit=self.settings.max_body_bytes)
+            denied = await self._chain.entry(ctx)
+            if denied is not None:
+                return await self._answer(request, ctx, denied, close=upgrade)
+            if upgrade:
+                return await tunnel.relay_upgrade(self, request, ctx)
+            return await self._relay(request, ctx)
+        except errors.Answer as answer:
+            close = answer.close or upgrade
+            return await self._answer(request, ctx, answer.status, close=close)
+
+    async def _answer(
+        self,
+        request: web.BaseRequest,
+        ctx: RequestContext,
+        status: StatusError,
+        *,
+        close: bool = False,
+    ) -> web.StreamResponse:
+        ctx.status_code = status.code
+        resp, size = await send_status(request, status, extra=ctx.response_headers, close=close)
+        ctx.bytes_out = size
+        return resp
+
+    def upstream_headers(
+        self, request: web.BaseRequest, ctx: RequestContext, *, upgrade: bool
+    ) -> CIMultiDict[str]:
+        """Request headers for the upstream, with opgate's token when the client sent none."""
+        auth = None if "Authorization" in request.headers else self._token.authorization()
+        return for_upstream(request.headers, ctx, authorization=auth, upgrade=upgrade)
+
+    async def _relay(self, request: web.BaseRequest, ctx: RequestContext) -> web.StreamResponse:
+        session = self._session
+        if session is None:
+            raise RuntimeError("Relay.start() was not awaited")
+        headers = self.upstream_headers(request, ctx, upgrade=False)
+        data: object = None
+        if ctx.body is not None:
+            data = ctx.body
+            headers.popall("Content-Length", None)
+        elif request.body_exists:
+            await errors.send_continue(request)
+            data = request.content
+        long_running = ctx.info.is_long_running
+        started = time.monotonic()
+        try:
+            async with asyncio.timeout(self._header_timeout):
+                upstream = await session.request(
+                    ctx.method,
+                    URL(self._endpoint.base + request.raw_path, encoded=True),
+                    headers=headers,
+                    data=data,
+                    allow_redirects=False,
+                    timeout=self._long_timeout if long_running else self._timeout,
+                    server_hostname=self._endpoint.server_name,
+                )
+        except (aiohttp.ClientError, TimeoutError, OSError) as e:
+            raise errors.upstream_failed(e, ctx, self._endpoint.base) from e
+        ctx.upstream_seconds = time.monotonic() - started
+        self.observe_upstream(ctx.info.verb, ctx.upstream_seconds)
+        try:  # from here on the upstream response must be closed or released
+            response_class = RelayResponse if long_running else BufferedRelayResponse
+            resp = response_class(
+                status=upstream.status,
+                reason=upstream.reason,
+                headers=response_headers(upstream.headers, extra=ctx.response_headers),
+            )
+            await resp.prepare(request)
+            ctx.status_code = upstream.status
+            complete = await pump(request, ctx, upstream, resp)
+        except BaseException:
+            upstream.close()
+            raise
+        finally:
+            ctx.bytes_in = len(ctx.body) if ctx.body is not None else request.content.total_bytes
+        if complete:
+            upstream.release()
+            await resp.write_eof()
+        else:
+            upstream.close()
+        return resp
+
+    def observe_upstream(self, verb: str, seconds: float) -> None:
+        """Record the time until the upstream's response headers (one histogram child per verb)."""
+        child = self._upstream_hist.get(verb)
+        if child is None:
+            child = self._upstream_hist[verb] = telemetry.UPSTREAM_DURATION.labels(verb)
+        child.observe(seconds)
+
+    def _exit_later(self, ctx: RequestContext) -> None:
+        task = asyncio.get_running_loop().create_task(self._bounded_exit(ctx))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _bounded_exit(self, ctx: RequestContext) -> None:
+        try:
+            await asyncio.wait_for(self._chain.exit(ctx), EXIT_HOOK_TIMEOUT)
+        except Exception:
+            log.exception("exit hooks failed for a cancelled call (trace %s)", ctx.trace_id)
+
+    # --- used by the tunnel and the admin listener -------------------------------------
+
+    @property
+    def endpoint(self) -> Endpoint:
+        return self._endpoint
+
+    async def upstream_ready(self) -> tuple[bool, str]:
+        """Whether the apiserver answers: ``GET /readyz``, then ``/version``; short timeout."""
+        if self._session is None:
+            return False, "relay not started"
+        return await probe(self._session, self._endpoint, self._token.authorization())

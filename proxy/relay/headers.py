@@ -1,0 +1,162 @@
+"""Header hygiene between the client and the apiserver, in both directions.
+
+A proxy must not forward hop-by-hop headers (RFC 9110 §7.6.1: ``Connection`` and every header it
+names, ``Keep-Alive``, ``TE``, ``Trailer``, ``Transfer-Encoding``, ``Upgrade``, ``Proxy-*``); every
+other header is end-to-end and passes untouched, repeated names included (``Warning``,
+``Audit-Id``, ``X-Kubernetes-PF-*``, ``Content-Encoding`` ...). On the way up opgate also removes
+its own ``Opgate-*`` headers, the client's ``Impersonate-*`` headers unless a policy allows
+impersonation, and whatever the middlewares asked to drop.
+
+These functions run on every call: the sets are built once, and each header costs one
+``lower()`` and a few set lookups.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Collection, Iterable, Mapping
+
+from multidict import CIMultiDict
+
+from proxy.engine.context import RequestContext
+
+__all__ = [
+    "HOP_BY_HOP",
+    "connection_tokens",
+    "for_upstream",
+    "is_upgrade_request",
+    "request_headers",
+    "response_headers",
+]
+
+HOP_BY_HOP = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-connection",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+    }
+)
+# Never forwarded upstream: hop-by-hop, plus what the relay sets itself (Host from the upstream
+# URL) and what it answers itself (Expect: opgate sends the 100 Continue).
+_REQUEST_DROP = HOP_BY_HOP | {"host", "expect"}
+_REQUEST_DROP_UPGRADE = _REQUEST_DROP - {"upgrade", "connection"}
+_RESPONSE_DROP = HOP_BY_HOP
+_RESPONSE_DROP_UPGRADE = HOP_BY_HOP - {"upgrade", "connection"}
+_DROP_PREFIXES = ("proxy-", "opgate-")
+_IMPERSONATE = "impersonate-"
+_NOTHING: frozenset[str] = frozenset()
+
+log = logging.getLogger("opgate.relay")
+
+
+def connection_tokens(headers: Mapping[str, str]) -> frozenset[str]:
+    """The lower-case header names listed in ``Connection`` (all of its occurrences)."""
+    if "Connection" not in headers:
+        return _NOTHING
+    getall = getattr(headers, "getall", None)
+    values: Iterable[str] = getall("Connection") if getall else (headers["Connection"],)
+    return frozenset(
+        token.strip().lower() for value in values for token in value.split(",") if token.strip()
+    )
+
+
+def is_upgrade_request(headers: Mapping[str, str]) -> bool:
+    """``Upgrade: <proto>`` together with ``Connection: upgrade`` (SPDY/3.1, websocket ...)."""
+    return "Upgrade" in headers and "upgrade" in connection_tokens(headers)
+
+
+def request_headers(
+    headers: Mapping[str, str],
+    *,
+    drop: Collection[str] = (),
+    allow_impersonation: bool = False,
+    upgrade: bool = False,
+) -> tuple[CIMultiDict[str], bool]:
+    """The headers to send upstream, and whether the client sent any ``Impersonate-*`` header.
+
+    ``drop`` holds lower-case names a middleware removed. With ``upgrade`` the ``Upgrade`` header
+    is kept and ``Connection`` becomes exactly ``Upgrade``.
+    """
+    named = connection_tokens(headers)
+    always = _REQUEST_DROP_UPGRADE if upgrade else _REQUEST_DROP
+    out: CIMultiDict[str] = CIMultiDict()
+    impersonating = False
+    for name, value in headers.items():
+        low = name.lower()
+        if low in always or low.startswith(_DROP_PREFIXES):
+            continue
+        if low.startswith(_IMPERSONATE):
+            impersonating = True
+            if not allow_impersonation:
+                continue
+        if (named and low in named and low != "upgrade") or (drop and low in drop):
+            continue
+        if upgrade and low == "connection":
+            continue
+        out.add(name, value)
+    if upgrade:
+        out["Connection"] = "Upgrade"
+    return out, impersonating
+
+
+def for_upstream(
+    headers: Mapping[str, str],
+    ctx: RequestContext,
+    *,
+    authorization: str | None,
+    upgrade: bool = False,
+) -> CIMultiDict[str]:
+    """:func:`request_headers` as the call's context asks, plus opgate's ``Authorization``.
+
+    Impersonation passes when the policy set or a middleware allows it; either way the header
+    names (never their values) are logged, as impersonation is rare and worth an audit line.
+    """
+    allowed = ctx.allow_impersonation or bool(getattr(ctx.policies, "allow_impersonation", False))
+    out, impersonating = request_headers(
+        headers, drop=ctx.drop_request_headers, allow_impersonation=allowed, upgrade=upgrade
+    )
+    if impersonating:
+        names = sorted({n for n in headers if n.lower().startswith(_IMPERSONATE)})
+        log.info(
+            "%s client headers %s (trace %s)",
+            "forwarding impersonation" if allowed else "stripped impersonation",
+            ",".join(names),
+            ctx.trace_id,
+        )
+    if authorization is not None:
+        out["Authorization"] = authorization
+    return out
+
+
+def response_headers(
+    headers: Mapping[str, str],
+    *,
+    extra: Iterable[tuple[str, str]] = (),
+    upgrade: bool = False,
+) -> CIMultiDict[str]:
+    """The upstream's end-to-end headers plus ``extra`` (the middlewares' response headers).
+
+    ``Content-Length`` is kept, so a body the upstream framed by length reaches the client with
+    the same length; without it the client's response is chunked.
+    """
+    named = connection_tokens(headers)
+    always = _RESPONSE_DROP_UPGRADE if upgrade else _RESPONSE_DROP
+    out: CIMultiDict[str] = CIMultiDict()
+    for name, value in headers.items():
+        low = name.lower()
+        if low in always or low.startswith("proxy-"):
+            continue
+        if named and low in named and low != "upgrade":
+            continue
+        if upgrade and low == "connection":
+            continue
+        out.add(name, value)
+    if upgrade:
+        out["Connection"] = "Upgrade"
+    for name, value in extra:
+        out.add(name, value)
+    return out

@@ -1,0 +1,163 @@
+"""The API listener: TCP (v4/v6), a Unix socket, or TLS with a certificate reloaded in place.
+
+It uses aiohttp's low-level ``web.Server`` (no router, no access log: the audit and metrics
+middlewares see every call) with ``handler_cancellation=True``, so a client that disconnects
+cancels its handler at once and the relay closes the upstream stream. With TLS, the certificate
+and key files are polled every few seconds and loaded into the same ``SSLContext`` when they
+change (cert-manager renewals, Secret updates); new handshakes get the new pair, open
+connections keep theirs, and a bad pair keeps the old one and is logged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import ssl
+
+from aiohttp import web
+
+from proxy.relay.handler import Relay
+from proxy.relay.session import MAX_HEADER_LINE
+
+__all__ = ["Listener", "parse_listen", "serve_api"]
+
+log = logging.getLogger("opgate.listen")
+
+TLS_RELOAD_INTERVAL = 5.0
+
+
+def parse_listen(listen: str) -> tuple[str, int] | str:
+    """``HOST:PORT`` / ``[V6]:PORT`` → (host, port); ``unix:/path`` → the path."""
+    if listen.startswith("unix:"):
+        path = listen[5:]
+        if not path:
+            raise ValueError(f"listen address {listen!r}: unix: needs a path")
+        return path
+    host, sep, port = listen.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise ValueError(
+            f"listen address {listen!r}: expected HOST:PORT, [IPV6]:PORT or unix:/path"
+        )
+    return host, int(port)
+
+
+class Listener:
+    """A running API listener; ``address`` is the real one (port 0 resolved)."""
+
+    def __init__(
+        self,
+        runner: web.ServerRunner,
+        address: str,
+        *,
+        unix_path: str | None,
+        reloader: _CertReloader | None,
+    ) -> None:
+        self.address = address
+        self._runner = runner
+        self._unix_path = unix_path
+        self._reloader = reloader
+
+    async def close(self) -> None:
+        if self._reloader is not None:
+            await self._reloader.stop()
+        await self._runner.cleanup()
+        if self._unix_path is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(self._unix_path)
+
+
+class _CertReloader:
+    """Polls the cert/key files and reloads them into the live server context."""
+
+    def __init__(self, ctx: ssl.SSLContext, cert: str, key: str) -> None:
+        self._ctx, self._cert, self._key = ctx, cert, key
+        self._stamp = self._read_stamp()
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    def _read_stamp(self) -> tuple[tuple[int, int, int], ...] | None:
+        try:
+            return tuple(
+                (st.st_mtime_ns, st.st_size, st.st_ino)
+                for st in (os.stat(self._cert), os.stat(self._key))
+            )
+        except OSError:
+            return None
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(TLS_RELOAD_INTERVAL)
+            stamp = self._read_stamp()
+            if stamp is None or stamp == self._stamp:
+                continue
+            try:
+                self._ctx.load_cert_chain(self._cert, self._key)
+            except (OSError, ssl.SSLError) as e:  # e.g. cert written, key not yet: retry later
+                log.warning("TLS certificate reload failed, keeping the old one: %s", e)
+                continue
+            self._stamp = stamp
+            log.info("TLS certificate reloaded from %s", self._cert)
+
+    async def stop(self) -> None:
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+
+
+def server_tls_context(cert: str, key: str) -> ssl.SSLContext:
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ctx.load_cert_chain(cert, key)
+    ctx.set_alpn_protocols(["http/1.1"])  # aiohttp speaks HTTP/1.1 only
+    return ctx
+
+
+async def serve_api(
+    relay: Relay,
+    *,
+    listen: str = "127.0.0.1:8001",
+    tls_cert: str | None = None,
+    tls_key: str | None = None,
+    reuse_port: bool = False,
+    shutdown_timeout: float = 10.0,
+) -> Listener:
+    """Start serving ``relay.handle``; the relay must be started (``await relay.start()``)."""
+    where = parse_listen(listen)
+    if bool(tls_cert) != bool(tls_key):
+        raise ValueError("TLS needs both a certificate and a key file")
+    ctx = server_tls_context(tls_cert, tls_key) if tls_cert and tls_key else None
+    server = web.Server(
+        relay.handle,
+        handler_cancellation=True,
+        access_log=None,
+        max_line_size=MAX_HEADER_LINE,
+        max_field_size=MAX_HEADER_LINE,
+        max_headers=512,
+    )
+    runner = web.ServerRunner(server, shutdown_timeout=shutdown_timeout)
+    await runner.setup()
+    site: web.BaseSite
+    try:
+        if isinstance(where, str):
+            site = web.UnixSite(runner, where, ssl_context=ctx)
+        else:
+            site = web.TCPSite(
+                runner, where[0], where[1], ssl_context=ctx, reuse_port=reuse_port or None,
+                backlog=1024,
+            )
+        await site.start()
+    except BaseException:
+        await runner.cleanup()
+        raise
+    if isinstance(where, str):
+        address = f"unix:{where}"
+    else:
+        host, port = runner.addresses[0][:2]
+        address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    reloader = _CertReloader(ctx, tls_cert, tls_key) if ctx and tls_cert and tls_key else None
+    log.info("API listener on %s%s", address, " (TLS)" if ctx else "")
+    return Listener(
+        runner, address, unix_path=where if isinstance(where, str) else None, reloader=reloader
+    )

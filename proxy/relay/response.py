@@ -1,0 +1,124 @@
+"""Writing to the client: relayed bodies, responses that add nothing, opgate's Status, aborts.
+
+:func:`pump` copies the upstream body as it arrives (``readany``: whatever bytes are there, no
+re-chunking, no copy for a single buffered chunk); ``write()`` sends at once and applies
+backpressure above 64 KiB, so watch events reach the client as the apiserver sends them.
+
+aiohttp's ``StreamResponse`` would add ``Server: Python/… aiohttp/…`` and, for a body without a
+type, ``Content-Type: application/octet-stream``; a transparent proxy adds neither, so
+:class:`RelayResponse` removes them again when the upstream did not send them. ``Date`` is only
+added when missing (the apiserver always sends one).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import aiohttp
+from aiohttp import web
+from multidict import CIMultiDict
+
+from proxy.engine.context import RequestContext
+from proxy.engine.status import StatusError
+from proxy.relay import errors
+
+__all__ = ["BufferedRelayResponse", "RelayResponse", "abort", "pump", "send_status"]
+
+
+class RelayResponse(web.StreamResponse):
+    """A ``StreamResponse`` that sends exactly the headers it was given (plus ``Date``)."""
+
+    async def _prepare_headers(self) -> None:
+        headers = self.headers
+        had_server = "Server" in headers
+        had_type = "Content-Type" in headers
+        await super()._prepare_headers()
+        if not had_server:
+            headers.popall("Server", None)
+        if not had_type:
+            headers.popall("Content-Type", None)
+
+
+class BufferedRelayResponse(RelayResponse):
+    """Holds the headers back until the first body bytes, so both leave in one segment.
+
+    For ordinary calls only: a watch's headers must go out at once (clients wait for them).
+    """
+
+    _send_headers_immediately = False
+
+
+async def send_status(
+    request: web.BaseRequest,
+    status: StatusError,
+    *,
+    extra: Iterable[tuple[str, str]] = (),
+    close: bool = False,
+) -> tuple[RelayResponse, int]:
+    """Answer with a Kubernetes ``Status``; returns the response and the body size."""
+    body = status.body()
+    headers: CIMultiDict[str] = CIMultiDict(status.response_headers())
+    headers.extend(extra)
+    resp = BufferedRelayResponse(status=status.code, headers=headers)
+    resp.content_length = len(body)
+    if close:
+        resp.force_close()
+    await resp.prepare(request)
+    await resp.write_eof(body)
+    return resp, len(body)
+
+
+def abort(request: web.BaseRequest, resp: web.StreamResponse) -> None:
+    """End a response whose headers are already sent, so the client sees it incomplete.
+
+    No terminating chunk and no further bytes: the connection is closed after what was written
+    is flushed, so a chunked or length-framed body visibly ends early.
+    """
+    resp.force_close()
+    transport = request.transport
+    if transport is not None:
+        transport.close()
+
+
+async def pump(
+    request: web.BaseRequest,
+    ctx: RequestContext,
+    upstream: aiohttp.ClientResponse,
+    resp: web.StreamResponse,
+) -> bool:
+    """Copy the upstream body to the client as it arrives; True if it ended cleanly.
+
+    The last chunk goes out with the end of the response (one segment for small bodies). A
+    watch idle timeout ends the response cleanly, as the apiserver's own timeout would; any other
+    upstream failure aborts it, so the client sees it incomplete.
+    """
+    content = upstream.content
+    read = content.readany
+    write = resp.write
+    sent = 0
+    try:
+        while True:
+            try:
+                chunk = await read()
+            except (aiohttp.ClientError, TimeoutError, OSError) as e:
+                idle = isinstance(e, aiohttp.SocketTimeoutError) and (
+                    ctx.info.is_long_running and upstream.content_length is None
+                )
+                errors.stream_broke(e, ctx, idle=idle)
+                if idle:
+                    return True
+                abort(request, resp)
+                return False
+            if not chunk:
+                return True
+            sent += len(chunk)
+            try:
+                if content.at_eof():
+                    await resp.write_eof(chunk)
+                    return True
+                await write(chunk)
+            except ConnectionError:
+                ctx.error = "client went away"
+                return False
+    finally:
+        ctx.bytes_out = sent

@@ -1,0 +1,67 @@
+"""Run ``python -m proxy serve`` as a real subprocess for tests, and stop it by its PID."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class OpgateProcess:
+    """An ``opgate serve`` child process with its API and admin URLs and its captured output."""
+
+    def __init__(self, *args: str, log_dir: Path, env: dict[str, str] | None = None) -> None:
+        self.port = free_port()
+        self.admin_port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.admin_url = f"http://127.0.0.1:{self.admin_port}"
+        self.stdout_path = log_dir / f"opgate-{self.port}.out"
+        self.stderr_path = log_dir / f"opgate-{self.port}.err"
+        cmd = [sys.executable, "-m", "proxy", "serve", "--listen", f"127.0.0.1:{self.port}",
+               "--admin-listen", f"127.0.0.1:{self.admin_port}", *args]
+        self._out = self.stdout_path.open("wb")
+        self._err = self.stderr_path.open("wb")
+        self.proc = subprocess.Popen(cmd, stdout=self._out, stderr=self._err,
+                                     env={**os.environ, **(env or {})})
+
+    def wait_ready(self, timeout: float = 30.0, path: str = "/healthz") -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"opgate exited with {self.proc.returncode}:\n{self.stderr()}")
+            try:
+                with urllib.request.urlopen(self.admin_url + path, timeout=1) as resp:
+                    if resp.status == 200:
+                        return
+            except OSError:
+                time.sleep(0.1)
+        raise RuntimeError(f"opgate not ready after {timeout}s:\n{self.stderr()}")
+
+    def stderr(self) -> str:
+        return self.stderr_path.read_text(errors="replace")
+
+    def stdout(self) -> str:
+        return self.stdout_path.read_text(errors="replace")
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        self._out.close()
+        self._err.close()
+        return self.proc.returncode

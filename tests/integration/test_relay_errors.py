@@ -1,0 +1,321 @@
+"""Failures: unreachable or stalled upstreams, broken streams, middlewares that deny or crash.
+
+opgate's own answers must be Kubernetes Status bodies, and no failure may wedge the listener:
+every test ends by serving a normal request through the same proxy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from proxy.engine.context import Delay, Deny, RequestContext
+from proxy.engine.status import StatusError
+from proxy.relay import RelaySettings
+from tests.integration.fakes import (
+    AiohttpUpstream,
+    RawUpstream,
+    free_port,
+    ok_handler,
+    read_head,
+    running_proxy,
+    wait_closed,
+)
+
+
+def assert_status(body: bytes, code: int, reason: str) -> dict[str, Any]:
+    status = json.loads(body)
+    assert status["kind"] == "Status"
+    assert status["apiVersion"] == "v1"
+    assert status["status"] == "Failure"
+    assert status["code"] == code
+    assert status["reason"] == reason
+    assert status["message"]
+    return status
+
+
+@pytest.mark.asyncio
+async def test_503_when_nothing_listens_then_serves_once_the_upstream_is_up() -> None:
+    port = free_port()
+    async with running_proxy(f"http://127.0.0.1:{port}") as proxy, aiohttp.ClientSession() as c:
+        async with c.get(proxy.url + "/api/v1/pods") as r:
+            assert r.status == 503
+            assert r.headers["Content-Type"] == "application/json"
+            assert_status(await r.read(), 503, "ServiceUnavailable")
+        up = await AiohttpUpstream(ok_handler).start(port=port)
+        try:
+            async with c.get(proxy.url + "/api/v1/pods") as r:
+                assert r.status == 200
+        finally:
+            await up.close()
+
+
+@pytest.mark.asyncio
+async def test_504_when_the_upstream_never_answers_then_still_serves() -> None:
+    async def handler(request: web.BaseRequest) -> web.StreamResponse:
+        if request.path == "/stall":
+            await asyncio.sleep(3600)
+        return await ok_handler(request)
+
+    up = await AiohttpUpstream(handler).start()
+    loop = asyncio.get_running_loop()
+    settings = RelaySettings(header_timeout=0.5)
+    try:
+        async with running_proxy(up.url, settings=settings) as proxy, aiohttp.ClientSession() as c:
+            started = loop.time()
+            async with c.get(proxy.url + "/stall") as r:
+                assert r.status == 504
+                assert_status(await r.read(), 504, "Timeout")
+            assert 0.4 < loop.time() - started < 5
+            async with c.get(proxy.url + "/api/v1/pods") as r:
+                assert r.status == 200
+    finally:
+        await up.close()
+
+
+@pytest.mark.asyncio
+async def test_504_on_connect_timeout() -> None:
+    # A listener whose accept queue is full drops further SYNs: the connect hangs.
+    blocker = socket.socket()
+    blocker.bind(("127.0.0.1", 0))
+    blocker.listen(0)
+    port = blocker.getsockname()[1]
+    fillers = []
+    for _ in range(8):
+        s = socket.socket()
+        s.setblocking(False)
+        try:
+            s.connect(("127.0.0.1", port))
+        except BlockingIOError:
+            pass
+        fillers.append(s)
+    settings = RelaySettings(connect_timeout=0.3, header_timeout=5)
+    try:
+        async with running_proxy(f"http://127.0.0.1:{port}", settings=settings) as proxy:
+            async with aiohttp.ClientSession() as c, c.get(proxy.url + "/version") as r:
+                if r.status == 503:
+                    pytest.skip("this kernel refuses instead of dropping SYNs to a full queue")
+                assert r.status == 504
+                assert_status(await r.read(), 504, "Timeout")
+    finally:
+        for s in fillers:
+            s.close()
+        blocker.close()
+
+
+def dying_upstream(framing: str) -> RawUpstream:
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            line, _ = await read_head(reader)
+            if "/ok" in line:
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+                continue
+            if framing == "length":
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 1000000\r\n\r\n" + b"x" * 1000)
+            else:
+                writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+                             b"3e8\r\n" + b"x" * 1000 + b"\r\n")
+            await writer.drain()
+            await asyncio.sleep(0.2)
+            return  # dies mid-body
+
+    return RawUpstream(serve)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("framing", ["length", "chunked"])
+async def test_upstream_dying_mid_stream_ends_the_client_response(framing: str) -> None:
+    up = await dying_upstream(framing).start()
+    loop = asyncio.get_running_loop()
+    try:
+        async with running_proxy(up.url) as proxy, aiohttp.ClientSession() as c:
+            started = loop.time()
+            async with c.get(proxy.url + "/api/v1/pods") as r:
+                assert r.status == 200
+                with pytest.raises(aiohttp.ClientPayloadError):
+                    await asyncio.wait_for(r.read(), 5)
+            assert loop.time() - started < 3
+            async with c.get(proxy.url + "/ok") as r:
+                assert await r.read() == b"ok"
+    finally:
+        await up.close()
+
+
+class Recorder:
+    """A test middleware: denies, delays or crashes by path; records what exit hooks see."""
+
+    name = "recorder"
+    fail_open = False
+
+    def __init__(self, *, needs_body: bool = False) -> None:
+        self.needs_body = needs_body
+        self.exits: list[dict[str, Any]] = []
+        self.bodies: list[bytes | None] = []
+
+    async def entry(self, ctx: RequestContext) -> Deny | Delay | None:
+        self.bodies.append(ctx.body)
+        ctx.response_headers.append(("X-Opgate-Test", "seen"))
+        if ctx.path.endswith("/deny"):
+            ctx.warn("policy test says no")
+            return Deny(StatusError(403, "denied by test", "Forbidden", None, (("X-Why", "t"),)))
+        if ctx.path.endswith("/delay"):
+            return Delay(0.3)
+        if ctx.path.endswith("/crash"):
+            raise RuntimeError("boom")
+        return None
+
+    async def exit(self, ctx: RequestContext) -> None:
+        self.exits.append(
+            {"path": ctx.path, "code": ctx.status_code, "in": ctx.bytes_in, "out": ctx.bytes_out,
+             "upstream": ctx.upstream_seconds, "finished": ctx.finished, "error": ctx.error,
+             "decision": ctx.decision}
+        )
+
+
+@pytest.mark.asyncio
+async def test_middleware_deny_delay_crash_and_exit_hooks() -> None:
+    up = await AiohttpUpstream(ok_handler).start()
+    rec = Recorder()
+    loop = asyncio.get_running_loop()
+    try:
+        async with running_proxy(up.url, middlewares=(rec,)) as proxy, aiohttp.ClientSession() as c:
+            async with c.get(proxy.url + "/api/v1/deny") as r:
+                assert r.status == 403
+                assert r.headers["X-Why"] == "t"
+                assert r.headers["X-Opgate-Test"] == "seen"
+                assert "policy test says no" in r.headers["Warning"]
+                assert_status(await r.read(), 403, "Forbidden")
+            started = loop.time()
+            async with c.get(proxy.url + "/api/v1/delay") as r:
+                assert r.status == 200
+                assert r.headers["X-Opgate-Test"] == "seen"
+            assert loop.time() - started >= 0.29
+            async with c.get(proxy.url + "/api/v1/crash") as r:
+                assert r.status == 500
+                assert_status(await r.read(), 500, "InternalError")
+            async with c.post(proxy.url + "/api/v1/namespaces/a/pods", data=b"x" * 1234) as r:
+                assert r.status == 200
+                body = await r.read()
+    finally:
+        await up.close()
+    assert [s.raw_path for s in up.seen] == ["/api/v1/delay", "/api/v1/namespaces/a/pods"]
+    by_path = {e["path"]: e for e in rec.exits}
+    assert by_path["/api/v1/deny"]["code"] == 403
+    assert by_path["/api/v1/deny"]["decision"] == "denied"
+    assert by_path["/api/v1/crash"]["code"] == 500
+    post = by_path["/api/v1/namespaces/a/pods"]
+    assert post["code"] == 200
+    assert post["in"] == 1234
+    assert post["out"] == len(body)
+    assert post["upstream"] > 0
+    assert post["finished"] > 0
+    assert post["error"] == ""
+    assert rec.bodies == [None] * 4  # no middleware asked for bodies
+
+
+@pytest.mark.asyncio
+async def test_needs_body_reads_bounded_and_answers_413() -> None:
+    up = await AiohttpUpstream(ok_handler).start()
+    rec = Recorder(needs_body=True)
+    settings = RelaySettings(max_body_bytes=1000)
+    try:
+        async with running_proxy(up.url, middlewares=(rec,), settings=settings) as proxy:
+            async with aiohttp.ClientSession() as c:
+                async with c.put(proxy.url + "/api/v1/namespaces/a/pods/p", data=b"y" * 999) as r:
+                    assert r.status == 200
+                async with c.put(proxy.url + "/api/v1/namespaces/a/pods/p", data=b"z" * 1001) as r:
+                    assert r.status == 413
+                    assert_status(await r.read(), 413, "RequestEntityTooLarge")
+
+                async def unsized() -> Any:
+                    for _ in range(3):
+                        yield b"w" * 600
+
+                async with c.put(proxy.url + "/api/v1/namespaces/a/pods/p", data=unsized()) as r:
+                    assert r.status == 413
+            async with aiohttp.ClientSession() as c, c.get(proxy.url + "/api/v1/pods") as r:
+                assert r.status == 200
+    finally:
+        await up.close()
+    assert rec.bodies[0] == b"y" * 999
+    assert up.seen[0].body == b"y" * 999
+    assert up.seen[0].headers["Content-Length"] == "999"
+    assert len(up.seen) == 2
+
+
+@pytest.mark.asyncio
+async def test_client_gone_before_headers_still_runs_exit_hooks() -> None:
+    async def slow(request: web.BaseRequest) -> web.StreamResponse:
+        await asyncio.sleep(1)
+        return await ok_handler(request)
+
+    up = await AiohttpUpstream(slow).start()
+    rec = Recorder()
+    try:
+        async with running_proxy(up.url, middlewares=(rec,)) as proxy:
+            host, port = proxy.listener.address.rsplit(":", 1)
+            reader, writer = await asyncio.open_connection(host, int(port))
+            writer.write(b"GET /api/v1/pods HTTP/1.1\r\nHost: x\r\n\r\n")
+            await asyncio.sleep(0.2)
+            writer.close()
+            await asyncio.wait_for(wait_closed(reader), 5)
+            for _ in range(100):
+                if rec.exits:
+                    break
+                await asyncio.sleep(0.02)
+    finally:
+        await up.close()
+    assert rec.exits and rec.exits[0]["code"] == 499
+
+
+def stalling_stream(*, content_type: str = "application/json") -> RawUpstream:
+    """Sends the headers and one chunk, then nothing (but keeps the connection open)."""
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_head(reader)
+        writer.write(f"HTTP/1.1 200 OK\r\nContent-Type: {content_type}\r\n"
+                     "Transfer-Encoding: chunked\r\n\r\n5\r\nfirst\r\n".encode())
+        await writer.drain()
+        await wait_closed(reader)
+
+    return RawUpstream(serve)
+
+
+@pytest.mark.asyncio
+async def test_watch_idle_timeout_ends_the_watch_cleanly() -> None:
+    up = await stalling_stream().start()
+    loop = asyncio.get_running_loop()
+    settings = RelaySettings(watch_idle_timeout=0.4, request_timeout=0.1)
+    try:
+        async with running_proxy(up.url, settings=settings) as proxy, aiohttp.ClientSession() as c:
+            started = loop.time()
+            async with c.get(proxy.url + "/api/v1/pods?watch=true") as r:
+                assert await asyncio.wait_for(r.read(), 5) == b"first"  # complete, no error
+            assert 0.35 < loop.time() - started < 3  # the watch outlived request_timeout
+            ended = await asyncio.wait_for(up.closed.get(), 5)
+            assert ended - started < 3
+    finally:
+        await up.close()
+
+
+@pytest.mark.asyncio
+async def test_request_timeout_cuts_a_stalled_non_watch_response() -> None:
+    up = await stalling_stream().start()
+    loop = asyncio.get_running_loop()
+    settings = RelaySettings(request_timeout=0.4)
+    try:
+        async with running_proxy(up.url, settings=settings) as proxy, aiohttp.ClientSession() as c:
+            started = loop.time()
+            async with c.get(proxy.url + "/api/v1/pods") as r:
+                assert r.status == 200
+                with pytest.raises(aiohttp.ClientPayloadError):
+                    await asyncio.wait_for(r.read(), 5)
+            assert 0.35 < loop.time() - started < 3
+    finally:
+        await up.close()
