@@ -1,0 +1,195 @@
+"""``opgate demo``: the whole picture on one machine, live.
+
+Starts a real etcd + kube-apiserver (the test harness), Redis when a ``redis-server`` binary is
+there (else in-process buckets, said on screen), opgate with ``policies/demo``, and the sample
+operator behind it with its ServiceAccount token. It creates a few Widgets, then keeps one of
+them noisy (its spec changes several times a second) so that its writes get throttled while the
+quiet ones are not. Every call opgate relays is printed as it happens. Ctrl-C stops everything.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from proxy.envtest.api import ApiError
+from proxy.envtest.cluster import LocalCluster
+from proxy.envtest.procs import Proc, free_port
+
+NAMESPACE = "opgate-demo"
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLE = ROOT / "examples" / "reconciler"
+
+_COLOURS = {"allowed": "32", "throttled": "33", "denied": "31", "error": "31", "dryrun": "36"}
+
+
+def _paint(text: str, decision: str) -> str:
+    if not sys.stdout.isatty():
+        return text
+    return f"\033[{_COLOURS.get(decision, '0')}m{text}\033[0m"
+
+
+def _say(message: str) -> None:
+    print(f"demo: {message}", flush=True)
+
+
+def _wait_http(url: str, *, timeout: float, proc: Proc) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not proc.alive():
+            raise RuntimeError(f"{proc.name} exited; its log: {proc.log}")
+        with contextlib.suppress(OSError):
+            with urllib.request.urlopen(url, timeout=1) as resp:
+                if resp.status == 200:
+                    return
+        time.sleep(0.2)
+    raise RuntimeError(f"{url} did not answer within {timeout:.0f}s; see {proc.log}")
+
+
+def _widget(name: str, color: str) -> dict[str, Any]:
+    return {"apiVersion": "demo.opgate.dev/v1", "kind": "Widget",
+            "metadata": {"name": name, "namespace": NAMESPACE},
+            "spec": {"color": color, "data": {"owner": "demo", "size": "small"}}}
+
+
+def _line(entry: dict[str, Any]) -> str:
+    decision = str(entry.get("decision", ""))
+    target = entry.get("resource") or entry.get("path", "")
+    if entry.get("subresource"):
+        target = f"{target}/{entry['subresource']}"
+    where = "/".join(str(entry[k]) for k in ("namespace", "name") if entry.get(k))
+    text = (f"{entry.get('time', '')[11:23]} {decision.upper():<9} {entry.get('code', ''):>3} "
+            f"{entry.get('verb', ''):<6} {target:<31} {where:<24} {entry.get('duration_ms', '')}ms")
+    return _paint(text, decision)
+
+
+def _follow(log: Path, stop: threading.Event, counts: dict[str, int]) -> None:
+    """Print opgate's access-log lines as they are written."""
+    with log.open("r", errors="replace") as stream:
+        while not stop.is_set():
+            line = stream.readline()
+            if not line:
+                time.sleep(0.1)
+                continue
+            if not line.startswith("{"):
+                if " ERROR " in line or " WARNING " in line:
+                    print(f"opgate: {line.rstrip()}", flush=True)
+                continue
+            with contextlib.suppress(ValueError):
+                entry = json.loads(line)
+                decision = str(entry.get("decision", ""))
+                counts[decision] = counts.get(decision, 0) + 1
+                print(_line(entry), flush=True)
+
+
+def _noisy(cluster: LocalCluster, stop: threading.Event) -> None:
+    """Keep widget-1 busy: its spec changes 4 times a second, so its writes get throttled."""
+    n = 0
+    while not stop.wait(0.25):
+        n += 1
+        with contextlib.suppress(ApiError, OSError):
+            cluster.call("PATCH", f"/apis/demo.opgate.dev/v1/namespaces/{NAMESPACE}/widgets/"
+                         "widget-1", body={"spec": {"data": {"tick": str(n)}}},
+                         content_type="application/merge-patch+json")
+
+
+def run_demo(*, policies: str, widgets: int, duration: float) -> int:
+    policies_path = Path(policies).resolve()
+    if not policies_path.exists():
+        print(f"demo: {policies}: no such policy file or directory", file=sys.stderr)
+        return 2
+    procs: list[Proc] = []
+    stop = threading.Event()
+    counts: dict[str, int] = {}
+    _say("starting etcd + kube-apiserver (the first run builds them, once)")
+    cluster = LocalCluster().start()
+    work = Path(cluster.workdir) / "demo"
+    work.mkdir(exist_ok=True)
+    try:
+        redis_args: list[str] = []
+        redis = shutil.which("redis-server")
+        if redis:
+            port = free_port()
+            proc = Proc("redis", [redis, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                                  "--appendonly", "no"], log=work / "redis.log")
+            proc.start()
+            procs.append(proc)
+            redis_args = ["--redis-url", f"redis://127.0.0.1:{port}/0"]
+            _say(f"redis-server on 127.0.0.1:{port}: rate-limit buckets live in Redis")
+        else:
+            _say("no redis-server binary: rate-limit buckets are in-process (one replica)")
+
+        for doc in yaml.safe_load_all((EXAMPLE / "rbac.yaml").read_text()):
+            if doc:
+                cluster.apply(doc)
+        cluster.install_crd((EXAMPLE / "widget-crd.yaml").read_text())
+        token = cluster.token_request(NAMESPACE, "sample-operator", audiences=None,
+                                      expiration_seconds=3600)
+
+        api_port, admin_port = free_port(), free_port()
+        opgate = Proc("opgate", [sys.executable, "-m", "proxy", "serve",
+                                 "--upstream", cluster.url, "--upstream-ca", cluster.ca_file,
+                                 "--listen", f"127.0.0.1:{api_port}",
+                                 "--admin-listen", f"127.0.0.1:{admin_port}",
+                                 "--policies", str(policies_path), *redis_args],
+                      log=work / "opgate.log", cwd=ROOT)
+        opgate.start()
+        procs.append(opgate)
+        admin = f"http://127.0.0.1:{admin_port}"
+        _wait_http(admin + "/readyz", timeout=30, proc=opgate)
+
+        kubeconfig = work / "operator.kubeconfig"
+        cluster.write_kubeconfig(kubeconfig, server=f"http://127.0.0.1:{api_port}", token=token)
+        operator = Proc("reconciler", [sys.executable, "-m", "examples.reconciler",
+                                       "--kubeconfig", str(kubeconfig), "--namespace", NAMESPACE],
+                        log=work / "reconciler.log", cwd=ROOT,
+                        env={**os.environ, "PYTHONPATH": str(ROOT)})
+        operator.start()
+        procs.append(operator)
+
+        print(f"""
+  kube-apiserver   {cluster.url}   (admin kubeconfig: {cluster.kubeconfig_path})
+  opgate API       http://127.0.0.1:{api_port}   -> the operator's kubeconfig: {kubeconfig}
+  opgate admin     {admin}/metrics  {admin}/debug/policies  {admin}/readyz?verbose
+  policies         {policies_path}   (edit them now: changes apply within a second)
+  logs             {work}
+  Ctrl-C stops everything.
+""", flush=True)
+        follower = threading.Thread(target=_follow, args=(opgate.log, stop, counts), daemon=True)
+        follower.start()
+        colors = ["red", "green", "blue", "amber", "teal", "plum", "lime", "navy"]
+        for i in range(1, widgets + 1):
+            cluster.apply(_widget(f"widget-{i}", colors[i % len(colors)]))
+        _say(f"created {widgets} Widgets; widget-1 is noisy and will be throttled")
+        threading.Thread(target=_noisy, args=(cluster, stop), daemon=True).start()
+
+        interrupted = threading.Event()
+        signal.signal(signal.SIGINT, lambda *_: interrupted.set())
+        signal.signal(signal.SIGTERM, lambda *_: interrupted.set())
+        deadline = time.monotonic() + duration if duration > 0 else None
+        while not interrupted.wait(1.0):
+            if deadline is not None and time.monotonic() > deadline:
+                break
+            for proc in procs:
+                if not proc.alive():
+                    _say(f"{proc.name} exited unexpectedly; its log: {proc.log}")
+                    return 1
+        return 0
+    finally:
+        stop.set()
+        for proc in reversed(procs):
+            proc.stop()
+        cluster.stop()
+        summary = ", ".join(f"{k}={v}" for k, v in sorted(counts.items())) or "none"
+        _say(f"stopped everything; calls seen by opgate: {summary}")
