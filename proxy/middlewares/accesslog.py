@@ -1,7 +1,8 @@
 """The structured access log: one JSON line per API call, written when it ends.
 
 Fields: time, trace id, verb, group/resource, namespace/name, code, decision, duration, bytes in
-and out, and the user when a middleware verified one. Never a token, never a header value.
+and out, the custom-resource instance the controller named (``Opgate-Instance``), and the user
+when a middleware verified one. Never a token, never a header value.
 """
 
 from __future__ import annotations
@@ -46,6 +47,9 @@ class AccessLog:
                 entry["name"] = info.name
         else:
             entry["path"] = info.path
+        instance = ctx.headers.get("opgate-instance")
+        if instance:
+            entry["instance"] = instance[:256]
         if ctx.identity is not None:
             entry["user"] = ctx.identity.user
         if ctx.error:

@@ -1,0 +1,1 @@
+"""Examples that run behind opgate: the sample operator lives in ``examples/reconciler``."""

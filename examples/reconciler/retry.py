@@ -1,0 +1,83 @@
+"""When to call the apiserver again: ``Retry-After`` parsing, backoff with jitter, retry policy.
+
+Pure functions, kept apart from the transport so the unit tests can pin them down with tables.
+client-go retries a ``429`` (and a ``5xx`` that carries ``Retry-After``) after the server's delay;
+connection errors and other ``5xx`` get an exponential backoff with jitter so that many workers
+do not hammer a recovering apiserver in lockstep.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from datetime import UTC, datetime
+from email.utils import parsedate_to_datetime
+
+# A server may ask for any delay; a controller that sleeps for an hour on a typo looks dead.
+MAX_RETRY_AFTER = 60.0
+BASE_DELAY = 0.2
+MAX_DELAY = 30.0
+
+# Status codes a request is sent again for (``0`` stands for "no response at all").
+RETRYABLE = frozenset({0, 429, 500, 502, 503, 504})
+
+
+def parse_retry_after(
+    value: str | None, *, now: Callable[[], datetime] | None = None
+) -> float | None:
+    """Seconds to wait from a ``Retry-After`` header: delta-seconds or an HTTP-date (RFC 9110).
+
+    ``None`` when absent or unparseable; never negative; capped at :data:`MAX_RETRY_AFTER`.
+    """
+    if value is None:
+        return None
+    text = value.strip()
+    if not text:
+        return None
+    if text.isdigit():
+        return min(float(int(text)), MAX_RETRY_AFTER)
+    try:
+        when = parsedate_to_datetime(text)
+    except (TypeError, ValueError, IndexError):
+        return None
+    if when is None:
+        return None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=UTC)
+    current = now() if now is not None else datetime.now(UTC)
+    seconds = (when - current).total_seconds()
+    return min(max(seconds, 0.0), MAX_RETRY_AFTER)
+
+
+def backoff_delay(
+    attempt: int,
+    *,
+    base: float = BASE_DELAY,
+    cap: float = MAX_DELAY,
+    rand: Callable[[], float] = random.random,
+) -> float:
+    """Exponential backoff with "equal jitter": half of ``min(cap, base * 2**attempt)`` fixed,
+    the other half random, so a delay never collapses to zero yet retries spread out.
+    """
+    ceiling = min(cap, base * (2.0 ** max(attempt, 0)))
+    return ceiling / 2 + rand() * ceiling / 2
+
+
+def retry_delay(
+    code: int,
+    *,
+    attempt: int,
+    retry_after: float | None,
+    rand: Callable[[], float] = random.random,
+) -> float | None:
+    """How long to wait before sending a failed request again, or ``None`` not to retry.
+
+    ``code`` is the HTTP status (``0`` for a connection error). A server's ``Retry-After`` wins
+    over the local backoff; 409 is not retried here: a conflict needs a fresh read first.
+    """
+    if code not in RETRYABLE:
+        return None
+    if retry_after is not None:
+        return retry_after
+    return backoff_delay(attempt, rand=rand)
+

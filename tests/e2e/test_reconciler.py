@@ -1,0 +1,330 @@
+"""The sample operator (examples/reconciler) as a process behind a real opgate and apiserver.
+
+It authenticates with a ServiceAccount token from the TokenRequest API and the RBAC of
+``rbac.yaml``; its kubeconfig points only at opgate. 50 Widgets are created at once, a few are
+changed, then all are deleted, and the cluster is checked after each step: ConfigMaps with the
+right data and controller reference, finalizers, status. No controller-manager (hence no garbage
+collector) runs here, so a ConfigMap that disappears was deleted by the operator's finalizer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from proxy.envtest.cluster import LocalCluster
+from proxy.envtest.procs import Proc, tail
+from tests.e2e.conftest import Opgate
+
+pytestmark = pytest.mark.e2e
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLE = REPO / "examples" / "reconciler"
+NAMESPACE = "widgets-e2e"  # namespaces never finish deleting without a controller-manager
+WIDGETS = 50
+CHANGED = (0, 7, 13, 21, 42)
+DEADLINE = 120.0
+GROUP_PATH = "/apis/demo.opgate.dev/v1"
+THROTTLED_NAMESPACE = "widgets-e2e-throttled"
+FINALIZER = "demo.opgate.dev/cleanup"
+COLORS = ("red", "green", "blue", "amber", "violet")
+# every Widget gets its own write budget, keyed by the Opgate-Instance header the operator sends
+PER_INSTANCE_POLICY = """\
+apiVersion: opgate.dev/v1alpha1
+kind: Policy
+metadata: {name: e2e-per-widget}
+spec:
+  mode: enforce
+  rateLimits:
+    - name: per-widget-writes
+      match: {verbs: [create, update, patch, delete]}
+      key: "{instance}"
+      qps: 1
+      burst: 5
+      onExceed: reject
+"""
+
+
+@dataclass
+class Env:
+    cluster: LocalCluster
+    gate: Opgate
+    kubeconfig: Path
+    workdir: Path
+
+
+@pytest.fixture(scope="module")
+def operator_token(cluster: LocalCluster) -> str:
+    """CRD and rbac.yaml installed; a TokenRequest token of opgate-demo/sample-operator."""
+    cluster.install_crd((EXAMPLE / "widget-crd.yaml").read_text())
+    for doc in yaml.safe_load_all((EXAMPLE / "rbac.yaml").read_text()):
+        cluster.apply(doc)
+    for namespace in (NAMESPACE, THROTTLED_NAMESPACE):
+        cluster.create_namespace(namespace)
+    return cluster.token_request("opgate-demo", "sample-operator", expiration_seconds=3600)
+
+
+def make_env(cluster: LocalCluster, gate: Opgate, token: str, workdir: Path) -> Env:
+    # opgate serves HTTPS with a cert from the cluster CA, so the operator's own token reaches
+    # the apiserver and the RBAC of rbac.yaml is what authorizes it
+    kubeconfig = cluster.write_kubeconfig(
+        workdir / "operator.kubeconfig", server=gate.url, token=token,
+        ca_file=cluster.ca_file if gate.url.startswith("https://") else None)
+    return Env(cluster=cluster, gate=gate, kubeconfig=kubeconfig, workdir=workdir)
+
+
+@contextlib.contextmanager
+def running_operator(env: Env, *args: str) -> Iterator[Proc]:
+    pythonpath = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+    proc = Proc("reconciler", [
+        sys.executable, "-m", "examples.reconciler", "--kubeconfig", str(env.kubeconfig),
+        "--log-format", "json", "--workers", "4", *args,
+    ], log=env.workdir / "reconciler.log", env=dict(os.environ, PYTHONPATH=pythonpath), cwd=REPO)
+    proc.start()
+    try:
+        yield proc
+    finally:
+        proc.stop()  # by its process group id (= its pid); a no-op once the test stopped it
+
+
+# -- expectations ---------------------------------------------------------------------------
+
+def widgets_path(namespace: str) -> str:
+    return f"{GROUP_PATH}/namespaces/{namespace}/widgets"
+
+
+def configmaps_path(namespace: str) -> str:
+    return f"/api/v1/namespaces/{namespace}/configmaps"
+
+
+def name_of(i: int) -> str:
+    return f"w-{i:02d}"
+
+
+def initial_spec(i: int) -> dict[str, Any]:
+    return {"color": COLORS[i % len(COLORS)], "data": {"index": str(i), "name": name_of(i)}}
+
+
+def problems(cluster: LocalCluster, specs: dict[str, dict[str, Any]], namespace: str
+             ) -> list[str]:
+    """Everything that differs from "every Widget reconciled to ``specs``" (empty: all good)."""
+    widgets = {w["metadata"]["name"]: w
+               for w in cluster.call("GET", widgets_path(namespace)).ok().json()["items"]}
+    cms = {c["metadata"]["name"]: c
+           for c in cluster.call("GET", configmaps_path(namespace)).ok().json()["items"]}
+    out: list[str] = []
+    for name, spec in specs.items():
+        w, cm = widgets.get(name), cms.get(name)
+        if w is None:
+            out.append(f"{name}: widget missing")
+            continue
+        meta, status = w["metadata"], w.get("status") or {}
+        if w["spec"] != spec:
+            out.append(f"{name}: spec not yet {spec}")
+        if FINALIZER not in (meta.get("finalizers") or []):
+            out.append(f"{name}: no finalizer")
+        if status.get("observedGeneration") != meta["generation"]:
+            out.append(f"{name}: observedGeneration {status.get('observedGeneration')} "
+                       f"!= generation {meta['generation']}")
+        ready = [c for c in status.get("conditions") or [] if c.get("type") == "Ready"]
+        if not ready or (ready[0]["status"], ready[0]["reason"],
+                         ready[0].get("observedGeneration")) != ("True", "Reconciled",
+                                                                 meta["generation"]):
+            out.append(f"{name}: Ready condition {ready}")
+        elif not ready[0].get("lastTransitionTime"):
+            out.append(f"{name}: Ready has no lastTransitionTime")
+        if cm is None:
+            out.append(f"{name}: configmap missing")
+            continue
+        if cm.get("data") != spec.get("data", {}):
+            out.append(f"{name}: configmap data {cm.get('data')} != {spec.get('data')}")
+        want_ref = {"apiVersion": "demo.opgate.dev/v1", "kind": "Widget", "name": name,
+                    "uid": meta["uid"], "controller": True, "blockOwnerDeletion": True}
+        if cm["metadata"].get("ownerReferences") != [want_ref]:
+            out.append(f"{name}: ownerReferences {cm['metadata'].get('ownerReferences')}")
+    return out
+
+
+def leftovers(cluster: LocalCluster, namespace: str) -> list[str]:
+    widgets = cluster.call("GET", widgets_path(namespace)).ok().json()["items"]
+    cms = cluster.call("GET", configmaps_path(namespace)).ok().json()["items"]
+    return ([f"widget {w['metadata']['name']} still there "
+             f"(finalizers {w['metadata'].get('finalizers')})" for w in widgets]
+            + [f"configmap {c['metadata']['name']} still there" for c in cms])
+
+
+def wait_for(check: Callable[[], list[str]], *, what: str, env: Env, proc: Proc) -> float:
+    started = time.monotonic()
+    left = check()
+    while left and time.monotonic() - started < DEADLINE:
+        if not proc.alive():
+            break
+        time.sleep(0.5)
+        left = check()
+    if left:
+        pytest.fail(
+            f"{what}: {len(left)} problems after {time.monotonic() - started:.0f}s "
+            f"(operator {'alive' if proc.alive() else 'exited'}):\n  " + "\n  ".join(left[:15])
+            + f"\n--- reconciler log:\n{tail(proc.log, 40)}\n--- opgate log:\n"
+            f"{env.gate.log_tail(40)}", pytrace=False)
+    return time.monotonic() - started
+
+
+def all_at_once(calls: list[Callable[[], Any]]) -> None:
+    with ThreadPoolExecutor(max_workers=len(calls)) as pool:
+        for future in [pool.submit(call) for call in calls]:
+            future.result()
+
+
+def create_widgets(cluster: LocalCluster, namespace: str, specs: dict[str, dict[str, Any]]
+                   ) -> None:
+    all_at_once([
+        lambda name=name, spec=spec: cluster.call("POST", widgets_path(namespace), body={
+            "apiVersion": "demo.opgate.dev/v1", "kind": "Widget",
+            "metadata": {"name": name, "namespace": namespace}, "spec": spec}).ok()
+        for name, spec in specs.items()])
+
+
+def patch_widget(cluster: LocalCluster, namespace: str, name: str, patch: dict[str, Any]) -> None:
+    cluster.call("PATCH", f"{widgets_path(namespace)}/{name}", body=patch,
+                 content_type="application/merge-patch+json").ok()
+
+
+def error_lines(text: str) -> list[str]:
+    return [line for line in text.splitlines()
+            if "Traceback (most recent call last)" in line or " ERROR " in line
+            or " CRITICAL " in line or '"level": "ERROR"' in line]
+
+
+def access_log(gate: Opgate, *, until: Callable[[list[dict[str, Any]]], bool]
+               ) -> list[dict[str, Any]]:
+    """opgate's access-log entries; a call is logged when it ends (a watch: when the operator
+    left), so wait a little for ``until`` to hold."""
+    deadline = time.monotonic() + 10
+    while True:
+        entries = []
+        for line in gate.log.read_text(errors="replace").splitlines():
+            if line.startswith("{"):
+                with contextlib.suppress(ValueError):
+                    entry = json.loads(line)
+                    if isinstance(entry, dict) and "verb" in entry:
+                        entries.append(entry)
+        if until(entries) or time.monotonic() > deadline:
+            return entries
+        time.sleep(0.2)
+
+
+def stop_cleanly(proc: Proc) -> str:
+    """SIGTERM to the operator's process group (SIGKILL after 10 s); its log if it exited 0."""
+    code = proc.stop()
+    text = proc.log.read_text(errors="replace")
+    assert code == 0, f"operator exit code {code}:\n{tail(proc.log, 40)}"
+    assert '"msg": "stopped"' in text
+    assert not error_lines(text), "\n".join(error_lines(text)[:10])
+    return text
+
+
+def has_watch(entries: list[dict[str, Any]]) -> bool:
+    return any(e["verb"] == "watch" for e in entries)
+
+
+# -- the tests ------------------------------------------------------------------------------
+
+def test_widgets_reconciled_through_opgate(
+    cluster: LocalCluster, operator_token: str, opgate_factory: Callable[..., Opgate],
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    env = make_env(cluster, opgate_factory(), operator_token, tmp_path_factory.mktemp("op"))
+    with running_operator(env) as operator:  # all namespaces
+        specs = {name_of(i): initial_spec(i) for i in range(WIDGETS)}
+        create_widgets(cluster, NAMESPACE, specs)
+        took_create = wait_for(lambda: problems(cluster, specs, NAMESPACE),
+                               what="after creating 50 widgets", env=env, proc=operator)
+
+        for i in CHANGED:  # merge patch: "name" goes away, "updated" appears, the color changes
+            specs[name_of(i)] = {"color": "black", "data": {"index": str(i), "updated": "yes"}}
+            patch_widget(cluster, NAMESPACE, name_of(i), {"spec": {
+                "color": "black", "data": {"name": None, "updated": "yes"}}})
+        took_update = wait_for(lambda: problems(cluster, specs, NAMESPACE),
+                               what="after changing 5 widgets", env=env, proc=operator)
+        for i in CHANGED:
+            cm = cluster.call("GET", f"{configmaps_path(NAMESPACE)}/{name_of(i)}").ok().json()
+            assert cm["metadata"]["annotations"]["demo.opgate.dev/color"] == "black"
+
+        all_at_once([lambda name=name: cluster.call(
+            "DELETE", f"{widgets_path(NAMESPACE)}/{name}").ok() for name in specs])
+        took_delete = wait_for(lambda: leftovers(cluster, NAMESPACE),
+                               what="after deleting 50 widgets", env=env, proc=operator)
+        op_log = stop_cleanly(operator)
+
+    reconciles = [json.loads(line) for line in op_log.splitlines()
+                  if line.startswith("{") and '"msg": "reconciled"' in line]
+    created = {e["widget"] for e in reconciles if "configmap-created" in e["result"]}
+    finalized = {e["widget"] for e in reconciles if "finalizer-removed" in e["result"]}
+    assert created == finalized == {f"{NAMESPACE}/{name}" for name in specs}
+
+    calls = access_log(env.gate, until=has_watch)
+    gate_log = env.gate.log.read_text(errors="replace")
+    assert not error_lines(gate_log), "\n".join(error_lines(gate_log)[:10])
+    assert calls, f"no access-log lines in opgate's log:\n{env.gate.log_tail(20)}"
+    assert not [c for c in calls if int(c.get("code") or 0) >= 500], "opgate relayed a 5xx"
+    assert ("watch", "widgets.demo.opgate.dev") in {(c["verb"], c.get("resource")) for c in calls}
+    assert sum(1 for c in calls if (c["verb"], c.get("resource"), c.get("code"))
+               == ("create", "configmaps", 201)) == WIDGETS
+    print(f"\n50 widgets created: reconciled in {took_create:.1f}s; 5 changed: "
+          f"{took_update:.1f}s; 50 deleted: {took_delete:.1f}s; {len(reconciles)} reconciles, "
+          f"{len(calls)} calls through opgate")
+
+
+def test_noisy_widget_throttled_alone_and_retry_after_honoured(
+    cluster: LocalCluster, operator_token: str, opgate_factory: Callable[..., Opgate],
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    gate = opgate_factory(policies={"per-widget.yaml": PER_INSTANCE_POLICY})
+    env = make_env(cluster, gate, operator_token, tmp_path_factory.mktemp("op-throttled"))
+    ns = THROTTLED_NAMESPACE
+    with running_operator(env, "--namespace", ns) as operator:
+        specs = {f"quiet-{i}": {"data": {"i": str(i)}} for i in range(8)}
+        specs["noisy"] = {"data": {"tick": "0"}}
+        create_widgets(cluster, ns, specs)
+        wait_for(lambda: problems(cluster, specs, ns), what="after creating", env=env,
+                 proc=operator)
+        for tick in range(1, 13):  # each change costs the operator 2 writes (PUT + status)
+            patch_widget(cluster, ns, "noisy", {"spec": {"data": {"tick": str(tick)}}})
+            specs["noisy"] = {"data": {"tick": str(tick)}}
+            time.sleep(0.15)
+        for i in range(8):
+            specs[f"quiet-{i}"] = {"data": {"i": str(i), "changed": "yes"}}
+            patch_widget(cluster, ns, f"quiet-{i}", {"spec": {"data": {"changed": "yes"}}})
+        wait_for(lambda: problems(cluster, specs, ns), what="after the noisy burst", env=env,
+                 proc=operator)
+        all_at_once([lambda name=name: cluster.call(
+            "DELETE", f"{widgets_path(ns)}/{name}").ok() for name in specs])
+        wait_for(lambda: leftovers(cluster, ns), what="after deleting", env=env, proc=operator)
+        stop_cleanly(operator)
+
+    calls = access_log(gate, until=has_watch)
+    throttled = [c for c in calls if c["code"] == 429]
+    assert throttled, "the noisy widget never hit its budget"
+    assert {c.get("name") for c in throttled} == {"noisy"}, "a quiet widget was throttled"
+    # each retry of a rejected call came after the server's Retry-After (1 s at qps 1)
+    stamp = {id(c): datetime.fromisoformat(c["time"].replace("Z", "+00:00")) for c in calls}
+    for c in throttled:
+        later = [n for n in calls if stamp[id(n)] > stamp[id(c)] and n["verb"] == c["verb"]
+                 and n.get("name") == c.get("name") and n.get("resource") == c.get("resource")
+                 and n.get("subresource") == c.get("subresource")]
+        assert later, f"a throttled {c['verb']} was never retried"
+        gap = (min(stamp[id(n)] for n in later) - stamp[id(c)]).total_seconds()
+        assert gap >= 0.9, f"retried {gap:.2f}s after a 429 with Retry-After: 1"
