@@ -29,6 +29,9 @@ from pathlib import Path
 KUBERNETES_VERSION = "v1.35.4"
 ETCD_VERSION = "v3.6.16"
 
+# bump when the build recipe changes: a cache built by an older recipe is rebuilt
+RECIPE = "2"
+_STAMP = "opgate-build-recipe"
 _STAGING_RE = re.compile(r"^\s*(k8s\.io/[\w.-]+)\s+v0\.0\.0\s*$", re.MULTILINE)
 
 
@@ -65,22 +68,28 @@ def find_or_build(*, log: bool = True) -> KubeBinaries:
             f"KUBEBUILDER_ASSETS={assets} does not hold executable etcd and kube-apiserver"
         )
     target = cache_dir()
-    found = _in_dir(target)
+    found = _in_dir(target, stamped=True)
     if found:
         return found
     started = time.monotonic()
     _say(log, f"opgate: building kube-apiserver {KUBERNETES_VERSION} and etcd {ETCD_VERSION} "
               f"into {target} (once; later runs reuse it)")
     build(target)
-    found = _in_dir(target)
+    found = _in_dir(target, stamped=True)
     if not found:
         raise BinariesUnavailable(f"the build finished but {target} lacks the binaries")
     _say(log, f"opgate: built in {time.monotonic() - started:.0f}s, cached at {target}")
     return found
 
 
-def _in_dir(path: Path) -> KubeBinaries | None:
+def _in_dir(path: Path, *, stamped: bool = False) -> KubeBinaries | None:
     etcd, apiserver = path / "etcd", path / "kube-apiserver"
+    if stamped:
+        try:
+            if (path / _STAMP).read_text().strip() != RECIPE:
+                return None
+        except OSError:
+            return None
     if all(p.is_file() and os.access(p, os.X_OK) for p in (etcd, apiserver)):
         return KubeBinaries(etcd=etcd, kube_apiserver=apiserver)
     return None
@@ -115,8 +124,10 @@ def build(target: Path) -> None:
         _build_apiserver(work / "apiserver", out)
         _build_etcd(work / "etcd", out)
         staged = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
+        staged.chmod(0o755)
         for name in ("etcd", "kube-apiserver"):
             shutil.move(str(out / name), staged / name)
+        (staged / _STAMP).write_text(RECIPE + "\n")
         if target.exists():
             shutil.rmtree(target)
         staged.rename(target)
@@ -134,8 +145,20 @@ def _build_apiserver(mod: Path, out: Path) -> None:
     lines += [f"replace {name} => {name} {minor}" for name in staging]
     (mod / "go.mod").write_text("\n".join(lines) + "\n")
     _go(["get", f"k8s.io/kubernetes/cmd/kube-apiserver@{KUBERNETES_VERSION}"], cwd=mod)
-    _go(["build", "-trimpath", "-ldflags=-s -w", "-o", str(out / "kube-apiserver"),
+    _go(["build", "-trimpath", f"-ldflags=-s -w {_version_ldflags()}",
+         "-o", str(out / "kube-apiserver"),
          "k8s.io/kubernetes/cmd/kube-apiserver"], cwd=mod)
+
+
+def _version_ldflags() -> str:
+    """What kube's own build stamps in (hack/lib/version.sh), so that ``/version`` reports
+    v1.35.4, not v0.0.0-master: helm and kubectl compare it."""
+    major, minor = KUBERNETES_VERSION.lstrip("v").split(".")[:2]
+    values = {"gitVersion": KUBERNETES_VERSION, "gitMajor": major, "gitMinor": minor,
+              "gitTreeState": "clean", "buildDate": "1970-01-01T00:00:00Z"}
+    return " ".join(f"-X '{pkg}.{key}={value}'" for pkg in (
+        "k8s.io/component-base/version", "k8s.io/client-go/pkg/version")
+        for key, value in values.items())
 
 
 def _build_etcd(mod: Path, out: Path) -> None:

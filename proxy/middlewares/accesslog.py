@@ -2,7 +2,7 @@
 
 Fields: time, trace id, verb, group/resource, namespace/name, code, decision, duration, bytes in
 and out, the custom-resource instance the controller named (``Opgate-Instance``), and the user
-when a middleware verified one. Never a token, never a header value.
+when a middleware verified one. Never a token nor any other header value.
 """
 
 from __future__ import annotations
