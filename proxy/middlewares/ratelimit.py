@@ -1,0 +1,314 @@
+"""The rate-limit middleware: ``spec.rateLimits`` rules decided by a shared GCRA store.
+
+Every rule that matches a call names a bucket (its key template rendered for the call) and the
+call must pass all of them, decided in one atomic store call; a call that matches no rule costs
+a dict lookup and no store call. Rules are bound to their policy once per :class:`PolicySet`
+(mode, failure, metric children), so the hot path only matches and decides.
+
+Watches are counted once, when they start; other long-running calls (exec, attach,
+port-forward, log, proxy) only when a rule spells them out (``pods/exec``, ``*/log``). Over the
+limit, ``onExceed: reject`` answers 429 (integer ``Retry-After``, ``details.retryAfterSeconds``,
+``RateLimit-*`` headers) and ``wait`` queues the call (FIFO per bucket, at most ``maxQueue``)
+until a token is free or ``maxWait`` has passed. A ``dryrun`` rule never rejects: it counts,
+logs and adds a ``Warning``. When the store cannot answer, ``failure: open`` rules are decided
+in-process (see :mod:`proxy.stores.breaker`) and ``failure: closed`` rules answer 503. Admitted
+calls get ``RateLimit-*`` headers too: the verdict is already at hand, so they cost three tuples.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from proxy.engine import telemetry
+from proxy.engine.context import Decision, Deny, RequestContext
+from proxy.engine.status import service_unavailable, too_many_requests
+from proxy.middlewares.ratelimit_spec import (
+    INSTANCE_HEADER,
+    SECTION,
+    InstanceOverrides,
+    MemoryInstanceOverrides,
+    RateLimitRule,
+    header_instance,
+    parse_section,
+)
+from proxy.stores.base import BucketRequest, KeyVerdict, Store, StoreUnavailable, Verdict
+
+__all__ = ["SECTION", "InstanceOverrides", "MemoryInstanceOverrides", "RateLimit",
+           "header_instance", "parse_section"]
+
+log = logging.getLogger("opgate.ratelimit")
+
+RESULTS = ("allowed", "denied", "waited", "dryrun", "unavailable", "fallback")
+
+
+@dataclass(frozen=True, slots=True)
+class _Bound:
+    """A rule bound to its policy for one PolicySet."""
+
+    rule: RateLimitRule
+    policy: str
+    where: str
+    dryrun: bool
+    fail_open: bool
+    per_user: bool
+    prefix: str
+    counters: Mapping[str, Any]
+
+
+class _Plan:
+    __slots__ = ("_by_verb", "needs_instance", "rules")
+
+    def __init__(self, rules: tuple[_Bound, ...]) -> None:
+        self.rules = rules
+        self.needs_instance = any("instance" in b.rule.key.fields for b in rules)
+        self._by_verb: dict[str, tuple[_Bound, ...]] = {}
+
+    def candidates(self, verb: str) -> tuple[_Bound, ...]:
+        found = self._by_verb.get(verb)
+        if found is None:
+            found = tuple(b for b in self.rules if b.rule.match.verbs.matches(verb))
+            if len(self._by_verb) < 256:
+                self._by_verb[verb] = found
+        return found
+
+
+def _bind(section: Sequence[tuple[Any, object]]) -> _Plan:
+    bound: list[_Bound] = []
+    counters: dict[str, dict[str, Any]] = {}
+    for policy, rules in section:
+        per_policy = counters.setdefault(policy.name, {
+            r: telemetry.RATELIMIT_DECISIONS.labels(policy.name, r) for r in RESULTS})
+        for rule in rules:  # type: ignore[attr-defined]
+            bound.append(_Bound(
+                rule=rule, policy=policy.name, where=rule.source or policy.source,
+                dryrun=(rule.mode or policy.mode) == "dryrun",
+                fail_open=(rule.failure or policy.failure) == "open",
+                per_user="user" in rule.key.fields, prefix=f"{policy.name}/{rule.name}/",
+                counters=per_policy))
+    return _Plan(tuple(bound))
+
+
+def _or_dash(value: str) -> str:
+    return value or "-"
+
+
+class RateLimit:
+    name = "ratelimit"
+    needs_body = False
+    fail_open = False
+
+    def __init__(
+        self, *, store: Store, overrides: InstanceOverrides | None = None,
+        instance_resolver: Callable[[RequestContext], str | None] = header_instance,
+    ) -> None:
+        self.store = store
+        self.overrides: InstanceOverrides = overrides or MemoryInstanceOverrides()
+        self.instance_resolver = instance_resolver
+        self._plan_for: object = None
+        self._plan = _Plan(())
+        self._queues: dict[str, deque[asyncio.Future[None]]] = {}
+
+    def _plan_of(self, policies: Any) -> _Plan:
+        if policies is not self._plan_for:
+            self._plan = _bind(policies.section(SECTION))
+            self._plan_for = policies  # held: identity stays meaningful
+        return self._plan
+
+    async def entry(self, ctx: RequestContext) -> Decision | None:
+        plan = self._plan_of(ctx.policies)
+        if not plan.rules:
+            return None
+        info = ctx.info
+        verb = info.policy_verb
+        candidates = plan.candidates(verb)
+        if not candidates:
+            return None
+        user = ctx.user
+        skip_long = info.is_long_running and info.verb != "watch"
+        matched = [b for b in candidates if b.rule.match.matches(info, verb, user)
+                   and (not skip_long or b.rule.match.names(info))]
+        if not matched:
+            return None
+        values = {"user": _or_dash(user), "verb": verb, "group": _or_dash(info.api_group),
+                  "resource": _or_dash(info.resource), "namespace": _or_dash(info.namespace),
+                  "name": _or_dash(info.name), "instance": "-"}
+        if plan.needs_instance:
+            instance = self.instance_resolver(ctx)
+            if instance:
+                values["instance"] = instance
+                ctx.drop_request_headers.add(INSTANCE_HEADER.lower())
+        enforce = [b for b in matched if not b.dryrun]
+        if len(enforce) < len(matched):
+            await self._dryrun(ctx, [b for b in matched if b.dryrun], values)
+        if not enforce:
+            return None
+        return await self._enforce(ctx, enforce, [self._bucket(b, values) for b in enforce])
+
+    def _bucket(self, b: _Bound, values: dict[str, str]) -> BucketRequest:
+        rule, rate = b.rule, b.rule.qps
+        if rule.instance_annotation and values["instance"] != "-":
+            namespace, _, rest = values["instance"].partition("/")
+            kind, _, name = rest.partition("/")
+            own = self.overrides.get(namespace, kind, name, rule.instance_annotation)
+            if own is not None and own > 0:
+                rate = min(own, rule.max_qps)
+        return BucketRequest(
+            key=b.prefix + rule.key.render(values), rate=rate, burst=rule.burst,
+            shard=values["user"] if b.per_user else "", lease=rule.lease, fail_open=b.fail_open)
+
+    async def _acquire(self, rules: list[_Bound], requests: list[BucketRequest]) -> Verdict:
+        try:
+            return await self.store.acquire(requests)
+        except StoreUnavailable:  # a bare backend without the breaker
+            keys = tuple(KeyVerdict(allowed=b.fail_open, remaining=0) for b in rules)
+            ok = all(b.fail_open for b in rules)
+            return Verdict(allowed=ok, keys=keys, backend="fallback", unavailable=not ok)
+
+    async def _enforce(
+        self, ctx: RequestContext, rules: list[_Bound], requests: list[BucketRequest]
+    ) -> Decision | None:
+        if self._queues:  # FIFO: a call for a bucket with waiters queues behind them
+            for b, r in zip(rules, requests, strict=True):
+                if r.key in self._queues and b.rule.on_exceed == "wait":
+                    return await self._wait(ctx, rules, requests, None, [rules.index(b)])
+        verdict = await self._acquire(rules, requests)
+        if verdict.allowed:
+            self._admit(ctx, rules, verdict, "allowed")
+            return None
+        if verdict.unavailable:
+            return self._unavailable(ctx, rules, verdict)
+        denied = [i for i, k in enumerate(verdict.keys) if not k.allowed]
+        if all(rules[i].rule.on_exceed == "wait" for i in denied):
+            return await self._wait(ctx, rules, requests, verdict, denied)
+        return self._reject(ctx, rules, verdict)
+
+    def _admit(
+        self, ctx: RequestContext, rules: list[_Bound], verdict: Verdict, result: str
+    ) -> None:
+        if verdict.backend == "fallback" and result == "allowed":
+            result = "fallback"
+        if len(rules) == 1:  # the common case, without the bookkeeping below
+            rules[0].counters[result].inc()
+            index = 0
+        else:
+            for counters in {b.policy: b.counters for b in rules}.values():
+                counters[result].inc()
+            index = min(range(len(rules)), key=lambda i: verdict.keys[i].remaining)
+        k = verdict.keys[index]
+        ctx.response_headers.extend(_headers(rules[index].rule.burst, k.remaining, k.reset))
+
+    def _reject(self, ctx: RequestContext, rules: list[_Bound], verdict: Verdict) -> Deny:
+        index = max(range(len(rules)), key=lambda i: (not verdict.keys[i].allowed,
+                                                     verdict.keys[i].retry_after))
+        b, k = rules[index], verdict.keys[index]
+        for denied in {r.policy: r.counters for r, v in zip(rules, verdict.keys, strict=True)
+                       if not v.allowed}.values():
+            denied["denied"].inc()
+        retry = max(1, math.ceil(verdict.retry_after))
+        log.debug("rate limit %s/%s rejects %s %s (retry after %ds)", b.policy, b.rule.name,
+                  ctx.method, ctx.path, retry)
+        status = too_many_requests(
+            f'opgate: rate limit "{b.rule.name}" of policy "{b.policy}" ({b.where}) exceeded: '
+            f"{_num(b.rule.qps)} requests/s, burst {b.rule.burst}; retry after {retry}s",
+            retry_after=retry, extra_headers=_headers(b.rule.burst, k.remaining, retry))
+        return Deny(status, "throttled")
+
+    def _unavailable(self, ctx: RequestContext, rules: list[_Bound], verdict: Verdict) -> Deny:
+        closed = [b for b in rules if not b.fail_open]
+        for counters in {b.policy: b.counters for b in closed}.values():
+            counters["unavailable"].inc()
+        b = closed[0]
+        return Deny(service_unavailable(
+            f'opgate: the rate-limit store is unavailable and rate limit "{b.rule.name}" of '
+            f'policy "{b.policy}" ({b.where}) fails closed; retry later'), "unavailable")
+
+    async def _wait(
+        self, ctx: RequestContext, rules: list[_Bound], requests: list[BucketRequest],
+        verdict: Verdict | None, waiting_on: list[int],
+    ) -> Decision | None:
+        """Queue behind earlier waiters for the same bucket, then retry until ``maxWait``."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + min(rules[i].rule.max_wait for i in waiting_on)
+        qkey = requests[waiting_on[0]].key
+        queue = self._queues.setdefault(qkey, deque())
+        if len(queue) >= min(rules[i].rule.max_queue for i in waiting_on):
+            return self._reject(ctx, rules, verdict or _queued(requests, waiting_on, len(queue)))
+        turn: asyncio.Future[None] = loop.create_future()
+        queue.append(turn)
+        if len(queue) == 1:
+            turn.set_result(None)
+        try:
+            if not turn.done():
+                try:
+                    await asyncio.wait_for(asyncio.shield(turn), max(0.0, deadline - loop.time()))
+                except TimeoutError:
+                    return self._reject(ctx, rules, _queued(requests, waiting_on, len(queue)))
+                verdict = None  # our turn: the earlier answer is stale
+            if verdict is None:
+                verdict = await self._acquire(rules, requests)
+            while not verdict.allowed:
+                if verdict.unavailable:
+                    return self._unavailable(ctx, rules, verdict)
+                if loop.time() + verdict.retry_after > deadline:
+                    return self._reject(ctx, rules, verdict)
+                await asyncio.sleep(verdict.retry_after)
+                verdict = await self._acquire(rules, requests)
+            self._admit(ctx, rules, verdict, "waited")
+            return None
+        finally:
+            head = queue[0] is turn
+            queue.remove(turn)
+            if not queue:
+                if self._queues.get(qkey) is queue:
+                    del self._queues[qkey]
+            elif head and not queue[0].done():
+                queue[0].set_result(None)
+
+    async def _dryrun(
+        self, ctx: RequestContext, rules: list[_Bound], values: dict[str, str]
+    ) -> None:
+        verdict = await self._acquire(rules, [self._bucket(b, values) for b in rules])
+        if verdict.allowed:
+            self._admit(ctx, rules, verdict, "allowed")
+            return
+        if verdict.unavailable:
+            b = next(b for b in rules if not b.fail_open)
+            b.counters["unavailable"].inc()
+            ctx.warn(f'rate-limit store unavailable: rate limit "{b.rule.name}" of policy '
+                     f'"{b.policy}" would answer 503 (dryrun)')
+            return
+        retry = max(1, math.ceil(verdict.retry_after))
+        for b, k in zip(rules, verdict.keys, strict=True):
+            if k.allowed:
+                continue
+            telemetry.DRYRUN_DENIALS.labels("ratelimit").inc()
+            b.counters["dryrun"].inc()
+            log.info("dryrun: rate limit %s/%s would reject %s %s (retry after %ds)",
+                     b.policy, b.rule.name, ctx.method, ctx.path, retry)
+            ctx.warn(f'rate limit "{b.rule.name}" of policy "{b.policy}" would reject this call '
+                     f"(dryrun): {_num(b.rule.qps)} requests/s, burst {b.rule.burst}, "
+                     f"retry after {retry}s")
+
+
+def _queued(requests: list[BucketRequest], waiting_on: list[int], ahead: int) -> Verdict:
+    """A denial for a call that never reached the head of its queue (estimated Retry-After)."""
+    keys = tuple(
+        KeyVerdict(allowed=False, remaining=0, retry_after=(ahead + 1) / r.rate)
+        if i in waiting_on else KeyVerdict(allowed=True, remaining=r.burst)
+        for i, r in enumerate(requests))
+    return Verdict(allowed=False, keys=keys)
+
+
+def _num(value: float) -> str:
+    return f"{value:g}"
+
+
+def _headers(limit: int, remaining: int, reset: float) -> tuple[tuple[str, str], ...]:
+    return (("RateLimit-Limit", str(limit)), ("RateLimit-Remaining", str(max(0, remaining))),
+            ("RateLimit-Reset", str(max(0, math.ceil(reset)))))

@@ -1,0 +1,276 @@
+"""``spec.rateLimits``: YAML → immutable, validated rate-limit rules with precompiled matchers.
+
+Parsed once per policy load (never per request). A rule matches on the apiserver's RequestInfo
+(``policy_verb``, API group, ``resource[/subresource]`` with RBAC's rules, namespace) and on the
+verified user; every list accepts ``*`` and shell-style globs (``team-*``). Resource entries
+follow RBAC: ``pods`` is the resource without subresource, ``pods/log`` one subresource,
+``pods/*`` every subresource, ``*/scale`` a subresource of anything and ``*`` everything.
+The ``{instance}`` of a key comes from :func:`header_instance`, and an instance's own qps
+(``instanceAnnotation``) from an :class:`InstanceOverrides`.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Protocol
+
+from proxy.engine.context import RequestContext
+from proxy.engine.requestinfo import RequestInfo
+from proxy.engine.schema import Fields, Located, PolicyError, sequence
+
+__all__ = ["INSTANCE_HEADER", "PLACEHOLDERS", "InstanceOverrides", "KeyTemplate", "Match",
+           "MemoryInstanceOverrides", "Patterns", "RateLimitRule", "header_instance",
+           "parse_section"]
+
+SECTION = "rateLimits"
+INSTANCE_HEADER = "Opgate-Instance"
+PLACEHOLDERS = ("user", "verb", "group", "resource", "namespace", "name", "instance")
+_PLACEHOLDER = re.compile(r"\{([^{}]*)\}")
+_GLOB_CHARS = frozenset("*?[")
+_NAME = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?")
+
+
+@dataclass(frozen=True, slots=True)
+class Patterns:
+    """A list of literal names and globs; empty or containing ``*`` matches anything."""
+
+    any: bool = True
+    literals: frozenset[str] = frozenset()
+    regex: re.Pattern[str] | None = None
+
+    @classmethod
+    def of(cls, items: tuple[str, ...]) -> Patterns:
+        if not items or "*" in items:
+            return cls()
+        globs = [i for i in items if _GLOB_CHARS & set(i)]
+        regex = re.compile("|".join(fnmatch.translate(g) for g in globs)) if globs else None
+        return cls(any=False, literals=frozenset(i for i in items if i not in globs), regex=regex)
+
+    def matches(self, value: str) -> bool:
+        return self.any or value in self.literals or (
+            self.regex is not None and self.regex.match(value) is not None)
+
+
+@dataclass(frozen=True, slots=True)
+class Match:
+    """What a rule applies to. ``named`` = subresources and verbs spelled out literally, the only
+    way long-running calls (exec, attach, port-forward, log, proxy) are rate limited."""
+
+    verbs: Patterns = Patterns()
+    groups: Patterns = Patterns()
+    resources: Patterns = Patterns()
+    namespaces: Patterns = Patterns()
+    users: Patterns = Patterns()
+    named: frozenset[str] = frozenset()
+
+    def matches(self, info: RequestInfo, verb: str, user: str) -> bool:
+        if not (self.verbs.matches(verb) and self.users.matches(user)):
+            return False
+        if not info.is_resource_request:  # /api, /healthz …: only rules about verbs and users
+            return self.groups.any and self.resources.any and self.namespaces.any
+        resource = f"{info.resource}/{info.subresource}" if info.subresource else info.resource
+        return (self.groups.matches(info.api_group) and self.resources.matches(resource)
+                and self.namespaces.matches(info.namespace))
+
+    def names(self, info: RequestInfo) -> bool:
+        """Whether the rule spells out this long-running call (``pods/exec``, ``*/log``)."""
+        return (info.subresource or info.verb) in self.named
+
+
+@dataclass(frozen=True, slots=True)
+class KeyTemplate:
+    """``"{user}/{instance}"`` split into literal text and placeholders, validated at load."""
+
+    text: str
+    pieces: tuple[tuple[str, str], ...]  # (literal, placeholder or "")
+
+    @property
+    def fields(self) -> frozenset[str]:
+        return frozenset(p for _, p in self.pieces if p)
+
+    def render(self, values: dict[str, str]) -> str:
+        return "".join(lit + (values[p] if p else "") for lit, p in self.pieces)
+
+
+@dataclass(frozen=True, slots=True)
+class RateLimitRule:
+    """One validated entry of ``spec.rateLimits``. ``mode``/``failure`` ``None`` = the policy's."""
+
+    name: str
+    match: Match
+    key: KeyTemplate
+    qps: float
+    burst: int
+    on_exceed: str = "reject"
+    max_wait: float = 2.0
+    max_queue: int = 100
+    mode: str | None = None
+    failure: str | None = None
+    instance_annotation: str = ""
+    max_qps: float = 0.0
+    lease: bool = False
+    source: str = ""
+
+
+def parse_key(text: str, node: Located, what: str, errors: list[PolicyError]) -> KeyTemplate:
+    pieces: list[tuple[str, str]] = []
+    pos = 0
+    for m in _PLACEHOLDER.finditer(text):
+        literal = text[pos:m.start()]
+        if "{" in literal or "}" in literal:
+            errors.append(node.error(f'{what}: unbalanced brace in key template "{text}"'))
+        if m.group(1) not in PLACEHOLDERS:
+            errors.append(node.error(
+                f'{what}: unknown placeholder {{{m.group(1)}}} in key template "{text}" '
+                f"(known: {', '.join('{' + p + '}' for p in PLACEHOLDERS)})"))
+        pieces.append((literal, m.group(1)))
+        pos = m.end()
+    tail = text[pos:]
+    if "{" in tail or "}" in tail:
+        errors.append(node.error(f'{what}: unbalanced brace in key template "{text}"'))
+    if tail:
+        pieces.append((tail, ""))
+    return KeyTemplate(text, tuple(pieces))
+
+
+def _patterns(f: Fields, key: str, errors: list[PolicyError]) -> tuple[str, ...]:
+    items = f.str_list(key)
+    for item in items:
+        if not item and key not in ("groups", "namespaces"):  # "" = core group / cluster scope
+            f.fail(key, 'an empty entry matches nothing (use "*" for anything)')
+        elif "[" in item and "]" not in item:
+            f.fail(key, f'"{item}" is not a valid glob (unclosed "[")')
+    return items
+
+
+def parse_match(node: Located | None, what: str, errors: list[PolicyError]) -> Match:
+    if node is None:
+        return Match()
+    f = Fields(node, what=what, errors=errors)
+    verbs = _patterns(f, "verbs", errors)
+    groups = _patterns(f, "groups", errors)
+    api_groups = f.str_list("apiGroups")
+    if groups and api_groups:
+        f.fail("apiGroups", 'use either "groups" or its alias "apiGroups", not both')
+    groups = groups or api_groups
+    resources = _patterns(f, "resources", errors)
+    namespaces = _patterns(f, "namespaces", errors)
+    users = _patterns(f, "users", errors)
+    f.finish()
+    named = {r.split("/", 1)[1] for r in resources if "/" in r}
+    named.update(verbs)
+    named = {n for n in named if not _GLOB_CHARS & set(n)}
+    return Match(verbs=Patterns.of(verbs), groups=Patterns.of(groups),
+                 resources=Patterns.of(resources), namespaces=Patterns.of(namespaces),
+                 users=Patterns.of(users), named=frozenset(named))
+
+
+def parse_rule(node: Located, what: str, errors: list[PolicyError]) -> RateLimitRule | None:
+    f = Fields(node, what=what, errors=errors)
+    if not f.ok:
+        return None
+    before = len(errors)
+    name = f.str("name", required=True) or ""
+    if name and not _NAME.fullmatch(name):
+        f.fail("name", f'"{name}" must be letters, digits, "-", "_" or "." (it is part of keys)')
+    match = parse_match(f.node("match"), f"{what}.match", errors)
+    key_text = f.str("key", default="{user}") or "{user}"
+    key_node = f.node("key") or node
+    key = parse_key(key_text, key_node, f.path("key"), errors)
+    qps = f.number("qps", required=True, minimum=0)
+    if qps is not None and qps <= 0:
+        f.fail("qps", f"must be greater than 0 (got {qps})")
+    burst = f.int("burst", minimum=1)
+    on_exceed = f.str("onExceed", default="reject", choices=("reject", "wait")) or "reject"
+    max_wait = f.duration("maxWait", default=2.0)
+    max_queue = f.int("maxQueue", default=100, minimum=1)
+    mode = f.str("mode", choices=("enforce", "dryrun"))
+    failure = f.str("failure", choices=("open", "closed"))
+    annotation = f.str("instanceAnnotation", default="") or ""
+    max_qps = f.number("maxQps", minimum=0)
+    if max_qps is not None and max_qps <= 0:
+        f.fail("maxQps", f"must be greater than 0 (got {max_qps})")
+    if max_qps is not None and not annotation:
+        f.fail("maxQps", 'only applies with "instanceAnnotation"')
+    if annotation and "instance" not in key.fields:
+        f.fail("instanceAnnotation", 'needs "{instance}" in the key (one bucket per instance)')
+    lease = f.bool("lease", default=False)
+    f.finish()
+    if len(errors) > before or qps is None or qps <= 0:
+        return None
+    return RateLimitRule(
+        name=name, match=match, key=key, qps=qps,
+        burst=burst if burst is not None else max(1, math.ceil(qps)),
+        on_exceed=on_exceed, max_wait=max_wait if max_wait is not None else 2.0,
+        max_queue=max_queue or 100, mode=mode, failure=failure,
+        instance_annotation=annotation, max_qps=max_qps or qps, lease=lease,
+        source=node.where(),
+    )
+
+
+def parse_section(node: Located, errors: list[PolicyError]) -> tuple[RateLimitRule, ...]:
+    """The ``SectionParser`` for ``spec.rateLimits`` (a list of rules, names unique)."""
+    rules: list[RateLimitRule] = []
+    seen: dict[str, str] = {}
+    for index, item in enumerate(sequence(node, what=f"spec.{SECTION}", errors=errors)):
+        rule = parse_rule(item, f"spec.{SECTION}[{index}]", errors)
+        if rule is None:
+            continue
+        if rule.name in seen:
+            errors.append(item.error(
+                f'spec.{SECTION}[{index}]: duplicate rule name "{rule.name}" '
+                f"(also at {seen[rule.name]})"))
+            continue
+        seen[rule.name] = rule.source
+        rules.append(rule)
+    return tuple(rules)
+
+
+# --- {instance}: which custom-resource instance a call is for, and its own qps --------------
+
+
+class InstanceOverrides(Protocol):
+    """A CR instance's own qps from its annotation (``None``: no valid override)."""
+
+    def get(self, namespace: str, kind: str, name: str, annotation: str) -> float | None: ...
+
+
+class MemoryInstanceOverrides:
+    """Annotations per instance, set by hand or (later) by a watch on the operator's CRs."""
+
+    def __init__(self) -> None:
+        self._annotations: dict[tuple[str, str, str], Mapping[str, str]] = {}
+
+    def set(self, namespace: str, kind: str, name: str, annotations: Mapping[str, str]) -> None:
+        self._annotations[(namespace, kind, name)] = dict(annotations)
+
+    def delete(self, namespace: str, kind: str, name: str) -> None:
+        self._annotations.pop((namespace, kind, name), None)
+
+    def get(self, namespace: str, kind: str, name: str, annotation: str) -> float | None:
+        raw = self._annotations.get((namespace, kind, name), {}).get(annotation)
+        try:
+            value = float(raw) if raw is not None else None
+        except ValueError:
+            return None
+        return value if value is not None and math.isfinite(value) and value > 0 else None
+
+
+def header_instance(ctx: RequestContext) -> str | None:
+    """``<namespace>/<kind>/<name>`` from the ``Opgate-Instance`` header, when well formed.
+
+    The seam for the other sources of DESIGN.md (the controlling ownerReference of a create or
+    update body, the object itself when it is of a watched CR kind): a resolver with this
+    signature, passed as ``RateLimit(instance_resolver=…)``.
+    """
+    value = ctx.headers.get(INSTANCE_HEADER)
+    if not value:
+        return None
+    parts = value.strip().split("/")
+    if len(parts) != 3 or not parts[1] or not parts[2] or len(value) > 600:
+        return None
+    return "/".join(parts)

@@ -1,0 +1,172 @@
+"""The storage protocol the rate limiter decides through, shared by every backend.
+
+A rate-limit decision is one call, :meth:`Store.acquire`, over all the buckets a request must pass
+(one per matching rule). It is all-or-nothing: when any bucket denies, no bucket is charged. The
+algorithm is GCRA ("virtual scheduling"), kept as one number per bucket: the theoretical arrival
+time (TAT) in integer microseconds. :func:`gcra_step` is the reference arithmetic; the Redis
+script ``gcra.lua`` performs exactly the same operations on the same IEEE doubles, so the
+in-process and the Redis backends agree decision for decision (the table tests check it).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+__all__ = [
+    "BucketRequest",
+    "KeyVerdict",
+    "Store",
+    "StoreUnavailable",
+    "Verdict",
+    "decide",
+    "gcra_step",
+    "interval_us",
+]
+
+US = 1_000_000
+
+
+class StoreUnavailable(Exception):
+    """The backend could not answer (connection refused, timeout, circuit open)."""
+
+
+@dataclass(frozen=True, slots=True)
+class BucketRequest:
+    """Take ``cost`` tokens from the bucket ``key`` (``rate`` tokens/s, at most ``burst`` saved).
+
+    ``shard`` is the hash tag: requests of one call with the same shard are decided in one atomic
+    backend call (Redis Cluster puts them in one slot). ``extra`` asks for up to that many more
+    tokens when plenty are left (token leasing; see :mod:`proxy.stores.lease`). ``lease`` lets the
+    leasing layer serve this key from local tokens; ``fail_open`` says what happens while the
+    shared store is down: an in-process bucket (True) or "unavailable" (False).
+    """
+
+    key: str
+    rate: float
+    burst: int
+    cost: int = 1
+    shard: str = ""
+    extra: int = 0
+    lease: bool = False
+    fail_open: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class KeyVerdict:
+    """One bucket's answer. Times in seconds; ``granted`` = extra (leased) tokens taken."""
+
+    allowed: bool
+    remaining: int
+    retry_after: float = 0.0
+    reset: float = 0.0
+    granted: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """The answer for a whole call: ``keys`` in the order of the requests.
+
+    ``unavailable`` means the store could not answer for a ``fail_open=False`` request; the
+    caller rejects with 503. ``backend`` is ``redis``, ``local``, ``lease`` or ``fallback``.
+    """
+
+    allowed: bool
+    keys: tuple[KeyVerdict, ...]
+    backend: str = "local"
+    unavailable: bool = False
+
+    @property
+    def retry_after(self) -> float:
+        """Seconds until every denying bucket would admit the call (0 when allowed)."""
+        return max((k.retry_after for k in self.keys if not k.allowed), default=0.0)
+
+
+@runtime_checkable
+class Store(Protocol):
+    """A rate-limit backend. ``acquire`` never raises for a store outage once wrapped in
+    :class:`proxy.stores.breaker.ResilientStore`; bare backends raise :class:`StoreUnavailable`."""
+
+    async def acquire(self, requests: Sequence[BucketRequest]) -> Verdict: ...
+
+    def health(self) -> dict[str, object]: ...
+
+    async def close(self) -> None: ...
+
+
+def interval_us(rate: float) -> int:
+    """The emission interval (µs between tokens) for ``rate`` tokens/s, at least 1 µs."""
+    return max(1, round(US / rate))
+
+
+def gcra_step(
+    tat: float, now: float, *, interval: float, burst: float, cost: float, extra: float
+) -> tuple[bool, float, float, float, float, float]:
+    """One bucket: ``(allowed, new_tat, granted, remaining, retry_us, reset_us)``.
+
+    Mirrors ``gcra.lua`` operation for operation (doubles holding integers, ``math.floor`` of a
+    quotient). A stored TAT at or before ``now`` is a full bucket, which is why a Redis key may
+    expire as soon as its TAT has passed.
+    """
+    if tat < now:
+        tat = now
+    limit = burst * interval
+    new_tat = tat + cost * interval
+    allow_at = new_tat - limit
+    if allow_at > now:
+        remaining = math.floor((now + limit - tat) / interval)
+        if remaining < 0:
+            remaining = 0
+        return False, tat, 0.0, float(remaining), allow_at - now, tat - now
+    left = math.floor((now - allow_at) / interval)
+    granted = float(math.floor(left / 2))
+    if granted > extra:
+        granted = extra
+    new_tat = new_tat + granted * interval
+    return True, new_tat, granted, float(left - granted), 0.0, new_tat - now
+
+
+def decide(
+    tats: dict[str, float], requests: Sequence[BucketRequest], now: float
+) -> tuple[bool, list[tuple[bool, float, float, float, float]], dict[str, float]]:
+    """All-or-nothing over ``requests`` against ``tats`` (missing key = full bucket).
+
+    Returns ``(allowed, per-key (allowed, granted, remaining, retry_us, reset_us), new tats)``;
+    the caller writes the new TATs only when allowed. A key named twice sees its first charge.
+    """
+    pending: dict[str, float] = {}
+    results: list[tuple[bool, float, float, float, float]] = []
+    allowed = True
+    for r in requests:
+        tat = pending.get(r.key, tats.get(r.key, 0.0))
+        ok, new_tat, granted, remaining, retry, reset = gcra_step(
+            tat, now, interval=interval_us(r.rate), burst=r.burst, cost=r.cost, extra=r.extra
+        )
+        results.append((ok, granted, remaining, retry, reset))
+        if ok:
+            pending[r.key] = new_tat
+        else:
+            allowed = False
+    return allowed, results, pending
+
+
+def verdict_from(
+    allowed: bool, results: Sequence[Sequence[float]], *, backend: str
+) -> Verdict:
+    """Build a :class:`Verdict` from per-key ``(allowed, granted, remaining, retry_us, reset_us)``.
+
+    When the call is denied, the buckets that would have admitted it report no grant.
+    """
+    keys = tuple(
+        KeyVerdict(
+            allowed=bool(ok),
+            remaining=int(remaining),
+            retry_after=retry / US,
+            reset=reset / US,
+            granted=int(granted) if allowed else 0,
+        )
+        for ok, granted, remaining, retry, reset in results
+    )
+    return Verdict(allowed=allowed, keys=keys, backend=backend)

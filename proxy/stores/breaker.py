@@ -1,0 +1,177 @@
+"""What the rate limiter does while the shared store is down, and how it finds its way back.
+
+:class:`ResilientStore` wraps the shared backend with a circuit breaker. Each failed or timed-out
+call counts; after ``failures`` in a row the circuit opens and no request waits on Redis any
+more. While it is open every bucket request follows its rule's ``failure`` setting: ``open``
+rules are decided by an in-process bucket at ``qps / replicas`` (``burst / replicas``), ``closed``
+rules get an "unavailable" verdict (the middleware answers 503). Every ``reset_after`` seconds a
+background ping probes the store (half-open); the first success closes the circuit, with no
+restart of anything. Transitions are logged and counted (``opgate_redis_errors_total``,
+``opgate_ratelimit_backend{backend}``), and :meth:`ResilientStore.health` reports them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from typing import Any
+
+from proxy.engine import telemetry
+from proxy.stores.base import BucketRequest, KeyVerdict, Store, StoreUnavailable, Verdict
+from proxy.stores.memory import MemoryStore
+
+__all__ = ["CircuitBreaker", "ResilientStore", "set_backend_gauge"]
+
+log = logging.getLogger("opgate.ratelimit.store")
+
+BACKENDS = ("redis", "local", "fallback")
+
+
+def set_backend_gauge(active: str) -> None:
+    """``opgate_ratelimit_backend{backend}``: 1 for the backend in use, 0 for the others."""
+    for name in BACKENDS:
+        telemetry.RATELIMIT_BACKEND.labels(name).set(1 if name == active else 0)
+
+
+class CircuitBreaker:
+    """closed → (``failures`` in a row) → open → (``reset_after``) → half-open probe → closed."""
+
+    def __init__(
+        self, *, failures: int = 3, reset_after: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.threshold = max(1, failures)
+        self.reset_after = reset_after
+        self.clock = clock
+        self.state = "closed"
+        self.consecutive = 0
+        self.opened_at = 0.0
+        self.last_error = ""
+        self.trips = 0
+
+    def allows(self) -> bool:
+        return self.state == "closed"
+
+    def probe_due(self) -> bool:
+        """True once per ``reset_after`` while open: the caller runs one probe."""
+        if self.state == "open" and self.clock() - self.opened_at >= self.reset_after:
+            self.state = "half-open"
+            return True
+        return False
+
+    def success(self) -> bool:
+        """Record a success; True when this closed an open circuit."""
+        self.consecutive = 0
+        if self.state != "closed":
+            self.state = "closed"
+            return True
+        return False
+
+    def failure(self, error: str) -> bool:
+        """Record a failure; True when this opened the circuit."""
+        self.consecutive += 1
+        self.last_error = error
+        if self.state == "half-open" or (
+            self.state == "closed" and self.consecutive >= self.threshold
+        ):
+            opened = self.state == "closed"
+            self.state = "open"
+            self.opened_at = self.clock()
+            self.trips += opened
+            return opened
+        return False
+
+
+class ResilientStore:
+    """A shared store behind a circuit breaker, with an in-process fallback for open rules."""
+
+    def __init__(
+        self, primary: Store, *, replicas: int = 1, failures: int = 3, reset_after: float = 1.0,
+        fallback: MemoryStore | None = None, clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.primary = primary
+        self.fallback = fallback or MemoryStore(clock=clock)
+        self.replicas = max(1, replicas)
+        self.breaker = CircuitBreaker(failures=failures, reset_after=reset_after, clock=clock)
+        self._probe: asyncio.Task[None] | None = None
+        set_backend_gauge("redis")
+
+    @property
+    def backend(self) -> str:
+        return "redis" if self.breaker.allows() else "fallback"
+
+    async def acquire(self, requests: Sequence[BucketRequest]) -> Verdict:
+        if self.breaker.allows():
+            try:
+                verdict = await self.primary.acquire(requests)
+            except StoreUnavailable as exc:
+                if self.breaker.failure(str(exc)):
+                    self._opened()
+            else:
+                self.breaker.success()
+                return verdict
+        elif self.breaker.probe_due():
+            self._probe = asyncio.get_running_loop().create_task(self._run_probe())
+        return await self._degraded(requests)
+
+    async def _degraded(self, requests: Sequence[BucketRequest]) -> Verdict:
+        if not all(r.fail_open for r in requests):
+            keys = tuple(KeyVerdict(allowed=r.fail_open, remaining=0) for r in requests)
+            return Verdict(allowed=False, keys=keys, backend="fallback", unavailable=True)
+        local = [
+            replace(r, rate=r.rate / self.replicas, burst=max(1, r.burst // self.replicas),
+                    extra=0, lease=False)
+            for r in requests
+        ]
+        verdict = await self.fallback.acquire(local)
+        return replace(verdict, backend="fallback")
+
+    async def _run_probe(self) -> None:
+        ping = getattr(self.primary, "ping", None)
+        try:
+            ok = bool(await ping()) if ping is not None else True
+        except Exception as exc:  # a probe never takes anything down
+            ok, self.breaker.last_error = False, f"{type(exc).__name__}: {exc}"
+        if ok:
+            self.breaker.success()
+            forget = getattr(self.primary, "forget", None)
+            if forget is not None:
+                forget()
+            set_backend_gauge("redis")
+            log.warning("rate-limit store is back: deciding with Redis again")
+        else:
+            telemetry.REDIS_ERRORS.inc()
+            self.breaker.failure(self.breaker.last_error or "ping failed")
+
+    def _opened(self) -> None:
+        set_backend_gauge("fallback")
+        log.warning(
+            "rate-limit store unavailable after %d failures (%s): failure=open rules use "
+            "in-process buckets at qps/%d, failure=closed rules answer 503; probing every %.1fs",
+            self.breaker.consecutive, self.breaker.last_error, self.replicas,
+            self.breaker.reset_after,
+        )
+
+    def health(self) -> dict[str, object]:
+        b = self.breaker
+        info: dict[str, Any] = {
+            "backend": self.backend,
+            "ok": b.state == "closed",
+            "breaker": b.state,
+            "consecutive_failures": b.consecutive,
+            "trips": b.trips,
+            "last_error": b.last_error,
+            "replicas": self.replicas,
+            "primary": self.primary.health(),
+        }
+        if b.state != "closed":
+            info["degraded_seconds"] = round(b.clock() - b.opened_at, 3)
+        return info
+
+    async def close(self) -> None:
+        if self._probe is not None and not self._probe.done():
+            self._probe.cancel()
+        await self.primary.close()

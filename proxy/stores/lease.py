@@ -1,0 +1,236 @@
+"""Token leasing: serve hot keys from tokens taken ahead from the shared store.
+
+One Redis round trip per request is the price of an exact shared limit. For keys marked
+``lease`` (per rule, or every key with ``lease_all``), a refill asks for the token it needs plus
+up to ``extra`` more, sized from this replica's observed rate (``window`` seconds of demand),
+capped by ``rate·window``, by ``burst / (2·replicas)`` and by ``max_lease``. The script grants
+extras only out of the upper half of what the bucket holds, so near the limit every call takes
+exactly one token and decisions stay exact. Leased tokens were charged in Redis when taken, so
+all replicas together still never admit more than ``burst + qps·t``; what a lease can cost is
+under-admission, bounded by the tokens a replica holds when it stops or when its lease expires
+(``ttl``). Refills run one at a time per key (others wait for it), and a denied key is answered
+locally until its Retry-After (and so is a key whose last token was just taken, until the next
+one is due), so a throttled hot key costs about one Redis call per admitted request and none
+for the requests it rejects.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+
+from proxy.stores.base import US, BucketRequest, KeyVerdict, Store, Verdict, interval_us
+
+__all__ = ["LeasingStore"]
+
+
+@dataclass(slots=True)
+class _Lease:
+    tokens: int = 0
+    expires: float = 0.0
+    remaining: int = 0  # the bucket's remaining tokens after the last refill (for headers)
+    reset_at: float = 0.0
+    hits: int = 0  # requests seen since ``since``, for the rate estimate
+    since: float = 0.0
+    rate: float = 0.0  # estimated local demand, requests/s
+
+
+class LeasingStore:
+    """Wraps a shared store; only requests with ``lease`` (or all, ``lease_all``) are leased."""
+
+    def __init__(
+        self, inner: Store, *, replicas: int = 1, window: float = 0.1, ttl: float = 1.0,
+        max_lease: int = 1000, lease_all: bool = False, clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.inner = inner
+        self.replicas = max(1, replicas)
+        self.window = window
+        self.ttl = ttl
+        self.max_lease = max_lease
+        self.lease_all = lease_all
+        self._clock = clock
+        self._leases: dict[str, _Lease] = {}
+        self._denied: dict[str, tuple[float, KeyVerdict]] = {}
+        self._inflight: dict[str, asyncio.Future[None]] = {}
+        self._next_sweep = 0.0
+        self.local_hits = 0
+
+    @property
+    def backend(self) -> str:
+        return str(getattr(self.inner, "backend", "redis"))
+
+    def _leased(self, r: BucketRequest) -> bool:
+        return r.lease or self.lease_all
+
+    async def acquire(self, requests: Sequence[BucketRequest]) -> Verdict:
+        if not any(self._leased(r) for r in requests):
+            return await self.inner.acquire(requests)
+        while True:
+            now = self._clock()
+            if now >= self._next_sweep:
+                self._sweep(now)
+            cached = self._cached_denial(requests, now)
+            if cached is not None:
+                return cached
+            local, remote = self._reserve(requests, now)
+            if not remote:
+                self.local_hits += 1
+                return self._local_verdict(requests, now)
+            busy = [self._inflight[r.key] for r in remote if r.key in self._inflight]
+            if not busy:
+                return await self._refill(requests, local, remote, now)
+            self._unreserve(requests, local)
+            for r in requests:  # this pass is retried: count its demand once
+                if self._leased(r):
+                    self._leases[r.key].hits -= 1
+            await asyncio.wait([asyncio.shield(f) for f in busy])
+
+    def _cached_denial(self, requests: Sequence[BucketRequest], now: float) -> Verdict | None:
+        hit = False
+        keys: list[KeyVerdict] = []
+        for r in requests:
+            entry = self._denied.get(r.key) if self._leased(r) else None
+            if entry is not None and entry[0] > now:
+                hit = True
+                keys.append(replace(entry[1], retry_after=entry[0] - now))
+            else:
+                if entry is not None:
+                    del self._denied[r.key]
+                keys.append(KeyVerdict(allowed=True, remaining=r.burst))
+        return Verdict(allowed=False, keys=tuple(keys), backend="lease") if hit else None
+
+    def _reserve(
+        self, requests: Sequence[BucketRequest], now: float
+    ) -> tuple[list[int], list[BucketRequest]]:
+        """Take local tokens where a live lease has enough; the rest must ask the store."""
+        local: list[int] = []
+        remote: list[BucketRequest] = []
+        for index, r in enumerate(requests):
+            if not self._leased(r):
+                remote.append(r)
+                continue
+            lease = self._leases.get(r.key)
+            if lease is None:
+                lease = self._leases[r.key] = _Lease(since=now)
+            lease.hits += 1
+            if lease.expires <= now:
+                lease.tokens = 0
+            if lease.tokens >= r.cost:
+                lease.tokens -= r.cost
+                local.append(index)
+            else:
+                remote.append(r)
+        return local, remote
+
+    def _unreserve(self, requests: Sequence[BucketRequest], local: list[int]) -> None:
+        for index in local:
+            r = requests[index]
+            self._leases.setdefault(r.key, _Lease()).tokens += r.cost
+
+    def _extra(self, r: BucketRequest, now: float) -> int:
+        lease = self._leases.setdefault(r.key, _Lease(since=now))
+        elapsed = now - lease.since
+        if elapsed > 0:
+            observed = lease.hits / elapsed
+            lease.rate = observed if lease.rate == 0 else 0.5 * lease.rate + 0.5 * observed
+        lease.hits, lease.since = 0, now
+        size = min(
+            math.ceil(lease.rate * self.window),
+            math.floor(r.rate * self.window),
+            math.floor(r.burst / (2 * self.replicas)),
+            self.max_lease,
+        )
+        return max(0, size - r.cost)
+
+    async def _refill(
+        self, requests: Sequence[BucketRequest], local: list[int],
+        remote: list[BucketRequest], now: float,
+    ) -> Verdict:
+        loop = asyncio.get_running_loop()
+        mine: dict[str, asyncio.Future[None]] = {}
+        asked: list[BucketRequest] = []
+        for r in remote:
+            if self._leased(r):
+                mine[r.key] = self._inflight[r.key] = loop.create_future()
+                asked.append(replace(r, extra=self._extra(r, now)))
+            else:
+                asked.append(r)
+        try:
+            verdict = await self.inner.acquire(asked)
+        except BaseException:
+            self._unreserve(requests, local)
+            raise
+        finally:
+            for key, future in mine.items():
+                del self._inflight[key]
+                future.set_result(None)
+        return self._merge(requests, local, asked, verdict)
+
+    def _merge(
+        self, requests: Sequence[BucketRequest], local: list[int],
+        asked: list[BucketRequest], verdict: Verdict,
+    ) -> Verdict:
+        now = self._clock()
+        answers = dict(zip((r.key for r in asked), verdict.keys, strict=True))
+        if not verdict.allowed:
+            self._unreserve(requests, local)
+            for r in asked:
+                answer = answers[r.key]
+                if self._leased(r) and not answer.allowed and answer.retry_after > 0:
+                    self._denied[r.key] = (now + answer.retry_after, answer)
+            keys = tuple(answers.get(r.key, KeyVerdict(True, r.burst)) for r in requests)
+            return replace(verdict, keys=keys)
+        for r in asked:
+            answer = answers[r.key]
+            if self._leased(r):
+                lease = self._leases.setdefault(r.key, _Lease(since=now))
+                lease.tokens += answer.granted
+                lease.expires = now + self.ttl
+                lease.remaining = answer.remaining
+                lease.reset_at = now + answer.reset
+                if answer.remaining <= 0 and lease.tokens < r.cost:
+                    # that was the last token: the next one is a known time away (the same
+                    # retry-after the store would answer), so don't ask before then
+                    wait = answer.reset - (r.burst - 1) * interval_us(r.rate) / US
+                    if wait > 0:
+                        self._denied[r.key] = (now + wait, KeyVerdict(False, 0, wait, answer.reset))
+        keys = tuple(
+            answers[r.key] if r.key in answers else self._lease_verdict(r, now) for r in requests
+        )
+        return replace(verdict, keys=keys)
+
+    def _lease_verdict(self, r: BucketRequest, now: float) -> KeyVerdict:
+        lease = self._leases.get(r.key) or _Lease()
+        return KeyVerdict(allowed=True, remaining=lease.remaining + lease.tokens,
+                          reset=max(0.0, lease.reset_at - now))
+
+    def _local_verdict(self, requests: Sequence[BucketRequest], now: float) -> Verdict:
+        return Verdict(allowed=True, keys=tuple(self._lease_verdict(r, now) for r in requests),
+                       backend="lease")
+
+    def _sweep(self, now: float) -> None:
+        """Forget idle leases and lapsed denials so memory follows the set of hot keys."""
+        idle = now - 10 * self.ttl
+        self._leases = {k: v for k, v in self._leases.items()
+                        if v.expires > now or v.since > idle or k in self._inflight}
+        self._denied = {k: v for k, v in self._denied.items() if v[0] > now}
+        self._next_sweep = now + 5 * self.ttl
+
+    def forget(self) -> None:
+        """Drop every lease and cached denial (after an outage: the store's view wins again)."""
+        self._leases.clear()
+        self._denied.clear()
+
+    async def ping(self) -> bool:
+        ping = getattr(self.inner, "ping", None)
+        return bool(await ping()) if ping is not None else True
+
+    def health(self) -> dict[str, object]:
+        inner = self.inner.health()
+        return {**inner, "leased_keys": len(self._leases), "throttled_keys": len(self._denied)}
+
+    async def close(self) -> None:
+        await self.inner.close()

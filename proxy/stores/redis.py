@@ -1,0 +1,251 @@
+"""The shared rate-limit backend: GCRA buckets in Redis, one Lua script call per decision.
+
+Every replica of an operator asks the same Redis, so a limit holds for the operator as a whole.
+One decision is one ``EVALSHA`` of ``gcra.lua`` (redis-py's ``register_script`` loads it once and
+re-loads it on ``NOSCRIPT``) over all the call's buckets; the script reads Redis ``TIME``, so the
+replicas' clocks never matter, and sets each key to expire when its TAT has passed (a missing key
+is a full bucket). Keys are ``<prefix>{<shard>}:<key>``: the hash tag keeps all buckets of one
+call in one Redis Cluster slot, so they are decided in one atomic script call. Should a call
+span several shards (only in Cluster mode), shards are decided one after the other and the
+tokens of earlier shards are given back when a later one denies.
+
+Connections come from a URL: ``redis://`` / ``rediss://`` (TLS) / ``unix://``, Cluster with
+``redis+cluster://`` / ``rediss+cluster://``, Sentinel with
+``redis+sentinel://[:password@]host:port[,host:port]/mastername[/db]`` (``rediss+sentinel`` for
+TLS). Every call is bounded by ``timeout``; a failure raises :class:`StoreUnavailable` (the
+breaker in :mod:`proxy.stores.breaker` decides what then happens).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.resources
+import logging
+from collections.abc import Sequence
+from typing import Any
+from urllib.parse import parse_qs, unquote, urlsplit
+
+from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.retry import Retry
+from redis.asyncio.sentinel import Sentinel
+from redis.backoff import NoBackoff
+from redis.exceptions import RedisError
+
+from proxy.engine import telemetry
+from proxy.stores.base import BucketRequest, StoreUnavailable, Verdict, interval_us, verdict_from
+
+__all__ = ["SCRIPT", "RedisStore", "connect"]
+
+log = logging.getLogger("opgate.ratelimit.store")
+SCRIPT = importlib.resources.files("proxy.stores").joinpath("gcra.lua").read_text("utf-8")
+DEFAULT_PREFIX = "opgate:rl:"
+WARM_BUDGET = 0.25  # seconds, once per process (see RedisStore._warm_up)
+WARM_CONNECTIONS = 4
+_FIELDS = 5  # per-key values in the script's reply
+
+
+def connect(url: str, *, password: str | None = None, timeout: float = 0.05) -> tuple[Any, bool]:
+    """A redis-py asyncio client for ``url`` and whether it is a Cluster client.
+
+    ``password`` is used when the URL carries none. Clients never retry by themselves (the
+    breaker does), and every socket operation is bounded by ``timeout``.
+    """
+    parts = urlsplit(url)
+    scheme = parts.scheme.lower()
+    common: dict[str, Any] = {
+        "socket_timeout": timeout,
+        "socket_connect_timeout": timeout,
+        "retry": Retry(NoBackoff(), 0),
+    }
+    if password:
+        common["password"] = password
+    if scheme in ("redis+cluster", "rediss+cluster"):
+        plain = scheme.split("+", 1)[0] + url[len(parts.scheme):]
+        return RedisCluster.from_url(plain, **common), True
+    if scheme in ("redis+sentinel", "rediss+sentinel"):
+        return _sentinel_master(url, common), False
+    if scheme in ("redis", "rediss", "unix"):
+        return Redis.from_url(url, **common), False
+    raise ValueError(f"unsupported Redis URL scheme {parts.scheme!r} (redis, rediss, unix, "
+                     "redis+cluster, rediss+cluster, redis+sentinel, rediss+sentinel)")
+
+
+def _sentinel_master(url: str, common: dict[str, Any]) -> Redis:
+    """``redis+sentinel://[:pw@]h1:p1,h2:p2/master[/db][?sentinel_password=…]``."""
+    scheme, rest = url.split("://", 1)
+    netloc, _, tail = rest.partition("/")
+    path, _, query = tail.partition("?")
+    userinfo, at, hosts = netloc.rpartition("@")
+    if not at:
+        hosts, userinfo = netloc, ""
+    nodes: list[tuple[str, int]] = []
+    for item in hosts.split(","):
+        host, _, port = item.rpartition(":")
+        if not host:
+            host, port = port, "26379"
+        nodes.append((host.strip("[]"), int(port or 26379)))
+    pieces = [p for p in path.split("/") if p]
+    if not pieces:
+        raise ValueError("a redis+sentinel URL needs the master name: …/mastername")
+    kwargs = dict(common)
+    if userinfo:
+        user, _, pw = userinfo.partition(":")
+        if pw:
+            kwargs["password"] = unquote(pw)
+        if user:
+            kwargs["username"] = unquote(user)
+    if len(pieces) > 1:
+        kwargs["db"] = int(pieces[1])
+    options = parse_qs(query)
+    sentinel_kwargs: dict[str, Any] = {
+        "socket_timeout": common["socket_timeout"],
+        "socket_connect_timeout": common["socket_connect_timeout"],
+    }
+    if "sentinel_password" in options:
+        sentinel_kwargs["password"] = options["sentinel_password"][0]
+    if scheme.startswith("rediss"):
+        kwargs["ssl"] = True
+        sentinel_kwargs["ssl"] = True
+    sentinel = Sentinel(nodes, sentinel_kwargs=sentinel_kwargs, **kwargs)  # type: ignore[no-untyped-call]
+    master: Redis = sentinel.master_for(unquote(pieces[0]))
+    return master
+
+
+class RedisStore:
+    """GCRA in Redis. Raises :class:`StoreUnavailable` on any failure or after ``timeout``."""
+
+    backend = "redis"
+
+    def __init__(
+        self, client: Any, *, cluster: bool = False, timeout: float = 0.05,
+        prefix: str = DEFAULT_PREFIX, url: str = "",
+    ) -> None:
+        self.client = client
+        self.cluster = cluster
+        self.timeout = timeout
+        self.prefix = prefix
+        self.url = _redacted(url)
+        self.calls = 0  # script calls made (the benchmark reads it)
+        self._script = client.register_script(SCRIPT)
+        self._warm: asyncio.Task[None] | None = None
+
+    @classmethod
+    def from_url(
+        cls, url: str, *, password: str | None = None, timeout: float = 0.05,
+        prefix: str = DEFAULT_PREFIX,
+    ) -> RedisStore:
+        client, cluster = connect(url, password=password, timeout=timeout)
+        return cls(client, cluster=cluster, timeout=timeout, prefix=prefix, url=url)
+
+    def redis_key(self, request: BucketRequest) -> str:
+        return f"{self.prefix}{{{request.shard or request.key}}}:{request.key}"
+
+    async def acquire(self, requests: Sequence[BucketRequest], now: float | None = None) -> Verdict:
+        """Decide all ``requests`` atomically; ``now`` (µs) replaces Redis TIME, for tests only."""
+        if self._warm is None or not self._warm.done():
+            await self._warm_up()
+        if not self.cluster or len({r.shard or r.key for r in requests}) <= 1:
+            allowed, results = await self._call(requests, now)
+            return verdict_from(allowed, results, backend=self.backend)
+        return await self._acquire_sharded(requests, now)
+
+    async def _acquire_sharded(
+        self, requests: Sequence[BucketRequest], now: float | None
+    ) -> Verdict:
+        groups: dict[str, list[int]] = {}
+        for index, r in enumerate(requests):
+            groups.setdefault(r.shard or r.key, []).append(index)
+        results: list[Any] = [None] * len(requests)
+        charged: list[BucketRequest] = []
+        allowed = True
+        for indexes in groups.values():
+            part = [requests[i] for i in indexes]
+            ok, answers = await self._call(part, now)
+            for i, answer in zip(indexes, answers, strict=True):
+                results[i] = answer
+            if not ok:
+                allowed = False
+                break
+            charged.extend(
+                BucketRequest(key=r.key, rate=r.rate, burst=r.burst, shard=r.shard,
+                              cost=-(r.cost + int(a[1])))
+                for r, a in zip(part, answers, strict=True)
+            )
+        if not allowed:
+            await self._refund(charged, now)
+            for i, r in enumerate(requests):  # shards never asked: report a neutral "allowed"
+                if results[i] is None:
+                    results[i] = (1, 0, r.burst, 0, 0)
+        return verdict_from(allowed, results, backend=self.backend)
+
+    async def _refund(self, charged: list[BucketRequest], now: float | None) -> None:
+        groups: dict[str, list[BucketRequest]] = {}
+        for r in charged:
+            groups.setdefault(r.shard or r.key, []).append(r)
+        for part in groups.values():
+            await self._call(part, now)
+
+    async def _call(
+        self, requests: Sequence[BucketRequest], now: float | None
+    ) -> tuple[bool, list[tuple[int, int, int, int, int]]]:
+        keys = [self.redis_key(r) for r in requests]
+        args: list[Any] = ["" if now is None else int(now)]
+        for r in requests:
+            args += (interval_us(r.rate), r.burst, r.cost, r.extra)
+        self.calls += 1
+        try:
+            async with asyncio.timeout(self.timeout):
+                reply = await self._script(keys=keys, args=args)
+        except (RedisError, OSError, TimeoutError) as exc:
+            telemetry.REDIS_ERRORS.inc()
+            raise StoreUnavailable(f"redis: {type(exc).__name__}: {exc}") from exc
+        values = [int(v) for v in reply]
+        results = [
+            tuple(values[1 + i * _FIELDS: 1 + (i + 1) * _FIELDS]) for i in range(len(requests))
+        ]
+        return values[0] == 1, results  # type: ignore[return-value]
+
+    async def _warm_up(self) -> None:
+        """Once, on first use: load the script and open a few connections with a budget of
+        ``WARM_BUDGET`` s instead of ``timeout``, shared by every caller of a cold start. A burst
+        of first calls would otherwise spend its few milliseconds on handshakes and NOSCRIPT
+        reloads, and trip the breaker. Failure is fine: calls then go on as usual."""
+        if self._warm is None:
+            self._warm = asyncio.get_running_loop().create_task(self._open())
+        await asyncio.wait([self._warm])
+
+    async def _open(self) -> None:
+        try:
+            async with asyncio.timeout(max(self.timeout, WARM_BUDGET)):
+                self._script.sha = await self.client.script_load(SCRIPT)
+                if not self.cluster:
+                    await asyncio.gather(*(self.client.ping() for _ in range(WARM_CONNECTIONS)))
+        except (RedisError, OSError, TimeoutError) as exc:
+            log.debug("redis warm-up failed (%s); calls go on with %.3fs timeouts", exc,
+                      self.timeout)
+
+    async def ping(self) -> bool:
+        try:
+            async with asyncio.timeout(self.timeout):
+                return bool(await self.client.ping())
+        except (RedisError, OSError, TimeoutError):
+            return False
+
+    def health(self) -> dict[str, object]:
+        return {"backend": self.backend, "url": self.url, "cluster": self.cluster,
+                "timeout_seconds": self.timeout}
+
+    async def close(self) -> None:
+        close = getattr(self.client, "aclose", None) or self.client.close
+        await close()
+
+
+def _redacted(url: str) -> str:
+    """The URL without its password, for logs and /readyz."""
+    scheme, sep, rest = url.partition("://")
+    userinfo, at, hostpart = rest.rpartition("@")
+    if not sep or not at:
+        return url
+    user = userinfo.partition(":")[0]
+    return f"{scheme}://{user}:***@{hostpart}" if user else f"{scheme}://:***@{hostpart}"

@@ -1,0 +1,269 @@
+"""The Redis store on a real redis-server: the Lua script against the in-process arithmetic,
+expiry, script reloads, shards, Sentinel and Cluster URLs, and accuracy across processes."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from proxy.stores.base import BucketRequest, Verdict
+from proxy.stores.memory import MemoryStore
+from proxy.stores.redis import RedisStore
+from tests.integration.redis_server import REDIS_BINARY, RedisServer, free_port, ping
+
+pytestmark = pytest.mark.redis
+ROOT = Path(__file__).resolve().parents[2]
+T0 = 1_700_000_000_000_000  # an explicit "now" in µs for the table tests
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[RedisServer]:
+    with RedisServer.launch() as s:
+        yield s
+
+
+def run(coro):  # type: ignore[no-untyped-def]
+    return asyncio.run(coro)
+
+
+async def both(url: str, steps: list[tuple[int, list[BucketRequest]]]) -> list[tuple[Verdict, ...]]:
+    redis_store = RedisStore.from_url(url, timeout=2.0)
+    memory = MemoryStore()
+    out = []
+    try:
+        for at, requests in steps:
+            a = await redis_store.acquire(requests, now=T0 + at)
+            b = await memory.acquire(requests, now=T0 + at)
+            out.append((a, b))
+    finally:
+        await redis_store.close()
+    return out
+
+
+def r(key: str, rate: float, burst: int, cost: int = 1, extra: int = 0) -> BucketRequest:
+    return BucketRequest(key=key, rate=rate, burst=burst, cost=cost, extra=extra, shard="t")
+
+
+TABLE = [  # (µs after T0, requests) — burst, refill, multi-key all-or-nothing, leases, refunds
+    (0, [r("a", 10, 3)]), (0, [r("a", 10, 3)]), (0, [r("a", 10, 3)]), (0, [r("a", 10, 3)]),
+    (99_999, [r("a", 10, 3)]), (100_000, [r("a", 10, 3)]),
+    (100_000, [r("b", 1, 5), r("a", 10, 3)]),  # a is empty: b must not be charged
+    (100_001, [r("b", 1, 5)]),
+    (200_000, [r("c", 1000, 100, extra=40)]), (200_000, [r("c", 1000, 100, extra=40)]),
+    (200_000, [r("c", 1000, 100, extra=40)]),
+    (250_000, [r("c", 1000, 100, cost=-30)]),
+    (250_000, [r("d", 3, 2), r("d", 3, 2), r("d", 3, 2)]),
+    (5_000_000, [r("a", 10, 3), r("b", 1, 5), r("c", 1000, 100, cost=7)]),
+    (5_000_000, [r("e", 0.25, 1, cost=2)]),  # cost above burst never passes
+]
+
+
+def test_lua_matches_in_process_table(server: RedisServer) -> None:
+    results = run(both(server.url, TABLE))
+    for (at, _), (in_redis, in_memory) in zip(TABLE, results, strict=True):
+        assert (in_redis.allowed, in_redis.keys) == (in_memory.allowed, in_memory.keys), at
+    allowed = [a.allowed for a, _ in results]
+    assert allowed[:8] == [True, True, True, False, False, True, False, True]
+    assert [results[i][0].keys[0].granted for i in (8, 9, 10)] == [40, 29, 14]  # half of the rest
+
+
+def test_lua_matches_in_process_random(server: RedisServer) -> None:
+    rnd = random.Random(7)
+    steps, at = [], 0
+    for _ in range(1500):
+        at += rnd.choice([0, 0, 1, 999, 50_000, 333_333, 2_000_000])
+        steps.append((at, [
+            BucketRequest(key=f"rand-{rnd.randint(0, 4)}", rate=rnd.choice([0.3, 1, 7, 20, 1e4]),
+                          burst=rnd.randint(1, 12), cost=rnd.choice([1, 1, 1, 2, -1]),
+                          extra=rnd.choice([0, 0, 3, 50]), shard="r")
+            for _ in range(rnd.randint(1, 3))]))
+    results = run(both(server.url, steps))
+    mismatches = [i for i, (a, b) in enumerate(results)
+                  if (a.allowed, a.keys) != (b.allowed, b.keys)]
+    assert mismatches == []
+    assert 0 < sum(a.allowed for a, _ in results) < len(results)
+
+
+def test_redis_time_expiry_and_noscript(server: RedisServer) -> None:
+    async def go() -> None:
+        store = RedisStore.from_url(server.url, timeout=1.0, prefix="t:")
+        req = BucketRequest(key="timed", rate=2, burst=3, shard="u")
+        try:
+            got = [await store.acquire([req]) for _ in range(4)]
+            assert [v.allowed for v in got] == [True, True, True, False]
+            assert 0.4 < got[3].retry_after <= 0.5  # from Redis TIME
+            assert store.redis_key(req) == "t:{u}:timed"
+            ttl = await store.client.pttl("t:{u}:timed")
+            assert 1000 < ttl <= 1500  # expires when the bucket is full again
+            await store.client.script_flush()  # NOSCRIPT: the script is loaded again
+            assert not (await store.acquire([req])).allowed
+            await store.client.delete("t:{u}:timed")  # a missing key is a full bucket
+            assert (await store.acquire([req])).keys[0].remaining == 2
+        finally:
+            await store.close()
+
+    run(go())
+
+
+def test_calls_spanning_shards_give_tokens_back(server: RedisServer) -> None:
+    async def go() -> None:
+        client_store = RedisStore.from_url(server.url, timeout=1.0, prefix="sh:")
+        store = RedisStore(client_store.client, cluster=True, timeout=1.0, prefix="sh:")
+        a = BucketRequest(key="one", rate=1, burst=3, shard="s1")
+        b = BucketRequest(key="two", rate=1, burst=1, shard="s2")
+        try:
+            assert (await store.acquire([a, b])).allowed
+            denied = await store.acquire([a, b])
+            assert not denied.allowed and [k.allowed for k in denied.keys] == [True, False]
+            assert store.calls == 5  # 2 + 2 + the refund of "one"
+            assert (await store.acquire([a])).keys[0].remaining == 1  # refunded
+        finally:
+            await client_store.close()
+
+    run(go())
+
+
+def test_sentinel_url(server: RedisServer, tmp_path: Path) -> None:
+    port = free_port()
+    conf = tmp_path / "sentinel.conf"
+    conf.write_text(f"port {port}\nbind 127.0.0.1\ndir {tmp_path}\n"
+                    f"sentinel monitor opgate 127.0.0.1 {server.port} 1\n")
+    proc = subprocess.Popen([REDIS_BINARY, str(conf), "--sentinel"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 10
+        while not ping(port):
+            assert proc.poll() is None and time.monotonic() < deadline, "sentinel did not start"
+            time.sleep(0.05)
+
+        async def go() -> None:
+            store = RedisStore.from_url(f"redis+sentinel://127.0.0.1:{port}/opgate/0",
+                                        timeout=1.0)
+            try:
+                verdict = await store.acquire([BucketRequest(key="sent", rate=1, burst=2)])
+                assert verdict.allowed and verdict.keys[0].remaining == 1
+            finally:
+                await store.close()
+
+        run(go())
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_cluster_url() -> None:
+    servers = [RedisServer(kind="binary", port=free_port(cluster=True)) for _ in range(3)]
+    try:
+        for s in servers:
+            s.extra_args = ("--cluster-enabled", "yes", "--cluster-config-file",
+                            f"nodes-{s.port}.conf")
+            s.start()
+        subprocess.run(["redis-cli", "--cluster", "create",
+                        *(f"127.0.0.1:{s.port}" for s in servers),
+                        "--cluster-replicas", "0", "--cluster-yes"],
+                       check=True, capture_output=True, timeout=30)
+        deadline = time.monotonic() + 20
+        while b"cluster_state:ok" not in subprocess.run(
+                ["redis-cli", "-p", str(servers[0].port), "cluster", "info"],
+                capture_output=True, timeout=5).stdout:
+            assert time.monotonic() < deadline, "the cluster did not become ready"
+            time.sleep(0.1)
+
+        async def go() -> None:
+            store = RedisStore.from_url(f"redis+cluster://127.0.0.1:{servers[0].port}",
+                                        timeout=2.0)
+            try:
+                same = [BucketRequest(key=f"k{i}", rate=1, burst=2, shard="alice")
+                        for i in range(3)]
+                assert (await store.acquire(same)).allowed
+                spread = [BucketRequest(key=f"user-less-{i}", rate=1, burst=1) for i in range(6)]
+                assert (await store.acquire(spread)).allowed  # slots on several nodes
+                assert not (await store.acquire(spread[:2])).allowed
+            finally:
+                await store.close()
+
+        run(go())
+    finally:
+        for s in servers:
+            s.close()
+
+
+WORKER = r"""
+import asyncio, json, sys, time
+from proxy.stores.base import BucketRequest
+from proxy.stores.lease import LeasingStore
+from proxy.stores.redis import RedisStore
+
+url, key, lease = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
+start, duration = float(sys.argv[4]), float(sys.argv[5])
+
+async def main():
+    redis_store = RedisStore.from_url(url, timeout=1.0)
+    store = LeasingStore(redis_store, replicas=3) if lease else redis_store
+    req = BucketRequest(key=key, rate=20, burst=20, shard=key, lease=lease)
+    await redis_store.ping()
+    counts = {"admitted": 0, "denied": 0}
+    while time.time() < start:
+        await asyncio.sleep(0.001)
+    end = start + duration
+
+    async def hammer():
+        while time.time() < end:
+            verdict = await store.acquire([req])
+            counts["admitted" if verdict.allowed else "denied"] += 1
+            await asyncio.sleep(0)
+
+    await asyncio.gather(*(hammer() for _ in range(4)))
+    counts["redis_calls"] = redis_store.calls
+    print(json.dumps(counts))
+    await redis_store.close()
+
+asyncio.run(main())
+"""
+
+
+def test_three_leasing_processes_share_one_limit(server: RedisServer) -> None:
+    """The store alone (no HTTP): 3 processes with leasing on one key; real ``opgate serve``
+    replicas are in test_ratelimit_redis.py (both exact and leased rules)."""
+    lease = True
+    key = f"accuracy-{lease}-{time.time_ns()}"
+    start, duration = time.time() + 1.5, 10.0
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    procs = [subprocess.Popen([sys.executable, "-c", WORKER, server.url, key, "1" if lease else "0",
+                               str(start), str(duration)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=ROOT)
+             for _ in range(3)]
+    results = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=60)
+        assert proc.returncode == 0, err.decode()
+        results.append(json.loads(out))
+    admitted = sum(r["admitted"] for r in results)
+    expected = 20 + 20 * duration
+    assert abs(admitted - expected) <= 0.05 * expected, results
+    assert all(r["denied"] > 0 for r in results)  # every process really hammered
+    if lease:  # throttled: each replica asks about once per token; cached denials cost nothing
+        assert sum(r["redis_calls"] for r in results) <= 3 * 1.2 * admitted, results
+
+
+def test_unreachable_redis_fails_fast() -> None:
+    async def go() -> None:
+        store = RedisStore.from_url(f"redis://127.0.0.1:{free_port()}/0", timeout=0.05)
+        started = time.monotonic()
+        with pytest.raises(Exception) as info:
+            await store.acquire([BucketRequest(key="x", rate=1, burst=1)])
+        assert type(info.value).__name__ == "StoreUnavailable"
+        assert time.monotonic() - started < 0.5
+        assert await store.ping() is False
+        await store.close()
+
+    run(go())

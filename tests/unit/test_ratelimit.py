@@ -1,0 +1,333 @@
+"""The rate-limit middleware over the in-process store: responses, modes, matching, waiting."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+
+from proxy.engine import telemetry
+from proxy.engine.context import Deny, Identity, RequestContext
+from proxy.engine.policies import PolicySet, build_policy_set
+from proxy.engine.requestinfo import parse_request_info
+from proxy.middlewares.ratelimit import MemoryInstanceOverrides, RateLimit, parse_section
+from proxy.stores.base import BucketRequest, StoreUnavailable, Verdict
+from proxy.stores.breaker import ResilientStore
+from proxy.stores.memory import MemoryStore
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def policies(rules: str, *, mode: str = "enforce", failure: str = "closed",
+             name: str = "op") -> PolicySet:
+    indented = "\n".join("    " + line for line in rules.strip("\n").splitlines())
+    doc = (f"apiVersion: opgate.dev/v1alpha1\nkind: Policy\nmetadata: {{name: {name}}}\n"
+           f"spec:\n  mode: {mode}\n  failure: {failure}\n  rateLimits:\n{indented}\n")
+    return build_policy_set([("rl.yaml", doc.encode())], parsers={"rateLimits": parse_section})
+
+
+def ctx_for(pset: PolicySet, method: str = "GET", path: str = "/api/v1/namespaces/a/pods/p",
+            query: str = "", *, user: str = "alice", headers: dict[str, str] | None = None,
+            ) -> RequestContext:
+    return RequestContext(info=parse_request_info(method, path, query), method=method, path=path,
+                          query=query, headers=headers or {}, policies=pset,
+                          identity=Identity(user=user) if user else None)
+
+
+def decisions(policy: str, result: str) -> float:
+    value = telemetry.REGISTRY.get_sample_value(
+        "opgate_ratelimit_decisions_total", {"policy": policy, "result": result})
+    return value or 0.0
+
+
+def headers_of(ctx: RequestContext) -> dict[str, str]:
+    return dict(ctx.response_headers)
+
+
+def make(clock: Clock | None = None, **kw: Any) -> tuple[RateLimit, MemoryStore]:
+    store = MemoryStore(clock=clock or Clock())
+    return RateLimit(store=store, **kw), store
+
+
+def test_429_status_shape_and_headers() -> None:
+    pset = policies("- {name: reads, match: {verbs: [get]}, qps: 0.5, burst: 2}", name="shape")
+    mw, _ = make()
+    before = decisions("shape", "denied")
+
+    async def go() -> list[Any]:
+        return [await mw.entry(c) for c in [ctx_for(pset) for _ in range(3)]]
+
+    first, second, third = asyncio.run(go())
+    assert first is None and second is None
+    assert isinstance(third, Deny) and third.decision == "throttled"
+    status = third.status
+    assert status.code == 429 and status.reason == "TooManyRequests"
+    body = json.loads(status.body())
+    assert body["kind"] == "Status" and body["code"] == 429
+    assert body["details"] == {"retryAfterSeconds": 2}
+    assert 'rate limit "reads" of policy "shape" (rl.yaml:' in body["message"]
+    headers = dict(status.response_headers())
+    assert headers["Retry-After"] == "2"
+    assert headers["RateLimit-Limit"] == "2"
+    assert headers["RateLimit-Remaining"] == "0"
+    assert headers["RateLimit-Reset"] == "2"
+    assert decisions("shape", "denied") == before + 1
+
+
+def test_admitted_calls_get_ratelimit_headers() -> None:
+    pset = policies("- {name: r, qps: 10, burst: 5}")
+    mw, _ = make()
+    ctx = ctx_for(pset)
+    assert asyncio.run(mw.entry(ctx)) is None
+    assert headers_of(ctx) == {"RateLimit-Limit": "5", "RateLimit-Remaining": "4",
+                               "RateLimit-Reset": "1"}
+
+
+def test_no_matching_rule_makes_no_store_call() -> None:
+    pset = policies("- {name: w, match: {verbs: [create]}, qps: 1}")
+    mw, store = make()
+    for _ in range(5):
+        ctx = ctx_for(pset)
+        assert asyncio.run(mw.entry(ctx)) is None
+        assert ctx.response_headers == []
+    assert store.calls == 0
+    empty = build_policy_set([], parsers={"rateLimits": parse_section})
+    assert asyncio.run(mw.entry(ctx_for(empty))) is None and store.calls == 0
+
+
+@pytest.mark.parametrize("where", ["policy", "rule"])
+def test_dryrun_warns_counts_and_never_denies(where: str) -> None:
+    rule = "- {name: dr, qps: 1, burst: 1%s}" % (", mode: dryrun" if where == "rule" else "")
+    pset = policies(rule, mode="dryrun" if where == "policy" else "enforce", name=f"dry-{where}")
+    mw, _ = make()
+    dry_before = telemetry.REGISTRY.get_sample_value(
+        "opgate_dryrun_denials_total", {"middleware": "ratelimit"}) or 0.0
+    contexts = [ctx_for(pset) for _ in range(3)]
+    for ctx in contexts:
+        assert asyncio.run(mw.entry(ctx)) is None
+    assert not any(name == "Warning" for name, _ in contexts[0].response_headers)
+    for ctx in contexts[1:]:
+        warnings = [v for name, v in ctx.response_headers if name == "Warning"]
+        assert len(warnings) == 1
+        assert warnings[0].startswith('299 - "opgate: rate limit \\"dr\\"')
+        assert "would reject this call (dryrun)" in warnings[0]
+    assert telemetry.REGISTRY.get_sample_value(
+        "opgate_dryrun_denials_total", {"middleware": "ratelimit"}) == dry_before + 2
+    assert decisions(f"dry-{where}", "dryrun") == 2
+
+
+def test_dryrun_rule_does_not_block_enforced_rule() -> None:
+    pset = policies("""
+- {name: enforced, qps: 1, burst: 3}
+- {name: trial, qps: 1, burst: 1, mode: dryrun}
+""")
+    mw, _ = make()
+    results = [asyncio.run(mw.entry(ctx_for(pset))) for _ in range(4)]
+    assert [r is None for r in results] == [True, True, True, False]
+
+
+def test_watch_counts_once_and_is_not_excluded() -> None:
+    pset = policies("- {name: watches, match: {verbs: [watch]}, qps: 1, burst: 2}")
+    mw, store = make()
+    ctx = ctx_for(pset, "GET", "/api/v1/namespaces/a/pods", "watch=true")
+    assert ctx.info.verb == "watch" and ctx.info.is_long_running
+    assert asyncio.run(mw.entry(ctx)) is None
+    assert store.calls == 1
+    assert headers_of(ctx)["RateLimit-Remaining"] == "1"  # one token for the whole watch
+    assert not hasattr(mw, "exit")  # nothing counts per event or at the end of the stream
+
+
+@pytest.mark.parametrize("method, path, query", [
+    ("POST", "/api/v1/namespaces/a/pods/p/exec", "command=ls"),
+    ("GET", "/api/v1/namespaces/a/pods/p/exec", "command=ls"),  # WebSocket exec
+    ("POST", "/api/v1/namespaces/a/pods/p/attach", ""),
+    ("POST", "/api/v1/namespaces/a/pods/p/portforward", ""),
+    ("GET", "/api/v1/namespaces/a/pods/p/log", "follow=true"),
+])
+def test_long_running_calls_excluded_unless_named(method: str, path: str, query: str) -> None:
+    wide = policies("- {name: all, qps: 1, burst: 1}")
+    mw, store = make()
+    for _ in range(3):
+        assert asyncio.run(mw.entry(ctx_for(wide, method, path, query))) is None
+    assert store.calls == 0
+    sub = path.rsplit("/", 1)[1]
+    named = policies(f"- {{name: conn, match: {{resources: [pods/{sub}]}}, qps: 1, burst: 1}}")
+    assert asyncio.run(mw.entry(ctx_for(named, method, path, query))) is None
+    assert isinstance(asyncio.run(mw.entry(ctx_for(named, method, path, query))), Deny)
+
+
+def test_all_matching_rules_must_pass_atomically() -> None:
+    pset = policies("""
+- {name: wide, match: {verbs: [get, list]}, qps: 1, burst: 5}
+- {name: narrow, match: {verbs: [get]}, qps: 1, burst: 1}
+""")
+    mw, store = make()
+    assert asyncio.run(mw.entry(ctx_for(pset))) is None
+    denied = asyncio.run(mw.entry(ctx_for(pset)))
+    assert isinstance(denied, Deny) and '"narrow"' in denied.status.message
+    assert store.calls == 2  # both rules in one store call each time
+    listing = ctx_for(pset, "GET", "/api/v1/namespaces/a/pods")  # only "wide" matches a list
+    assert asyncio.run(mw.entry(listing)) is None
+    assert headers_of(listing)["RateLimit-Remaining"] == "3"  # the denied call took nothing
+
+
+def test_key_template_separates_buckets() -> None:
+    pset = policies("- {name: per-ns, key: '{namespace}/{resource}', qps: 1, burst: 1}")
+    mw, store = make()
+    assert asyncio.run(mw.entry(ctx_for(pset, path="/api/v1/namespaces/a/pods/p"))) is None
+    assert asyncio.run(mw.entry(ctx_for(pset, path="/api/v1/namespaces/b/pods/p"))) is None
+    assert asyncio.run(mw.entry(ctx_for(pset, path="/api/v1/namespaces/a/configmaps/c"))) is None
+    assert isinstance(asyncio.run(mw.entry(ctx_for(pset, path="/api/v1/namespaces/a/pods/q"))),
+                      Deny)
+    assert sorted(store._tats) == ["op/per-ns/a/configmaps", "op/per-ns/a/pods", "op/per-ns/b/pods"]
+
+
+class Recording(MemoryStore):
+    def __init__(self) -> None:
+        super().__init__(clock=Clock())
+        self.seen: list[list[BucketRequest]] = []
+
+    async def acquire(self, requests: Sequence[BucketRequest], now: float | None = None) -> Verdict:
+        self.seen.append(list(requests))
+        return await super().acquire(requests, now)
+
+
+def test_instance_header_annotation_override_and_shards() -> None:
+    pset = policies("""
+- name: per-instance
+  key: "{user}/{instance}"
+  qps: 2
+  burst: 1
+  instanceAnnotation: opgate.dev/qps
+  maxQps: 5
+""")
+    overrides = MemoryInstanceOverrides()
+    overrides.set("a", "Widget", "slow", {"opgate.dev/qps": "0.5"})
+    overrides.set("a", "Widget", "greedy", {"opgate.dev/qps": "100"})
+    overrides.set("a", "Widget", "bad", {"opgate.dev/qps": "fast"})
+    store = Recording()
+    mw = RateLimit(store=store, overrides=overrides)
+    for instance in ("a/Widget/slow", "a/Widget/greedy", "a/Widget/bad", "a/Widget/none"):
+        ctx = ctx_for(pset, headers={"Opgate-Instance": instance})
+        assert asyncio.run(mw.entry(ctx)) is None
+        assert "opgate-instance" in ctx.drop_request_headers
+    asyncio.run(mw.entry(ctx_for(pset, headers={"Opgate-Instance": "not-an-instance"})))
+    asyncio.run(mw.entry(ctx_for(pset, user="")))
+    seen = [call[0] for call in store.seen]
+    assert [(r.key, r.rate) for r in seen] == [
+        ("op/per-instance/alice/a/Widget/slow", 0.5),
+        ("op/per-instance/alice/a/Widget/greedy", 5.0),  # bounded by maxQps
+        ("op/per-instance/alice/a/Widget/bad", 2.0),
+        ("op/per-instance/alice/a/Widget/none", 2.0),
+        ("op/per-instance/alice/-", 2.0),
+        ("op/per-instance/-/-", 2.0),
+    ]
+    assert [r.shard for r in seen] == ["alice"] * 5 + ["-"]
+
+
+def test_one_flooding_instance_does_not_slow_another() -> None:
+    pset = policies("- {name: inst, key: '{instance}', qps: 5, burst: 5}")
+    clock = Clock()
+    mw, _ = make(clock)
+    admitted = {"a/W/flood": 0, "a/W/calm": 0}
+    for step in range(100):  # 10 s in 0.1 s steps: flood sends 20 per step, calm 1 per step
+        clock.now += 0.1
+        for instance, count in (("a/W/flood", 20), ("a/W/calm", 1 if step % 2 else 0)):
+            for _ in range(count):
+                ctx = ctx_for(pset, headers={"Opgate-Instance": instance})
+                admitted[instance] += asyncio.run(mw.entry(ctx)) is None
+    assert admitted["a/W/calm"] == 50
+    assert 5 + 5 * 10 - 2 <= admitted["a/W/flood"] <= 5 + 5 * 10
+
+
+def test_wait_mode_queues_fifo_then_rejects_past_max_wait() -> None:
+    pset = policies("- {name: w, qps: 50, burst: 2, onExceed: wait, maxWait: 150ms}")
+    mw, _ = make(clock=time.monotonic)  # type: ignore[arg-type]
+
+    async def call(i: int, order: list[int]) -> Any:
+        result = await mw.entry(ctx_for(pset))
+        if result is None:
+            order.append(i)
+        return result
+
+    async def go() -> tuple[list[Any], list[int], float]:
+        order: list[int] = []
+        start = time.monotonic()
+        results = await asyncio.gather(*(call(i, order) for i in range(12)))
+        return results, order, time.monotonic() - start
+
+    results, order, elapsed = asyncio.run(go())
+    admitted = [r is None for r in results]
+    # 2 at once, then one per 20 ms for 150 ms: about 9 in all; the rest 429 at the deadline
+    assert 5 <= sum(admitted) <= 10
+    assert admitted == sorted(admitted, reverse=True)  # first come, first served
+    assert order == sorted(order)
+    assert all(isinstance(r, Deny) and r.status.code == 429 for r in results if r is not None)
+    assert elapsed < 1.0
+    assert not mw._queues  # queues are dropped when empty
+
+
+def test_wait_mode_bounded_queue() -> None:
+    pset = policies("- {name: w, qps: 20, burst: 1, onExceed: wait, maxWait: 1s, maxQueue: 2}")
+    mw, _ = make(clock=time.monotonic)  # type: ignore[arg-type]
+
+    async def go() -> list[Any]:
+        return await asyncio.gather(*(mw.entry(ctx_for(pset)) for _ in range(5)))
+
+    results = asyncio.run(go())
+    assert [r is None for r in results] == [True, True, True, False, False]
+
+
+class Down:
+    backend = "redis"
+
+    async def acquire(self, requests: Sequence[BucketRequest]) -> Verdict:
+        raise StoreUnavailable("connection refused")
+
+    def health(self) -> dict[str, object]:
+        return {}
+
+    async def close(self) -> None:
+        return None
+
+
+@pytest.mark.parametrize("wrapped", [False, True])
+def test_store_down_open_admits_closed_answers_503(wrapped: bool) -> None:
+    suffix = str(wrapped).lower()
+    pset = policies("""
+- {name: lenient, match: {verbs: [get]}, qps: 1, failure: open}
+- {name: strict, match: {verbs: [list]}, qps: 1}
+""", name=f"down-{suffix}")
+    store: Any = ResilientStore(Down(), failures=1) if wrapped else Down()
+    mw = RateLimit(store=store)
+    assert asyncio.run(mw.entry(ctx_for(pset))) is None
+    denied = asyncio.run(mw.entry(ctx_for(pset, path="/api/v1/namespaces/a/pods")))
+    assert isinstance(denied, Deny) and denied.decision == "unavailable"
+    assert denied.status.code == 503 and denied.status.reason == "ServiceUnavailable"
+    assert '"strict"' in denied.status.message and "fails closed" in denied.status.message
+    assert decisions(f"down-{suffix}", "unavailable") == 1
+    dry = policies("- {name: strict, qps: 1, mode: dryrun}", name=f"dry-down-{suffix}")
+    ctx = ctx_for(dry)
+    assert asyncio.run(mw.entry(ctx)) is None
+    assert any("would answer 503 (dryrun)" in v for _, v in ctx.response_headers)
+
+
+def test_plan_is_rebuilt_only_for_a_new_policy_set() -> None:
+    first = policies("- {name: a, qps: 1, burst: 1}")
+    mw, _ = make()
+    asyncio.run(mw.entry(ctx_for(first)))
+    plan = mw._plan
+    asyncio.run(mw.entry(ctx_for(first)))
+    assert mw._plan is plan
+    asyncio.run(mw.entry(ctx_for(policies("- {name: a, qps: 1, burst: 5}"))))
+    assert mw._plan is not plan

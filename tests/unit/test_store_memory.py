@@ -1,0 +1,280 @@
+"""The in-process GCRA store, token leasing over it, and the breaker's fallback (no Redis)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+import pytest
+
+from proxy.engine import telemetry
+from proxy.stores import build_store
+from proxy.stores.base import BucketRequest, StoreUnavailable, Verdict, gcra_step, interval_us
+from proxy.stores.breaker import CircuitBreaker, ResilientStore
+from proxy.stores.lease import LeasingStore
+from proxy.stores.memory import MemoryStore
+
+US = 1_000_000
+
+
+class Clock:
+    def __init__(self, start: float = 1000.0) -> None:
+        self.now = start
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def req(key: str = "k", rate: float = 10, burst: int = 3, **kw: object) -> BucketRequest:
+    return BucketRequest(key=key, rate=rate, burst=burst, **kw)  # type: ignore[arg-type]
+
+
+def run(coro):  # type: ignore[no-untyped-def]
+    return asyncio.run(coro)
+
+
+def test_burst_then_one_token_per_interval() -> None:
+    clock = Clock()
+    store = MemoryStore(clock=clock)
+    got = [store.acquire_now([req()]) for _ in range(4)]
+    assert [v.allowed for v in got] == [True, True, True, False]
+    assert [v.keys[0].remaining for v in got] == [2, 1, 0, 0]
+    assert got[3].retry_after == pytest.approx(0.1)
+    assert got[2].keys[0].reset == pytest.approx(0.3)  # until the bucket is full again
+    clock.now += 0.099
+    assert not store.acquire_now([req()]).allowed
+    clock.now += 0.001
+    assert store.acquire_now([req()]).allowed
+    clock.now += 10  # long idle: never more than burst saved
+    assert [store.acquire_now([req()]).allowed for _ in range(4)] == [True, True, True, False]
+
+
+@pytest.mark.parametrize("tat, now, interval, burst, cost, extra, expected", [
+    # a missing key (tat 0) is a full bucket
+    (0, 1000, 100, 3, 1, 0, (True, 1100, 0, 2, 0, 100)),
+    # tat in the future by two intervals: one token left
+    (1200, 1000, 100, 3, 1, 0, (True, 1300, 0, 0, 0, 300)),
+    # full: retry when the oldest token comes back
+    (1300, 1000, 100, 3, 1, 0, (False, 1300, 0, 0, 100, 300)),
+    # extra tokens: at most half of what would be left
+    (0, 1000, 100, 10, 1, 100, (True, 1100 + 4 * 100, 4, 5, 0, 500)),
+    (0, 1000, 100, 10, 1, 2, (True, 1100 + 2 * 100, 2, 7, 0, 300)),
+    # near the limit: no extra at all (decisions stay exact)
+    (1800, 1000, 100, 10, 1, 50, (True, 1900, 0, 1, 0, 900)),
+    # negative cost = refund (never more than full)
+    (1300, 1000, 100, 3, -2, 0, (True, 1100, 0, 2, 0, 100)),
+    # cost larger than burst can never pass
+    (0, 1000, 100, 3, 4, 0, (False, 1000, 0, 3, 100, 0)),
+])
+def test_gcra_step_table(
+    tat: float, now: float, interval: float, burst: int, cost: int, extra: int,
+    expected: tuple[object, ...],
+) -> None:
+    assert gcra_step(tat, now, interval=interval, burst=burst, cost=cost, extra=extra) == expected
+
+
+def test_interval_rounding() -> None:
+    assert interval_us(10) == 100_000
+    assert interval_us(3) == 333_333
+    assert interval_us(1e9) == 1
+
+
+def test_all_or_nothing_and_duplicate_keys() -> None:
+    clock = Clock()
+    store = MemoryStore(clock=clock)
+    wide, narrow = req("wide", burst=5), req("narrow", burst=1)
+    assert store.acquire_now([wide, narrow]).allowed
+    denied = store.acquire_now([wide, narrow])
+    assert not denied.allowed
+    assert [k.allowed for k in denied.keys] == [True, False]
+    assert store.acquire_now([wide]).keys[0].remaining == 3  # charged once, not twice
+    twice = store.acquire_now([req("d", burst=2), req("d", burst=2)])
+    assert twice.allowed and twice.keys[1].remaining == 0
+    assert not store.acquire_now([req("d", burst=2)]).allowed
+
+
+def test_explicit_now_and_sweep() -> None:
+    store = MemoryStore(clock=Clock())
+    assert run(store.acquire([req("a", burst=1)], now=5 * US)).allowed
+    assert not run(store.acquire([req("a", burst=1)], now=5 * US + 1)).allowed
+    assert len(store) == 1
+    store.acquire_now([req("b")], now=20 * US)  # past the sweep time; "a" is full again
+    assert len(store) == 1
+    assert store.health() == {"backend": "local", "buckets": 1}
+
+
+class Remote:
+    """A stand-in shared store: a MemoryStore that counts calls and can fail or stall."""
+
+    backend = "redis"
+
+    def __init__(self, clock: Clock) -> None:
+        self.clock = clock
+        self.tick = 0.0
+        self.memory = MemoryStore(clock=clock)
+        self.memory.backend = "redis"
+        self.calls = 0
+        self.failing = False
+        self.delay = 0.0
+        self.seen: list[list[BucketRequest]] = []
+
+    async def acquire(self, requests: Sequence[BucketRequest]) -> Verdict:
+        self.calls += 1
+        self.clock.now += self.tick
+        self.seen.append(list(requests))
+        if self.delay:
+            await asyncio.sleep(self.delay)
+        if self.failing:
+            raise StoreUnavailable("down")
+        return self.memory.acquire_now(requests)
+
+    async def ping(self) -> bool:
+        return not self.failing
+
+    def health(self) -> dict[str, object]:
+        return {"backend": "redis"}
+
+    async def close(self) -> None:
+        return None
+
+
+def test_leasing_serves_hot_keys_locally_without_over_admitting() -> None:
+    clock = Clock()
+    remote = Remote(clock)
+    store = LeasingStore(remote, window=0.1, clock=clock)
+    hot = req("hot", rate=5000, burst=500, lease=True)
+    throttled = req("throttled", rate=500, burst=50, lease=True)
+
+    async def go(key: BucketRequest) -> int:
+        admitted = 0
+        for _ in range(2000):  # 2000 calls over 1 s of fake time
+            clock.now += 0.0005
+            admitted += (await store.acquire([key])).allowed
+        return admitted
+
+    assert run(go(hot)) == 2000  # under the limit: everything passes …
+    assert remote.calls <= 2000 * 0.1  # … with few shared-store calls
+    calls = remote.calls
+    admitted = run(go(throttled))
+    assert 500 <= admitted <= 50 + 500 * 1.0 + 1  # never over the limit
+    # near the limit every call takes one token: one store call per admitted request at most
+    assert remote.calls - calls <= admitted + 1
+    assert store.health()["leased_keys"] == 2
+
+
+def test_leasing_caches_denials_until_retry_after() -> None:
+    clock = Clock()
+    remote = Remote(clock)
+    store = LeasingStore(remote, clock=clock)
+    cold = req("c", rate=1, burst=1, lease=True)
+    assert run(store.acquire([cold])).allowed
+    assert remote.calls == 1
+    for _ in range(50):  # that was the last token: the next one is 1 s away
+        verdict = run(store.acquire([cold]))
+        assert not verdict.allowed and verdict.retry_after == pytest.approx(1.0)
+    assert remote.calls == 1
+    clock.now += 1.0
+    assert run(store.acquire([cold])).allowed
+    other = Remote(clock)  # another replica took the token: a real denial, then cached
+    assert run(other.acquire([req("c2", rate=1, burst=1)])).allowed
+    store = LeasingStore(other, clock=clock)
+    for _ in range(10):
+        assert not run(store.acquire([req("c2", rate=1, burst=1, lease=True)])).allowed
+    assert other.calls == 2
+
+
+def test_leasing_one_refill_in_flight_per_key() -> None:
+    clock = Clock()
+    remote = Remote(clock)
+    remote.delay = 0.01
+    remote.tick = 0.01
+    store = LeasingStore(remote, clock=clock)
+    key = req("k", rate=100, burst=100, lease=True)
+
+    async def go() -> list[bool]:
+        return [v.allowed for v in await asyncio.gather(*(store.acquire([key]) for _ in range(20)))]
+
+    assert all(run(go()))
+    assert remote.calls < 20
+    assert all(len(call) == 1 for call in remote.seen)
+
+
+def test_non_leased_requests_go_straight_through() -> None:
+    clock = Clock()
+    remote = Remote(clock)
+    store = LeasingStore(remote, clock=clock)
+    for _ in range(5):
+        run(store.acquire([req("x", rate=1000, burst=1000)]))
+    assert remote.calls == 5
+    assert all(r.extra == 0 for call in remote.seen for r in call)
+
+
+def test_breaker_opens_falls_back_and_recovers() -> None:
+    clock = Clock()
+    remote = Remote(clock)
+    store = ResilientStore(remote, replicas=2, failures=3, reset_after=1.0, clock=clock)
+    errors_before = telemetry.REDIS_ERRORS._value.get()  # type: ignore[attr-defined]
+
+    async def go() -> None:
+        opened = req("o", rate=10, burst=4, fail_open=True)
+        closed = req("c", rate=10, burst=4, fail_open=False)
+        assert (await store.acquire([opened])).backend == "redis"
+        remote.failing = True
+        # each failure falls back to in-process buckets at qps/replicas, burst/replicas (2)
+        got = [await store.acquire([opened]) for _ in range(3)]
+        assert [v.allowed for v in got] == [True, True, False]
+        assert {v.backend for v in got} == {"fallback"}
+        assert got[2].retry_after == pytest.approx(0.2)  # 10 qps / 2 replicas
+        assert store.breaker.state == "open" and remote.calls == 4
+        assert not (await store.acquire([opened])).allowed
+        assert remote.calls == 4  # open: no request waits on the shared store any more
+        clock.now += 0.2
+        assert (await store.acquire([opened])).allowed
+        down = await store.acquire([closed, opened])
+        assert down.unavailable and not down.allowed
+        assert store.health()["backend"] == "fallback"
+        assert telemetry.RATELIMIT_BACKEND.labels("fallback")._value.get() == 1  # type: ignore[attr-defined]
+        clock.now += 1.0  # half-open: one background probe
+        await store.acquire([opened])
+        await asyncio.sleep(0)
+        assert store.breaker.state == "open"  # probe failed: still down
+        remote.failing = False
+        clock.now += 1.0
+        await store.acquire([opened])
+        await asyncio.sleep(0)
+        assert store.breaker.state == "closed"
+        verdict = await store.acquire([closed])
+        assert verdict.allowed and verdict.backend == "redis"
+        assert store.health()["ok"] is True
+
+    run(go())
+    # the failed probe counts (the primary's own errors are counted by RedisStore itself)
+    assert telemetry.REDIS_ERRORS._value.get() == errors_before + 1  # type: ignore[attr-defined]
+
+
+def test_breaker_counts_consecutive_failures_only() -> None:
+    breaker = CircuitBreaker(failures=3, clock=Clock())
+    assert not breaker.failure("x") and not breaker.failure("x")
+    breaker.success()
+    assert not breaker.failure("x") and not breaker.failure("x")
+    assert breaker.failure("x") and breaker.state == "open"
+
+
+def test_build_store_without_redis_is_local() -> None:
+    store = build_store(redis_url=None)
+    assert isinstance(store, MemoryStore)
+    assert telemetry.RATELIMIT_BACKEND.labels("local")._value.get() == 1  # type: ignore[attr-defined]
+
+
+def test_build_store_password_sources(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from proxy.stores import redis_password
+
+    secret = tmp_path / "pw"
+    secret.write_text("s3cret\n")
+    monkeypatch.setenv("OPGATE_REDIS_PASSWORD", "from-env")
+    assert redis_password() == "from-env"
+    assert redis_password(password_file=str(secret)) == "s3cret"
+    assert redis_password("explicit", str(secret)) == "explicit"
+    store = build_store(redis_url="redis://127.0.0.1:1/0", password_file=str(secret))
+    assert isinstance(store, ResilientStore)
+    assert "s3cret" not in str(store.health())
