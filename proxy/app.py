@@ -89,8 +89,8 @@ async def _serve(settings: Settings) -> int:
         return 1
 
     rl = settings.ratelimit
-    buckets = build_store(redis_url=rl.redis_url, timeout=rl.redis_timeout,
-                                    replicas=rl.replicas)
+    buckets = build_store(redis_url=rl.redis_url, password_file=rl.redis_password_file,
+                          timeout=rl.redis_timeout, replicas=rl.replicas)
     chain = Chain([ratelimit.RateLimit(store=buckets), Metrics(), AccessLog()])
     relay = Relay(upstream=upstream, chain=chain, policies=store, settings=RelaySettings(
         connect_timeout=up.connect_timeout, header_timeout=up.header_timeout,

@@ -101,6 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add(g, "--redis-url", metavar="URL",
          help="Redis for rate-limit buckets shared by replicas (redis://, rediss://, "
          "redis+sentinel://); default: in-process buckets")
+    _add(g, "--redis-password-file", metavar="FILE",
+         help="file holding the Redis password (a mounted Secret), when the URL has none")
     _add(g, "--redis-timeout", kind=float, default=0.05, metavar="SECONDS",
          help="timeout of one Redis call before the rule's failure mode applies")
     _add(g, "--replicas", kind=int, default=1, metavar="N",
@@ -138,7 +140,8 @@ def settings_from(args: argparse.Namespace) -> Settings:
         ),
         policies=PolicySettings(paths=(args.policies,) if args.policies else ()),
         ratelimit=RateLimitSettings(redis_url=args.redis_url, redis_timeout=args.redis_timeout,
-                                    replicas=args.replicas),
+                                    replicas=args.replicas,
+                                    redis_password_file=args.redis_password_file),
         log=LogSettings(level=args.log_level, access_log=not args.no_access_log),
     )
 

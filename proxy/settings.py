@@ -38,6 +38,7 @@ class PolicySettings:
 @dataclass(frozen=True, slots=True)
 class RateLimitSettings:
     redis_url: str | None = None
+    redis_password_file: str | None = None
     redis_timeout: float = 0.05
     replicas: int = 1
 

@@ -11,6 +11,7 @@ if [ "$(id -u)" != 0 ]; then SUDO="sudo"; fi
 
 need_apt=()
 command -v redis-server >/dev/null 2>&1 || need_apt+=(redis-server)
+command -v redis-cli >/dev/null 2>&1 || need_apt+=(redis-tools)
 if [ "${1:-}" = "--bench" ]; then
   command -v nginx >/dev/null 2>&1 || need_apt+=(nginx)
   command -v wrk >/dev/null 2>&1 || need_apt+=(wrk)

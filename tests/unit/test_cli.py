@@ -13,7 +13,7 @@ SERVE_FLAGS = [
     "--listen", "--tls-cert", "--tls-key", "--admin-listen", "--upstream", "--kubeconfig",
     "--upstream-ca", "--upstream-insecure", "--token-file", "--policies", "--redis-url",
     "--connect-timeout", "--header-timeout", "--request-timeout", "--watch-idle-timeout",
-    "--redis-timeout", "--replicas", "--log-level", "--no-access-log",
+    "--redis-timeout", "--redis-password-file", "--replicas", "--log-level", "--no-access-log",
 ]
 
 
