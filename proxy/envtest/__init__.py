@@ -2,9 +2,10 @@
 
 ``binaries`` finds or builds etcd + kube-apiserver, ``tools`` fetches kubectl + helm,
 ``cluster.LocalCluster`` runs them on loopback; ``api`` calls the API as admin; ``pki`` and
-``procs`` are their key material and process handling. Test support only: the sidecar itself
-never imports this package. Names are re-exported lazily so that ``python -m
-proxy.envtest.binaries`` (or ``.tools``) runs without importing the rest.
+``procs`` are their key material and process handling. Test and demo support: the relay, the
+engine and the middlewares never import it (``opgate demo`` does, to run a local cluster).
+Names are re-exported lazily so that ``python -m proxy.envtest.binaries`` (or ``.tools``) runs
+without importing the rest.
 """
 
 from __future__ import annotations

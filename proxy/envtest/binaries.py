@@ -4,13 +4,15 @@ Order of preference, as envtest does it:
 
 1. ``$KUBEBUILDER_ASSETS`` (a directory holding ``etcd`` and ``kube-apiserver``);
 2. a cache outside the repository (``$OPGATE_CACHE_DIR`` or ``~/.cache/opgate``) filled by an
-   earlier build;
+   earlier build and stamped with ``RECIPE`` (a cache from an older recipe is rebuilt);
 3. a build with the local Go toolchain from the Go module proxy, at the pinned versions below.
 
 ``k8s.io/kubernetes`` lists its staging modules (``k8s.io/api``, ``k8s.io/apiserver``, …) at
 ``v0.0.0`` and replaces them with local paths, so a module that depends on it must replace every
 one of them with the published ``v0.Y.Z`` (kubernetes/kubernetes#79384). etcd's server module is
-built from a three-line ``main`` that calls ``etcdmain.Main``. No binary is ever committed.
+built from a three-line ``main`` that calls ``etcdmain.Main``. The apiserver gets the version
+stamps kube's own build sets, so ``/version`` says v1.35.4. No binary is ever committed.
+``python -m proxy.envtest.binaries`` builds (or finds) them and prints the directory.
 """
 
 from __future__ import annotations

@@ -1,0 +1,110 @@
+"""Child processes for the test tier that never outlive it, and loopback ports to give them.
+
+Every server a test starts (etcd, kube-apiserver, opgate) runs in its own process group and is
+stopped by that group's id: SIGTERM, a grace period, then SIGKILL, so a failing test, a
+Ctrl-C or an exiting interpreter (``atexit``) leaves nothing behind and no name-based kill
+is ever needed. Output goes to a log file whose tail is shown when a start fails.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import signal
+import socket
+import subprocess
+import urllib.request
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (the kernel's choice)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def port_open(port: int) -> bool:
+    """Whether something accepts connections on 127.0.0.1:``port``."""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=1):
+            return True
+    except OSError:
+        return False
+
+
+def http_ok(url: str) -> bool:
+    """Whether a plain-HTTP GET of ``url`` answers 200 (a readiness probe)."""
+    try:
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        with opener.open(url, timeout=3) as resp:
+            return bool(resp.status == 200)
+    except (OSError, ValueError):
+        return False
+
+
+def tail(path: Path, lines: int = 40) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+class Proc:
+    """One child process in its own session, output appended to ``log``."""
+
+    def __init__(
+        self,
+        name: str,
+        argv: Sequence[str],
+        *,
+        log: Path,
+        env: Mapping[str, str] | None = None,
+        cwd: Path | None = None,
+    ) -> None:
+        self.name = name
+        self.argv = list(argv)
+        self.log = log
+        self.env = dict(env) if env is not None else None
+        self.cwd = cwd
+        self._popen: subprocess.Popen[bytes] | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return self._popen.pid if self._popen else None
+
+    def start(self) -> None:
+        with open(self.log, "ab") as out:
+            self._popen = subprocess.Popen(
+                self.argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                env=self.env, cwd=self.cwd, start_new_session=True,
+            )
+        atexit.register(self.stop)
+
+    def alive(self) -> bool:
+        return self._popen is not None and self._popen.poll() is None
+
+    def stop(self, *, grace: float = 10.0) -> int | None:
+        """Stop the whole process group (SIGTERM, then SIGKILL after ``grace`` seconds; at
+        once with ``grace=0``); returns the exit code (idempotent)."""
+        popen = self._popen
+        if popen is None:
+            return None
+        if popen.poll() is None:
+            self._signal(popen.pid, signal.SIGTERM if grace > 0 else signal.SIGKILL)
+            try:
+                popen.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                self._signal(popen.pid, signal.SIGKILL)
+                popen.wait(timeout=30)
+        self._signal(popen.pid, signal.SIGKILL)  # leftover children of the group, if any
+        atexit.unregister(self.stop)
+        return popen.returncode
+
+    @staticmethod
+    def _signal(pgid: int, sig: signal.Signals) -> None:
+        try:
+            os.killpg(pgid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
