@@ -1,0 +1,18 @@
+# opgate: the sidecar image. Build: docker build -t opgate .
+FROM python:3.11-slim AS build
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY proxy ./proxy
+COPY examples ./examples
+RUN pip wheel --no-cache-dir --wheel-dir /wheels .
+
+FROM python:3.11-slim
+COPY --from=build /wheels /wheels
+RUN pip install --no-cache-dir /wheels/*.whl && rm -rf /wheels
+COPY policies /etc/opgate/policies
+# distroless-style non-root user; opgate needs no privileges and writes nothing to disk
+USER 65532:65532
+ENV PYTHONUNBUFFERED=1
+EXPOSE 8001 9091
+ENTRYPOINT ["opgate"]
+CMD ["serve", "--policies", "/etc/opgate/policies/examples"]

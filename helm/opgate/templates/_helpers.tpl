@@ -1,0 +1,96 @@
+{{/* Names */}}
+{{- define "opgate.fullname" -}}
+{{- if contains .Chart.Name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "opgate.serviceAccountName" -}}
+{{- default (include "opgate.fullname" .) .Values.serviceAccount.name -}}
+{{- end -}}
+
+{{- define "opgate.labels" -}}
+app.kubernetes.io/name: {{ .Chart.Name }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
+{{- end -}}
+
+{{- define "opgate.selectorLabels" -}}
+app.kubernetes.io/name: {{ .Chart.Name }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{/*
+The sidecar container. Other charts can inject it with
+  {{ include "opgate.sidecar" . | nindent 8 }}
+next to their controller container (and "opgate.volumes" in the pod's volumes).
+*/}}
+{{- define "opgate.sidecar" -}}
+- name: opgate
+  image: "{{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}"
+  imagePullPolicy: {{ .Values.image.pullPolicy }}
+  args:
+    - serve
+    - --listen={{ .Values.sidecar.listen }}
+    - --admin-listen={{ .Values.sidecar.adminListen }}
+    - --policies=/etc/opgate/policies
+    - --token-file={{ .Values.sidecar.tokenFile }}
+    - --log-level={{ .Values.sidecar.logLevel }}
+    - --header-timeout={{ .Values.sidecar.headerTimeout }}
+    {{- if not .Values.sidecar.accessLog }}
+    - --no-access-log
+    {{- end }}
+    {{- if .Values.redis.url }}
+    - --redis-url={{ .Values.redis.url }}
+    - --replicas={{ .Values.redis.replicas }}
+    {{- end }}
+    {{- if .Values.redis.passwordSecret.name }}
+    - --redis-password-file=/etc/opgate/redis/{{ .Values.redis.passwordSecret.key }}
+    {{- end }}
+    {{- range .Values.sidecar.extraArgs }}
+    - {{ . | quote }}
+    {{- end }}
+  {{- with .Values.sidecar.env }}
+  env:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  ports:
+    - {name: admin, containerPort: {{ .Values.sidecar.adminPort }}, protocol: TCP}
+  livenessProbe:
+    httpGet: {path: /healthz, port: admin}
+    periodSeconds: 10
+  readinessProbe:
+    httpGet: {path: /readyz, port: admin}
+    periodSeconds: 5
+  startupProbe:
+    httpGet: {path: /healthz, port: admin}
+    periodSeconds: 1
+    failureThreshold: 30
+  resources:
+    {{- toYaml .Values.sidecar.resources | nindent 4 }}
+  securityContext:
+    allowPrivilegeEscalation: false
+    readOnlyRootFilesystem: true
+    runAsNonRoot: true
+    capabilities: {drop: [ALL]}
+  volumeMounts:
+    - {name: opgate-policies, mountPath: /etc/opgate/policies, readOnly: true}
+    {{- if .Values.redis.passwordSecret.name }}
+    - {name: opgate-redis, mountPath: /etc/opgate/redis, readOnly: true}
+    {{- end }}
+{{- end -}}
+
+{{- define "opgate.volumes" -}}
+- name: opgate-policies
+  configMap:
+    name: {{ include "opgate.fullname" . }}-policies
+{{- if .Values.redis.passwordSecret.name }}
+- name: opgate-redis
+  secret:
+    secretName: {{ .Values.redis.passwordSecret.name }}
+{{- end }}
+{{- end -}}

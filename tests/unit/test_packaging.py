@@ -1,0 +1,72 @@
+"""The Dockerfile and docker-compose.yml, checked by parsing (no Docker engine runs here).
+
+What can be checked without running them is checked: every opgate command line in the compose
+file parses with opgate's own CLI, every file they mount or copy exists, published ports stay
+on the host's loopback, the image runs as non-root, and the demo policies are valid.
+"""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+
+import yaml
+
+from proxy.cli import build_parser
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _compose() -> dict[str, object]:
+    doc = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    assert isinstance(doc, dict)
+    return doc
+
+
+def test_compose_services_and_dependencies() -> None:
+    services = _compose()["services"]
+    assert isinstance(services, dict)
+    assert set(services) == {"redis", "opgate", "reconciler"}
+    assert services["opgate"]["depends_on"]["redis"]["condition"] == "service_healthy"
+    assert services["reconciler"]["depends_on"]["opgate"]["condition"] == "service_healthy"
+
+
+def test_compose_opgate_command_parses() -> None:
+    opgate = _compose()["services"]["opgate"]  # type: ignore[index]
+    args = build_parser().parse_args(opgate["command"])
+    assert args.command == "serve"
+    assert args.redis_url == "redis://redis:6379/0"
+    policies = args.policies.replace("/etc/opgate/policies", str(ROOT / "policies"))
+    assert Path(policies).is_dir()
+
+
+def test_compose_publishes_on_loopback_only() -> None:
+    for name, service in _compose()["services"].items():  # type: ignore[union-attr]
+        for port in service.get("ports", []):
+            assert str(port).startswith("127.0.0.1:"), f"{name} publishes {port} beyond loopback"
+
+
+def test_compose_mounts_exist() -> None:
+    for service in _compose()["services"].values():  # type: ignore[union-attr]
+        for volume in service.get("volumes", []):
+            source = volume.split(":")[0]
+            if source.startswith("./"):
+                assert (ROOT / source).exists(), source
+
+
+def test_dockerfile_copies_what_exists_and_runs_unprivileged() -> None:
+    lines = [ln.strip() for ln in (ROOT / "Dockerfile").read_text().splitlines()
+             if ln.strip() and not ln.startswith("#")]
+    froms = [ln.split()[1] for ln in lines if ln.startswith("FROM ")]
+    assert froms and all(f.startswith("python:3.1") for f in froms)
+    for ln in lines:
+        if ln.startswith("COPY ") and "--from" not in ln:
+            for source in shlex.split(ln)[1:-1]:
+                assert (ROOT / source).exists(), ln
+    [user] = [ln for ln in lines if ln.startswith("USER ")]
+    assert not user.split()[1].startswith("0") and "root" not in user
+    [entry] = [ln for ln in lines if ln.startswith("ENTRYPOINT ")]
+    assert "opgate" in entry
+    [cmd] = [ln for ln in lines if ln.startswith("CMD ")]
+    args = build_parser().parse_args(yaml.safe_load(cmd[4:]))
+    assert Path(args.policies.replace("/etc/opgate/policies", str(ROOT / "policies"))).is_dir()
