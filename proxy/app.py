@@ -24,6 +24,7 @@ from proxy.middlewares import ratelimit
 from proxy.middlewares.accesslog import AccessLog
 from proxy.middlewares.metrics import Metrics
 from proxy.relay import Relay, RelaySettings, resolve_upstream, serve_api
+from proxy.relay.informer import InformerPool
 from proxy.relay.upstream import UpstreamConfigError
 from proxy.settings import Settings
 from proxy.stores import build_store
@@ -91,11 +92,14 @@ async def _serve(settings: Settings) -> int:
     rl = settings.ratelimit
     buckets = build_store(redis_url=rl.redis_url, password_file=rl.redis_password_file,
                           timeout=rl.redis_timeout, replicas=rl.replicas)
-    chain = Chain([ratelimit.RateLimit(store=buckets), Metrics(), AccessLog()])
+    # the CR instances' own qps (instanceAnnotation), watched with opgate's upstream credentials
+    informers = InformerPool(upstream, connect_timeout=up.connect_timeout)
+    chain = Chain([ratelimit.RateLimit(store=buckets, overrides=informers), Metrics(), AccessLog()])
     relay = Relay(upstream=upstream, chain=chain, policies=store, settings=RelaySettings(
         connect_timeout=up.connect_timeout, header_timeout=up.header_timeout,
         request_timeout=up.request_timeout, watch_idle_timeout=up.watch_idle_timeout))
     await relay.start()
+    await informers.start()
 
     async def ratelimit_ready() -> tuple[bool, str]:
         health = buckets.health()
@@ -129,6 +133,7 @@ async def _serve(settings: Settings) -> int:
             await listener.close()
         if admin is not None:
             await admin.cleanup()
+        await informers.close()
         await relay.close()
         await buckets.close()
     return 0

@@ -7,11 +7,14 @@ A middleware is a plain object (mitmproxy's addon style)::
         needs_body = False        # True: the relay reads the (bounded) body into ctx.body
         fail_open = False         # a crash in this middleware lets the call go on (else 500)
 
+        def wants_body(self, ctx: RequestContext) -> bool: ...  # optional: this call's body?
         async def entry(self, ctx: RequestContext) -> Decision | None: ...  # before relaying
         async def exit(self, ctx: RequestContext) -> None: ...              # after the response
         async def retry(self, ctx: RequestContext) -> None: ...             # after a 409/429/5xx
 
-Every hook is optional; the chain looks them up by name once, when it is built, so the hot path
+``needs_body`` says a middleware may want request bodies at all; the optional ``wants_body``
+narrows it per call (the relay reads a body, bounded, only when one of them wants it, so every
+other body streams). Every hook is optional; the chain looks them up by name once, when it is built, so the hot path
 only loops over the hooks that exist. An ``entry`` hook returns ``None`` (go on), a
 :class:`Deny` (the first one ends the chain) or a :class:`Delay` (sleep, then go on). Middlewares
 never touch sockets; the relay never knows which middlewares exist.

@@ -57,8 +57,8 @@ class RequestContext:
     """One API call on its way through opgate.
 
     ``headers`` is a case-insensitive, read-only view of the client's request headers.
-    ``body`` is set only when a middleware that declared ``needs_body`` is in the chain, and only
-    for requests that carry one (bounded by the relay).
+    ``body`` is set only for a request that carries one and that a middleware asked to see
+    (``needs_body``, narrowed per call by ``wants_body``); the relay bounds it.
     """
 
     info: RequestInfo

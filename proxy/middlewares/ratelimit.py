@@ -13,6 +13,13 @@ until a token is free or ``maxWait`` has passed. A ``dryrun`` rule never rejects
 logs and adds a ``Warning``. When the store cannot answer, ``failure: open`` rules are decided
 in-process (see :mod:`proxy.stores.breaker`) and ``failure: closed`` rules answer 503. Admitted
 calls get ``RateLimit-*`` headers too: the verdict is already at hand, so they cost three tuples.
+
+``{instance}`` is resolved only for calls that a rule needing it matches
+(:mod:`proxy.middlewares.instance`); to find it in a create/update body this middleware declares
+``needs_body`` and narrows it per call with ``wants_body`` (POST/PUT JSON bodies without the
+``Opgate-Instance`` header that such a rule matches), so the relay streams every other body.
+An instance's own qps comes from its ``InstanceOverrides`` (the informer pool when serving); a
+failure there never fails a call: the rule's plain qps applies.
 """
 
 from __future__ import annotations
@@ -21,77 +28,27 @@ import asyncio
 import logging
 import math
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 from proxy.engine import telemetry
 from proxy.engine.context import Decision, Deny, RequestContext
 from proxy.engine.status import service_unavailable, too_many_requests
-from proxy.middlewares.ratelimit_spec import (
+from proxy.middlewares.instance import (
     INSTANCE_HEADER,
-    SECTION,
     InstanceOverrides,
+    InstanceResolver,
     MemoryInstanceOverrides,
-    RateLimitRule,
     header_instance,
-    parse_section,
+    is_json_write,
 )
+from proxy.middlewares.ratelimit_spec import SECTION, BoundRule, Plan, bind_rules, parse_section
 from proxy.stores.base import BucketRequest, KeyVerdict, Store, StoreUnavailable, Verdict
 
 __all__ = ["SECTION", "InstanceOverrides", "MemoryInstanceOverrides", "RateLimit",
            "header_instance", "parse_section"]
 
 log = logging.getLogger("opgate.ratelimit")
-
-RESULTS = ("allowed", "denied", "waited", "dryrun", "unavailable", "fallback")
-
-
-@dataclass(frozen=True, slots=True)
-class _Bound:
-    """A rule bound to its policy for one PolicySet."""
-
-    rule: RateLimitRule
-    policy: str
-    where: str
-    dryrun: bool
-    fail_open: bool
-    per_user: bool
-    prefix: str
-    counters: Mapping[str, Any]
-
-
-class _Plan:
-    __slots__ = ("_by_verb", "needs_instance", "rules")
-
-    def __init__(self, rules: tuple[_Bound, ...]) -> None:
-        self.rules = rules
-        self.needs_instance = any("instance" in b.rule.key.fields for b in rules)
-        self._by_verb: dict[str, tuple[_Bound, ...]] = {}
-
-    def candidates(self, verb: str) -> tuple[_Bound, ...]:
-        found = self._by_verb.get(verb)
-        if found is None:
-            found = tuple(b for b in self.rules if b.rule.match.verbs.matches(verb))
-            if len(self._by_verb) < 256:
-                self._by_verb[verb] = found
-        return found
-
-
-def _bind(section: Sequence[tuple[Any, object]]) -> _Plan:
-    bound: list[_Bound] = []
-    counters: dict[str, dict[str, Any]] = {}
-    for policy, rules in section:
-        per_policy = counters.setdefault(policy.name, {
-            r: telemetry.RATELIMIT_DECISIONS.labels(policy.name, r) for r in RESULTS})
-        for rule in rules:  # type: ignore[attr-defined]
-            bound.append(_Bound(
-                rule=rule, policy=policy.name, where=rule.source or policy.source,
-                dryrun=(rule.mode or policy.mode) == "dryrun",
-                fail_open=(rule.failure or policy.failure) == "open",
-                per_user="user" in rule.key.fields, prefix=f"{policy.name}/{rule.name}/",
-                counters=per_policy))
-    return _Plan(tuple(bound))
 
 
 def _or_dash(value: str) -> str:
@@ -100,46 +57,58 @@ def _or_dash(value: str) -> str:
 
 class RateLimit:
     name = "ratelimit"
-    needs_body = False
     fail_open = False
 
     def __init__(
         self, *, store: Store, overrides: InstanceOverrides | None = None,
-        instance_resolver: Callable[[RequestContext], str | None] = header_instance,
+        instance_resolver: Callable[[RequestContext], str | None] | None = None,
+        resolve_instance_from_body: bool = True,
     ) -> None:
         self.store = store
         self.overrides: InstanceOverrides = overrides or MemoryInstanceOverrides()
-        self.instance_resolver = instance_resolver
+        self.instance_resolver = instance_resolver or InstanceResolver(self.overrides)
+        self.needs_body = resolve_instance_from_body  # narrowed per call by wants_body
         self._plan_for: object = None
-        self._plan = _Plan(())
+        self._plan = Plan(())
         self._queues: dict[str, deque[asyncio.Future[None]]] = {}
 
-    def _plan_of(self, policies: Any) -> _Plan:
+    def _plan_of(self, policies: Any) -> Plan:
         if policies is not self._plan_for:
-            self._plan = _bind(policies.section(SECTION))
+            self._plan = bind_rules(policies.section(SECTION))
             self._plan_for = policies  # held: identity stays meaningful
         return self._plan
+
+    def wants_body(self, ctx: RequestContext) -> bool:
+        """Whether the relay should read this call's body: a JSON create/update without the
+        ``Opgate-Instance`` header that a rule with ``{instance}`` in its key may match (the
+        relay asks before the entry hooks, so before identity is known: any user)."""
+        if not self.needs_body or not is_json_write(ctx) or ctx.headers.get(INSTANCE_HEADER):
+            return False
+        plan = self._plan_of(ctx.policies)
+        return plan.needs_instance and any(
+            b.needs_instance for b in plan.matched(ctx.info, None))
+
+    def _instance(self, ctx: RequestContext) -> str | None:
+        try:
+            return self.instance_resolver(ctx)
+        except Exception:  # never fail a call over its instance: it is "-"
+            log.exception("resolving {instance} failed (%s %s)", ctx.method, ctx.path)
+            return None
 
     async def entry(self, ctx: RequestContext) -> Decision | None:
         plan = self._plan_of(ctx.policies)
         if not plan.rules:
             return None
-        info = ctx.info
-        verb = info.policy_verb
-        candidates = plan.candidates(verb)
-        if not candidates:
-            return None
-        user = ctx.user
-        skip_long = info.is_long_running and info.verb != "watch"
-        matched = [b for b in candidates if b.rule.match.matches(info, verb, user)
-                   and (not skip_long or b.rule.match.names(info))]
+        matched = plan.matched(ctx.info, ctx.user)
         if not matched:
             return None
-        values = {"user": _or_dash(user), "verb": verb, "group": _or_dash(info.api_group),
-                  "resource": _or_dash(info.resource), "namespace": _or_dash(info.namespace),
-                  "name": _or_dash(info.name), "instance": "-"}
-        if plan.needs_instance:
-            instance = self.instance_resolver(ctx)
+        info = ctx.info
+        values = {"user": _or_dash(ctx.user), "verb": info.policy_verb,
+                  "group": _or_dash(info.api_group), "resource": _or_dash(info.resource),
+                  "namespace": _or_dash(info.namespace), "name": _or_dash(info.name),
+                  "instance": "-"}
+        if plan.needs_instance and any(b.needs_instance for b in matched):
+            instance = self._instance(ctx)
             if instance:
                 values["instance"] = instance
                 ctx.drop_request_headers.add(INSTANCE_HEADER.lower())
@@ -150,19 +119,23 @@ class RateLimit:
             return None
         return await self._enforce(ctx, enforce, [self._bucket(b, values) for b in enforce])
 
-    def _bucket(self, b: _Bound, values: dict[str, str]) -> BucketRequest:
+    def _bucket(self, b: BoundRule, values: dict[str, str]) -> BucketRequest:
         rule, rate = b.rule, b.rule.qps
         if rule.instance_annotation and values["instance"] != "-":
             namespace, _, rest = values["instance"].partition("/")
             kind, _, name = rest.partition("/")
-            own = self.overrides.get(namespace, kind, name, rule.instance_annotation)
+            try:
+                own = self.overrides.get(namespace, kind, name, rule.instance_annotation)
+            except Exception:  # an informer failure never fails a call: the plain qps
+                log.exception("instance overrides failed for %s", values["instance"])
+                own = None
             if own is not None and own > 0:
                 rate = min(own, rule.max_qps)
         return BucketRequest(
             key=b.prefix + rule.key.render(values), rate=rate, burst=rule.burst,
             shard=values["user"] if b.per_user else "", lease=rule.lease, fail_open=b.fail_open)
 
-    async def _acquire(self, rules: list[_Bound], requests: list[BucketRequest]) -> Verdict:
+    async def _acquire(self, rules: list[BoundRule], requests: list[BucketRequest]) -> Verdict:
         try:
             return await self.store.acquire(requests)
         except StoreUnavailable:  # a bare backend without the breaker
@@ -171,7 +144,7 @@ class RateLimit:
             return Verdict(allowed=ok, keys=keys, backend="fallback", unavailable=not ok)
 
     async def _enforce(
-        self, ctx: RequestContext, rules: list[_Bound], requests: list[BucketRequest]
+        self, ctx: RequestContext, rules: list[BoundRule], requests: list[BucketRequest]
     ) -> Decision | None:
         if self._queues:  # FIFO: a call for a bucket with waiters queues behind them
             for b, r in zip(rules, requests, strict=True):
@@ -189,7 +162,7 @@ class RateLimit:
         return self._reject(ctx, rules, verdict)
 
     def _admit(
-        self, ctx: RequestContext, rules: list[_Bound], verdict: Verdict, result: str
+        self, ctx: RequestContext, rules: list[BoundRule], verdict: Verdict, result: str
     ) -> None:
         if verdict.backend == "fallback" and result == "allowed":
             result = "fallback"
@@ -203,7 +176,7 @@ class RateLimit:
         k = verdict.keys[index]
         ctx.response_headers.extend(_headers(rules[index].rule.burst, k.remaining, k.reset))
 
-    def _reject(self, ctx: RequestContext, rules: list[_Bound], verdict: Verdict) -> Deny:
+    def _reject(self, ctx: RequestContext, rules: list[BoundRule], verdict: Verdict) -> Deny:
         index = max(range(len(rules)), key=lambda i: (not verdict.keys[i].allowed,
                                                      verdict.keys[i].retry_after))
         b, k = rules[index], verdict.keys[index]
@@ -219,7 +192,7 @@ class RateLimit:
             retry_after=retry, extra_headers=_headers(b.rule.burst, k.remaining, retry))
         return Deny(status, "throttled")
 
-    def _unavailable(self, ctx: RequestContext, rules: list[_Bound], verdict: Verdict) -> Deny:
+    def _unavailable(self, ctx: RequestContext, rules: list[BoundRule], verdict: Verdict) -> Deny:
         closed = [b for b in rules if not b.fail_open]
         for counters in {b.policy: b.counters for b in closed}.values():
             counters["unavailable"].inc()
@@ -229,7 +202,7 @@ class RateLimit:
             f'policy "{b.policy}" ({b.where}) fails closed; retry later'), "unavailable")
 
     async def _wait(
-        self, ctx: RequestContext, rules: list[_Bound], requests: list[BucketRequest],
+        self, ctx: RequestContext, rules: list[BoundRule], requests: list[BucketRequest],
         verdict: Verdict | None, waiting_on: list[int],
     ) -> Decision | None:
         """Queue behind earlier waiters for the same bucket, then retry until ``maxWait``."""
@@ -271,7 +244,7 @@ class RateLimit:
                 queue[0].set_result(None)
 
     async def _dryrun(
-        self, ctx: RequestContext, rules: list[_Bound], values: dict[str, str]
+        self, ctx: RequestContext, rules: list[BoundRule], values: dict[str, str]
     ) -> None:
         verdict = await self._acquire(rules, [self._bucket(b, values) for b in rules])
         if verdict.allowed:

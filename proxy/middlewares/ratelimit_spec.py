@@ -1,12 +1,14 @@
 """``spec.rateLimits``: YAML → immutable, validated rate-limit rules with precompiled matchers.
 
-Parsed once per policy load (never per request). A rule matches on the apiserver's RequestInfo
+Parsed once per policy load (never per request), then bound to their policies once per
+:class:`PolicySet` (:func:`bind_rules`: mode, failure, metric children), so that a call only
+matches and decides. A rule matches on the apiserver's RequestInfo
 (``policy_verb``, API group, ``resource[/subresource]`` with RBAC's rules, namespace) and on the
 verified user; every list accepts ``*`` and shell-style globs (``team-*``). Resource entries
 follow RBAC: ``pods`` is the resource without subresource, ``pods/log`` one subresource,
 ``pods/*`` every subresource, ``*/scale`` a subresource of anything and ``*`` everything.
-The ``{instance}`` of a key comes from :func:`header_instance`, and an instance's own qps
-(``instanceAnnotation``) from an :class:`InstanceOverrides`.
+The ``{instance}`` of a key and an instance's own qps (``instanceAnnotation``) are resolved per
+call by :mod:`proxy.middlewares.instance`.
 """
 
 from __future__ import annotations
@@ -14,20 +16,18 @@ from __future__ import annotations
 import fnmatch
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any
 
-from proxy.engine.context import RequestContext
+from proxy.engine import telemetry
 from proxy.engine.requestinfo import RequestInfo
 from proxy.engine.schema import Fields, Located, PolicyError, sequence
 
-__all__ = ["INSTANCE_HEADER", "PLACEHOLDERS", "InstanceOverrides", "KeyTemplate", "Match",
-           "MemoryInstanceOverrides", "Patterns", "RateLimitRule", "header_instance",
-           "parse_section"]
+__all__ = ["PLACEHOLDERS", "RESULTS", "SECTION", "BoundRule", "KeyTemplate", "Match", "Patterns",
+           "Plan", "RateLimitRule", "bind_rules", "parse_section"]
 
 SECTION = "rateLimits"
-INSTANCE_HEADER = "Opgate-Instance"
 PLACEHOLDERS = ("user", "verb", "group", "resource", "namespace", "name", "instance")
 _PLACEHOLDER = re.compile(r"\{([^{}]*)\}")
 _GLOB_CHARS = frozenset("*?[")
@@ -67,8 +67,9 @@ class Match:
     users: Patterns = Patterns()
     named: frozenset[str] = frozenset()
 
-    def matches(self, info: RequestInfo, verb: str, user: str) -> bool:
-        if not (self.verbs.matches(verb) and self.users.matches(user)):
+    def matches(self, info: RequestInfo, verb: str, user: str | None) -> bool:
+        """``user=None``: any user (before identity is known, e.g. to decide on reading a body)."""
+        if not (self.verbs.matches(verb) and (user is None or self.users.matches(user))):
             return False
         if not info.is_resource_request:  # /api, /healthz …: only rules about verbs and users
             return self.groups.any and self.resources.any and self.namespaces.any
@@ -230,47 +231,68 @@ def parse_section(node: Located, errors: list[PolicyError]) -> tuple[RateLimitRu
     return tuple(rules)
 
 
-# --- {instance}: which custom-resource instance a call is for, and its own qps --------------
+# --- rules bound to their policies, once per PolicySet ---------------------------------------
+
+RESULTS = ("allowed", "denied", "waited", "dryrun", "unavailable", "fallback")
 
 
-class InstanceOverrides(Protocol):
-    """A CR instance's own qps from its annotation (``None``: no valid override)."""
+@dataclass(frozen=True, slots=True)
+class BoundRule:
+    """A rule bound to its policy for one PolicySet."""
 
-    def get(self, namespace: str, kind: str, name: str, annotation: str) -> float | None: ...
-
-
-class MemoryInstanceOverrides:
-    """Annotations per instance, set by hand or (later) by a watch on the operator's CRs."""
-
-    def __init__(self) -> None:
-        self._annotations: dict[tuple[str, str, str], Mapping[str, str]] = {}
-
-    def set(self, namespace: str, kind: str, name: str, annotations: Mapping[str, str]) -> None:
-        self._annotations[(namespace, kind, name)] = dict(annotations)
-
-    def delete(self, namespace: str, kind: str, name: str) -> None:
-        self._annotations.pop((namespace, kind, name), None)
-
-    def get(self, namespace: str, kind: str, name: str, annotation: str) -> float | None:
-        raw = self._annotations.get((namespace, kind, name), {}).get(annotation)
-        try:
-            value = float(raw) if raw is not None else None
-        except ValueError:
-            return None
-        return value if value is not None and math.isfinite(value) and value > 0 else None
+    rule: RateLimitRule
+    policy: str
+    where: str
+    dryrun: bool
+    fail_open: bool
+    per_user: bool
+    needs_instance: bool
+    prefix: str
+    counters: Mapping[str, Any]
 
 
-def header_instance(ctx: RequestContext) -> str | None:
-    """``<namespace>/<kind>/<name>`` from the ``Opgate-Instance`` header, when well formed.
+class Plan:
+    """The rules of one PolicySet bound to their policies; matching memoized per verb."""
 
-    The seam for the other sources of DESIGN.md (the controlling ownerReference of a create or
-    update body, the object itself when it is of a watched CR kind): a resolver with this
-    signature, passed as ``RateLimit(instance_resolver=…)``.
-    """
-    value = ctx.headers.get(INSTANCE_HEADER)
-    if not value:
-        return None
-    parts = value.strip().split("/")
-    if len(parts) != 3 or not parts[1] or not parts[2] or len(value) > 600:
-        return None
-    return "/".join(parts)
+    __slots__ = ("_by_verb", "needs_instance", "rules")
+
+    def __init__(self, rules: tuple[BoundRule, ...]) -> None:
+        self.rules = rules
+        self.needs_instance = any(b.needs_instance for b in rules)
+        self._by_verb: dict[str, tuple[BoundRule, ...]] = {}
+
+    def candidates(self, verb: str) -> tuple[BoundRule, ...]:
+        found = self._by_verb.get(verb)
+        if found is None:
+            found = tuple(b for b in self.rules if b.rule.match.verbs.matches(verb))
+            if len(self._by_verb) < 256:
+                self._by_verb[verb] = found
+        return found
+
+    def matched(self, info: RequestInfo, user: str | None) -> list[BoundRule]:
+        """The rules that apply to a call (long-running ones only where spelled out)."""
+        verb = info.policy_verb
+        candidates = self.candidates(verb)
+        if not candidates:
+            return []
+        skip_long = info.is_long_running and info.verb != "watch"
+        return [b for b in candidates if b.rule.match.matches(info, verb, user)
+                and (not skip_long or b.rule.match.names(info))]
+
+
+def bind_rules(section: Sequence[tuple[Any, object]]) -> Plan:
+    """Bind every rule of ``PolicySet.section(SECTION)`` to its policy (mode, failure, counters)."""
+    bound: list[BoundRule] = []
+    counters: dict[str, dict[str, Any]] = {}
+    for policy, rules in section:
+        per_policy = counters.setdefault(policy.name, {
+            r: telemetry.RATELIMIT_DECISIONS.labels(policy.name, r) for r in RESULTS})
+        for rule in rules:  # type: ignore[attr-defined]
+            bound.append(BoundRule(
+                rule=rule, policy=policy.name, where=rule.source or policy.source,
+                dryrun=(rule.mode or policy.mode) == "dryrun",
+                fail_open=(rule.failure or policy.failure) == "open",
+                per_user="user" in rule.key.fields,
+                needs_instance="instance" in rule.key.fields, prefix=f"{policy.name}/{rule.name}/",
+                counters=per_policy))
+    return Plan(tuple(bound))

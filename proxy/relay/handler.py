@@ -2,7 +2,8 @@
 
 ``Relay.handle`` is the aiohttp handler of the API listener (DESIGN.md steps 1-7). The hot path
 does no parsing beyond ``parse_request_info``, no regex, no JSON and no logging; bodies are never
-read whole unless a middleware declared ``needs_body`` (then bounded by ``max_body_bytes``).
+read whole unless a middleware declared ``needs_body`` (then bounded by ``max_body_bytes``) and,
+when it also has a ``wants_body(ctx) -> bool`` method, wants this call's body.
 
 Cancellation: the listener runs with ``handler_cancellation=True``, so a client that goes away
 cancels this handler wherever it is. The ``finally`` blocks close the upstream response (never
@@ -17,6 +18,7 @@ import itertools
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -65,6 +67,25 @@ _trace_prefix = os.urandom(4).hex() + "-"
 _trace_counter = itertools.count(1)
 
 
+def _always(ctx: RequestContext) -> bool:
+    return True
+
+
+def _body_predicate(chain: Chain) -> Callable[[RequestContext], bool]:
+    """Whether to read a call's body: some middleware that ``needs_body`` wants it (one without
+    a ``wants_body`` method wants every body)."""
+    checks: list[Callable[[RequestContext], bool]] = []
+    for m in chain.middlewares:
+        if getattr(m, "needs_body", False):
+            check = getattr(m, "wants_body", None)
+            if check is None:
+                return _always
+            checks.append(check)
+    if len(checks) == 1:
+        return checks[0]
+    return lambda ctx: any(check(ctx) for check in checks)
+
+
 class Relay:
     """Relays API calls to one upstream through one middleware chain."""
 
@@ -86,6 +107,7 @@ class Relay:
         self._has_after_hooks = any(
             getattr(m, "exit", None) or getattr(m, "retry", None) for m in chain.middlewares
         )
+        self._wants_body = _body_predicate(chain) if chain.needs_body else None
         self._timeout = aiohttp.ClientTimeout(
             total=settings.request_timeout or None, sock_connect=settings.connect_timeout or None
         )
@@ -182,7 +204,7 @@ class Relay:
         # an upgrade request that is not tunnelled leaves aiohttp's parser mid-upgrade: close
         upgrade = "Upgrade" in request.headers and is_upgrade_request(request.headers)
         try:
-            if request.body_exists and self._chain.needs_body:
+            if request.body_exists and self._wants_body is not None and self._wants_body(ctx):
                 ctx.body = await read_body(request, limit=self.settings.max_body_bytes)
             denied = await self._chain.entry(ctx)
             if denied is not None:

@@ -249,6 +249,39 @@ async def test_needs_body_reads_bounded_and_answers_413() -> None:
     assert len(up.seen) == 2
 
 
+class Picky(Recorder):
+    """Needs bodies, but only of the calls whose path ends in ``/want``."""
+
+    def __init__(self) -> None:
+        super().__init__(needs_body=True)
+        self.asked: list[str] = []
+
+    def wants_body(self, ctx: RequestContext) -> bool:
+        self.asked.append(ctx.path)
+        return ctx.path.endswith("/want")
+
+
+@pytest.mark.asyncio
+async def test_wants_body_narrows_needs_body_per_call() -> None:
+    up = await AiohttpUpstream(ok_handler).start()
+    picky = Picky()
+    body = b'{"metadata":{"name":"p"}}' * 100
+    try:
+        async with running_proxy(up.url, middlewares=(picky,)) as proxy:
+            async with aiohttp.ClientSession() as c:
+                for path in ("/api/v1/namespaces/a/pods/want", "/api/v1/namespaces/a/pods/x"):
+                    async with c.put(proxy.url + path, data=body) as r:
+                        assert r.status == 200
+                async with c.get(proxy.url + "/api/v1/pods") as r:  # no body: not asked
+                    assert r.status == 200
+    finally:
+        await up.close()
+    assert picky.asked == ["/api/v1/namespaces/a/pods/want", "/api/v1/namespaces/a/pods/x"]
+    assert picky.bodies == [body, None, None]  # read once, streamed once
+    assert [s.body for s in up.seen[:2]] == [body, body]  # the same bytes upstream either way
+    assert up.seen[0].headers["Content-Length"] == str(len(body))
+
+
 @pytest.mark.asyncio
 async def test_client_gone_before_headers_still_runs_exit_hooks() -> None:
     async def slow(request: web.BaseRequest) -> web.StreamResponse:

@@ -235,6 +235,37 @@ def test_instance_header_annotation_override_and_shards() -> None:
     assert [r.shard for r in seen] == ["alice"] * 5 + ["-"]
 
 
+def test_instance_without_header_gets_its_own_qps() -> None:
+    """The ownerReference of a JSON create, and the object itself, find the annotated qps."""
+    pset = policies("""
+- name: per-instance
+  key: "{instance}"
+  qps: 1
+  burst: 5
+  instanceAnnotation: opgate.dev/qps
+  maxQps: 10
+""")
+    overrides = MemoryInstanceOverrides()
+    overrides.watch("demo.opgate.dev", "widgets", "Widget")
+    overrides.set("a", "Widget", "w1", {"opgate.dev/qps": "20"})
+    store = Recording()
+    mw = RateLimit(store=store, overrides=overrides)
+    owned = json.dumps({"metadata": {"name": "cm", "ownerReferences": [
+        {"kind": "Widget", "name": "w1", "controller": True}]}}).encode()
+    create = ctx_for(pset, "POST", "/api/v1/namespaces/a/configmaps",
+                     headers={"Content-Type": "application/json"})
+    assert mw.wants_body(create)
+    create.body = owned
+    itself = ctx_for(pset, "PUT", "/apis/demo.opgate.dev/v1/namespaces/a/widgets/w1/status",
+                     headers={"Content-Type": "application/vnd.kubernetes.protobuf"})
+    assert not mw.wants_body(itself)
+    for ctx in (create, itself, ctx_for(pset)):
+        assert asyncio.run(mw.entry(ctx)) is None
+    assert [(c[0].key, c[0].rate) for c in store.seen] == [
+        ("op/per-instance/a/Widget/w1", 10.0), ("op/per-instance/a/Widget/w1", 10.0),
+        ("op/per-instance/-", 1.0)]
+
+
 def test_one_flooding_instance_does_not_slow_another() -> None:
     pset = policies("- {name: inst, key: '{instance}', qps: 5, burst: 5}")
     clock = Clock()

@@ -1,0 +1,396 @@
+"""A watch-fed cache of custom-resource metadata: each CR instance's own qps, no GET per call.
+
+``instanceAnnotation`` (e.g. ``opgate.dev/qps``) lets a CR instance set its own rate. A GET per
+call to read it would add to the very load the rate limit protects, so :class:`InformerPool`
+runs one list+watch per custom resource (at most ``max_resources``, 16) and keeps only what
+``get`` answers from: per ``(namespace, name)`` the valid values of the wanted annotations. It
+asks for metadata only (``PartialObjectMetadata[List]``): opgate never holds whole objects.
+
+Interest, simple and explicit (it implements ``proxy.middlewares.instance.InstanceOverrides``):
+
+- ``want(group, version, resource)``: the rate-limit middleware calls it when a call for a custom
+  resource needs ``{instance}`` and the resource is not watched yet ("the object itself"). The
+  resource's kind and scope come from discovery (``GET /apis/<group>/<version>``) once.
+- ``get(namespace, kind, name, annotation)``: a kind not seen yet (named by the
+  ``Opgate-Instance`` header or an ownerReference) starts a discovery of the custom API groups
+  (each kind at most every ``rediscover_seconds``), and each resource of that kind is wanted.
+  An annotation name not seen yet joins the kept set (at most 8) and the running watches relist
+  to pick it up; while no annotation is wanted a resource is only discovered (its kind), not
+  listed nor watched.
+- Until a resource is discovered and listed, ``kind_of`` / ``get`` answer ``None``: such calls
+  get ``-`` / the rule's plain qps. Nothing here ever blocks or fails a call.
+
+Each watch (kopf's shape): list (pages of 500) → watch from the list's resourceVersion with
+``allowWatchBookmarks`` and a server ``timeoutSeconds`` of ~5 min, an inactivity timeout of
+``idle_seconds``; a watch that ends or idles resumes from the last resourceVersion; 410 Gone (the
+HTTP status or an ERROR event) relists at once; any other failure backs off (1 s doubling up to
+60 s, with jitter), then relists. Failures are logged at warning once per streak.
+
+Credentials are the upstream's (token, token file or client certificate; ``opgate serve``'s
+``--token-file`` / kubeconfig / in-cluster ServiceAccount): that identity needs ``list`` and
+``watch`` on the custom resources.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import quote
+
+import aiohttp
+from yarl import URL
+
+from proxy.engine.kinds import is_custom_group, parse_qps
+from proxy.relay.errors import describe
+from proxy.relay.session import Endpoint, TokenSource, make_session, make_ssl_context
+from proxy.relay.upstream import UpstreamConfig
+
+__all__ = ["InformerPool"]
+
+log = logging.getLogger("opgate.informer")
+
+LIST_ACCEPT = "application/json;as=PartialObjectMetadataList;g=meta.k8s.io;v=v1,application/json"
+WATCH_ACCEPT = "application/json;as=PartialObjectMetadata;g=meta.k8s.io;v=v1,application/json"
+USER_AGENT = "opgate-informer"
+MAX_ANNOTATIONS = 8
+DISCOVERY_GAP = 5.0  # seconds between two discoveries of unknown kinds (headers are free text)
+MAX_EVENT_BYTES = 16 * 1024 * 1024
+
+
+class _Gone(Exception):
+    """410: the resourceVersion (or continue token) is too old; relist."""
+
+
+class _Failed(Exception):
+    """An answer other than the one expected (status and a short, token-free reason)."""
+
+
+@dataclass(slots=True, eq=False)
+class _Resource:
+    group: str
+    version: str
+    resource: str
+    kind: str = ""
+    namespaced: bool = True
+    objects: dict[tuple[str, str], dict[str, float]] = field(default_factory=dict)
+    task: asyncio.Task[None] | None = None
+    failures: int = 0  # in a row; reset once a watch is open again
+
+    @property
+    def label(self) -> str:
+        return f"{self.resource}.{self.group}"
+
+    @property
+    def path(self) -> str:
+        return f"/apis/{self.group}/{self.version}/{self.resource}"
+
+
+class InformerPool:
+    """List+watch loops over custom resources (metadata only); see the module docstring."""
+
+    def __init__(
+        self, upstream: UpstreamConfig, *, max_resources: int = 16, connect_timeout: float = 5.0,
+        page_size: int = 500, watch_seconds: int = 300, idle_seconds: float = 90.0,
+        rediscover_seconds: float = 30.0, max_backoff: float = 60.0,
+    ) -> None:
+        self._endpoint = Endpoint.from_config(upstream, make_ssl_context(upstream))
+        self._token = TokenSource(token=upstream.token, token_file=upstream.token_file)
+        self._connect_timeout = connect_timeout
+        self.max_resources = max_resources
+        self._page_size = page_size
+        self._watch_seconds = watch_seconds
+        self._idle_seconds = idle_seconds
+        self._rediscover = rediscover_seconds
+        self._max_backoff = max_backoff
+        self._session: aiohttp.ClientSession | None = None
+        self._resources: dict[tuple[str, str], _Resource] = {}
+        self._by_kind: dict[str, list[_Resource]] = {}
+        self._annotations: frozenset[str] = frozenset()
+        self._kinds_searched: dict[str, float] = {}
+        self._pending_kinds: set[str] = set()
+        self._discovery: asyncio.Task[None] | None = None
+        self._last_discovery = -DISCOVERY_GAP
+        self._full_logged = False
+
+    # --- InstanceOverrides (hot path: dict lookups, never blocks, never raises) ---------
+
+    def get(self, namespace: str, kind: str, name: str, annotation: str) -> float | None:
+        if annotation not in self._annotations:
+            self._want_annotation(annotation)
+        found = self._by_kind.get(kind)
+        if found is None:
+            self._want_kind(kind)
+            return None
+        for r in found:
+            values = r.objects.get((namespace, name))
+            if values is not None and annotation in values:
+                return values[annotation]
+        return None
+
+    def kind_of(self, group: str, resource: str) -> str | None:
+        r = self._resources.get((group, resource))
+        return r.kind or None if r is not None else None
+
+    def want(self, group: str, version: str, resource: str) -> None:
+        self._add(group, version, resource)
+
+    def cluster_scoped(self, kind: str) -> bool:
+        found = self._by_kind.get(kind)
+        return bool(found) and not any(r.namespaced for r in found or ())
+
+    # --- lifecycle ---------------------------------------------------------------------
+
+    async def start(self) -> None:
+        if self._session is None:
+            self._session = make_session(self._endpoint, connect_timeout=self._connect_timeout)
+        for r in self._resources.values():
+            self._spawn(r)
+        self._discover_later()
+
+    async def close(self) -> None:
+        tasks = [r.task for r in self._resources.values() if r.task is not None]
+        if self._discovery is not None:
+            tasks.append(self._discovery)
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    # --- interest ----------------------------------------------------------------------
+
+    def _add(self, group: str, version: str, resource: str, *, kind: str = "",
+             namespaced: bool = True) -> None:
+        if (group, resource) in self._resources or not is_custom_group(group):
+            return
+        if len(self._resources) >= self.max_resources:
+            if not self._full_logged:
+                log.warning("informer: already watching %d resources; not watching %s.%s",
+                            self.max_resources, resource, group)
+                self._full_logged = True
+            return
+        r = _Resource(group, version, resource, kind=kind, namespaced=namespaced)
+        self._resources[(group, resource)] = r
+        if kind:
+            self._by_kind.setdefault(kind, []).append(r)
+        self._spawn(r)
+
+    def _want_annotation(self, annotation: str) -> None:
+        if len(self._annotations) >= MAX_ANNOTATIONS or not annotation:
+            return
+        self._annotations = self._annotations | {annotation}
+        for r in self._resources.values():  # relist to keep the new annotation too
+            if r.task is not None:
+                r.task.cancel()
+                r.task = None
+            self._spawn(r)
+
+    def _want_kind(self, kind: str) -> None:
+        now = time.monotonic()
+        last = self._kinds_searched.get(kind)
+        if last is not None and now - last < self._rediscover:
+            return
+        if len(self._kinds_searched) >= 256:
+            self._kinds_searched.clear()
+        self._kinds_searched[kind] = now
+        self._pending_kinds.add(kind)
+        self._discover_later()
+
+    def _spawn(self, r: _Resource) -> None:
+        if self._session is not None and (r.task is None or r.task.done()):
+            r.task = asyncio.get_running_loop().create_task(self._run(r), name=f"watch {r.label}")
+
+    def _discover_later(self) -> None:
+        if self._session is None or not self._pending_kinds:
+            return
+        if self._discovery is None or self._discovery.done():
+            self._discovery = asyncio.get_running_loop().create_task(
+                self._discover_kinds(), name="informer discovery")
+
+    # --- discovery ---------------------------------------------------------------------
+
+    async def _discover_kinds(self) -> None:
+        """Find the resources of the pending kinds; runs at least ``DISCOVERY_GAP`` apart."""
+        while self._pending_kinds:
+            await asyncio.sleep(self._last_discovery + DISCOVERY_GAP - time.monotonic())
+            self._last_discovery = time.monotonic()
+            kinds, self._pending_kinds = self._pending_kinds, set()
+            try:
+                groups = await self._get_json("/apis", accept="application/json")
+                for group in groups.get("groups") or ():
+                    name = group.get("name", "")
+                    version = (group.get("preferredVersion") or {}).get("version", "")
+                    if not is_custom_group(name) or not version:
+                        continue
+                    found = await self._get_json(f"/apis/{name}/{version}",
+                                                 accept="application/json")
+                    for res in found.get("resources") or ():
+                        if res.get("kind") in kinds and "/" not in res.get("name", "/"):
+                            self._add(name, version, res["name"], kind=res["kind"],
+                                      namespaced=bool(res.get("namespaced", True)))
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                log.warning("informer: discovery of %s failed: %s", ", ".join(sorted(kinds)),
+                            _reason(e))
+
+    async def _discover(self, r: _Resource) -> None:
+        found = await self._get_json(f"/apis/{r.group}/{r.version}", accept="application/json")
+        for res in found.get("resources") or ():
+            if res.get("name") == r.resource:
+                r.kind = str(res.get("kind") or "")
+                r.namespaced = bool(res.get("namespaced", True))
+        if not r.kind:
+            raise _Failed(f"the apiserver serves no {r.label} in {r.group}/{r.version}")
+        self._by_kind.setdefault(r.kind, []).append(r)
+
+    # --- one resource: discover, list, watch --------------------------------------------
+
+    async def _run(self, r: _Resource) -> None:
+        while True:
+            try:
+                if not r.kind:
+                    await self._discover(r)
+                if not self._annotations:
+                    return  # the kind is all that is needed until an annotation is wanted
+                resource_version = await self._list(r)
+                while resource_version:
+                    started = time.monotonic()
+                    resource_version = await self._watch(r, resource_version)
+                    if time.monotonic() - started < 1.0:  # ended at once: do not spin
+                        await asyncio.sleep(1.0)
+            except asyncio.CancelledError:
+                raise
+            except _Gone:
+                continue
+            except Exception as e:
+                r.failures += 1
+                delay = min(self._max_backoff, 2.0 ** (r.failures - 1))
+                delay *= 0.5 + random.random() / 2
+                level = logging.WARNING if r.failures == 1 else logging.DEBUG
+                log.log(level, "informer: %s failed (%s); retrying in %.1fs", r.label,
+                        _reason(e), delay)
+                await asyncio.sleep(delay)
+
+    async def _list(self, r: _Resource) -> str:
+        objects: dict[tuple[str, str], dict[str, float]] = {}
+        token = ""
+        while True:
+            query = f"?limit={self._page_size}" + (f"&continue={quote(token)}" if token else "")
+            page = await self._get_json(r.path + query, accept=LIST_ACCEPT)
+            for item in page.get("items") or ():
+                self._keep(objects, item.get("metadata") or {})
+            meta = page.get("metadata") or {}
+            token = meta.get("continue") or ""
+            if not token:
+                r.objects = objects
+                return str(meta.get("resourceVersion") or "")
+
+    async def _watch(self, r: _Resource, resource_version: str) -> str:
+        """One watch stream; returns the resourceVersion to resume from ("" to relist)."""
+        assert self._session is not None
+        seconds = int(self._watch_seconds * (0.8 + random.random() * 0.4))
+        url = (f"{self._endpoint.base}{r.path}?watch=1&allowWatchBookmarks=true"
+               f"&resourceVersion={quote(resource_version)}&timeoutSeconds={seconds}")
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=self._connect_timeout or None,
+                                        sock_read=self._idle_seconds or None)
+        async with self._session.get(URL(url, encoded=True), headers=self._headers(WATCH_ACCEPT),
+                                     timeout=timeout, allow_redirects=False,
+                                     server_hostname=self._endpoint.server_name) as resp:
+            if resp.status == 410:
+                raise _Gone
+            if resp.status != 200:
+                raise _Failed(await _status_reason(resp))
+            if r.failures:
+                log.info("informer: watching %s again (%d instances)", r.label, len(r.objects))
+                r.failures = 0
+            buf = b""
+            try:
+                async for chunk in resp.content.iter_any():
+                    buf += chunk
+                    if b"\n" not in chunk:
+                        if len(buf) > MAX_EVENT_BYTES:
+                            raise _Failed("a watch event larger than 16 MiB")
+                        continue
+                    *lines, buf = buf.split(b"\n")
+                    for line in lines:
+                        if line.strip():
+                            resource_version = self._apply(r, json.loads(line), resource_version)
+            except TimeoutError:  # idle: resume (a dead connection fails the next watch)
+                pass
+        return resource_version
+
+    def _apply(self, r: _Resource, event: dict[str, Any], resource_version: str) -> str:
+        kind = event.get("type")
+        obj = event.get("object") or {}
+        if kind == "ERROR":
+            if obj.get("code") == 410:
+                raise _Gone
+            raise _Failed(f"watch error {obj.get('code')}: {str(obj.get('message'))[:200]}")
+        meta = obj.get("metadata") or {}
+        resource_version = str(meta.get("resourceVersion") or resource_version)
+        if kind in ("ADDED", "MODIFIED"):
+            self._keep(r.objects, meta)
+        elif kind == "DELETED":
+            r.objects.pop((meta.get("namespace") or "", meta.get("name") or ""), None)
+        return resource_version
+
+    def _keep(self, objects: dict[tuple[str, str], dict[str, float]], meta: dict[str, Any]) -> None:
+        key = (meta.get("namespace") or "", meta.get("name") or "")
+        annotations = meta.get("annotations") or {}
+        values = {a: v for a in self._annotations
+                  if (v := parse_qps(annotations.get(a))) is not None}
+        if values:
+            objects[key] = values
+        else:
+            objects.pop(key, None)
+
+    # --- HTTP ------------------------------------------------------------------------------
+
+    def _headers(self, accept: str) -> dict[str, str]:
+        headers = {"Accept": accept, "User-Agent": USER_AGENT}
+        auth = self._token.authorization()
+        if auth:
+            headers["Authorization"] = auth
+        return headers
+
+    async def _get_json(self, path: str, *, accept: str) -> dict[str, Any]:
+        if self._session is None:
+            raise _Failed("the informer pool is closed")
+        timeout = aiohttp.ClientTimeout(total=60, sock_connect=self._connect_timeout or None)
+        async with self._session.get(URL(self._endpoint.base + path, encoded=True),
+                                     headers=self._headers(accept), timeout=timeout,
+                                     allow_redirects=False,
+                                     server_hostname=self._endpoint.server_name) as resp:
+            if resp.status == 410:
+                raise _Gone
+            if resp.status != 200:
+                raise _Failed(await _status_reason(resp))
+            doc = json.loads(await resp.read())
+        if not isinstance(doc, dict):
+            raise _Failed(f"GET {path.partition('?')[0]}: not a JSON object")
+        return doc
+
+
+async def _status_reason(resp: aiohttp.ClientResponse) -> str:
+    """``HTTP 403: <the Status message>`` (truncated; the message never carries a token)."""
+    try:
+        message = str(json.loads(await resp.content.read(4096)).get("message", ""))
+    except (ValueError, AttributeError, aiohttp.ClientError):
+        message = ""
+    return f"HTTP {resp.status} for {resp.url.path}" + (f": {message[:200]}" if message else "")
+
+
+def _reason(exc: BaseException) -> str:
+    if isinstance(exc, (_Failed, _Gone)):
+        return str(exc) or type(exc).__name__
+    if isinstance(exc, ValueError):
+        return f"bad JSON from the apiserver ({exc})"
+    return describe(exc)
