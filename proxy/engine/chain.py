@@ -14,10 +14,10 @@ A middleware is a plain object (mitmproxy's addon style)::
 
 ``needs_body`` says a middleware may want request bodies at all; the optional ``wants_body``
 narrows it per call (the relay reads a body, bounded, only when one of them wants it, so every
-other body streams). Every hook is optional; the chain looks them up by name once, when it is built, so the hot path
-only loops over the hooks that exist. An ``entry`` hook returns ``None`` (go on), a
-:class:`Deny` (the first one ends the chain) or a :class:`Delay` (sleep, then go on). Middlewares
-never touch sockets; the relay never knows which middlewares exist.
+other body streams). Every hook is optional; the chain looks them up by name once, when it is
+built, so the hot path only loops over the hooks that exist. An ``entry`` hook returns
+``None`` (go on), a :class:`Deny` (the first one ends the chain) or a :class:`Delay` (sleep, then
+go on). Middlewares never touch sockets; the relay never knows which middlewares exist.
 """
 
 from __future__ import annotations
