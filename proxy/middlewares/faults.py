@@ -1,0 +1,135 @@
+"""Fault injection (``spec.faults``): make the apiserver look slow or failing, on purpose.
+
+An operator must survive conflicts, throttling and outages; this middleware lets a team rehearse
+them on a real cluster without touching it. A fault matches calls like any rule (verbs, groups,
+resources, namespaces, users), fires with a probability, and either answers in the apiserver's
+place (a Kubernetes Status with the chosen code: a 409 Conflict, a 429 with ``Retry-After``, a
+500 or 503 …), or delays the call and then relays it, or both (delay, then answer). In a
+``dryrun`` policy a fault never fires: it says, in a ``Warning`` header, what it would have done.
+
+    faults:
+      - name: widget-conflicts
+        match: {verbs: [update, patch], resources: [widgets]}
+        probability: 0.1
+        respond: {code: 409, reason: Conflict}
+      - name: slow-lists
+        match: {verbs: [list]}
+        delay: 250ms
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from proxy.engine import telemetry
+from proxy.engine.context import Decision, Delay, Deny, RequestContext
+from proxy.engine.match import Match, parse_match
+from proxy.engine.schema import Fields, Located, PolicyError, sequence
+from proxy.engine.status import StatusError, too_many_requests
+
+__all__ = ["SECTION", "Fault", "Faults", "parse_section"]
+
+SECTION = "faults"
+log = logging.getLogger("opgate.faults")
+
+_REASONS = {400: "BadRequest", 401: "Unauthorized", 403: "Forbidden", 404: "NotFound",
+            405: "MethodNotAllowed", 408: "Timeout", 409: "Conflict", 410: "Expired",
+            413: "RequestEntityTooLarge", 415: "UnsupportedMediaType", 422: "Invalid",
+            429: "TooManyRequests", 500: "InternalError", 503: "ServiceUnavailable",
+            504: "Timeout"}
+
+
+@dataclass(frozen=True, slots=True)
+class Fault:
+    name: str
+    match: Match
+    probability: float = 1.0
+    code: int = 0  # 0: no answer, only the delay
+    reason: str = ""
+    message: str = ""
+    retry_after: float = 1.0
+    delay: float = 0.0
+    mode: str | None = None  # None: the policy's
+
+
+def _parse_fault(node: Located, what: str, index: int,
+                 errors: list[PolicyError]) -> Fault | None:
+    f = Fields(node, what=what, errors=errors)
+    if not f.ok:
+        return None
+    name = f.str("name", default=f"fault-{index}") or f"fault-{index}"
+    match = parse_match(f.node("match"), f"{what}.match", errors)
+    probability = f.number("probability", default=1.0, minimum=0.0, maximum=1.0)
+    delay = f.duration("delay", default=0.0) or 0.0
+    mode = f.str("mode", choices=("enforce", "dryrun"))
+    respond = f.node("respond")
+    code, reason, message, retry_after = 0, "", "", 1.0
+    if respond is not None:
+        r = Fields(respond, what=f"{what}.respond", errors=errors)
+        code = r.int("code", required=True, minimum=400, maximum=599) or 0
+        reason = r.str("reason", default="") or _REASONS.get(code, "")
+        message = r.str("message", default="") or ""
+        retry_after = r.duration("retryAfter", default=1.0) or 1.0
+        r.finish()
+    elif not delay:
+        f.fail("respond", "a fault needs `respond` (a code to answer with), `delay`, or both")
+    f.finish()
+    return Fault(name=name, match=match, probability=probability or 0.0, code=code,
+                 reason=reason, message=message, retry_after=retry_after, delay=delay, mode=mode)
+
+
+def parse_section(node: Located, errors: list[PolicyError]) -> tuple[Fault, ...]:
+    items = sequence(node, what="spec.faults", errors=errors)
+    faults = [_parse_fault(item, f"spec.faults[{i}]", i, errors) for i, item in enumerate(items)]
+    names = [x.name for x in faults if x is not None]
+    for dup in {n for n in names if names.count(n) > 1}:
+        errors.append(node.error(f'spec.faults: two faults are named "{dup}"'))
+    return tuple(x for x in faults if x is not None)
+
+
+class Faults:
+    """The middleware. ``rng`` returns a float in [0, 1) (seeded in tests)."""
+
+    name = "faults"
+    needs_body = False
+    fail_open = True  # a broken fault must never break the operator it is rehearsing with
+
+    def __init__(self, *, rng: Callable[[], float] = random.random) -> None:
+        self._rng = rng
+
+    async def entry(self, ctx: RequestContext) -> Decision | None:
+        section = ctx.policies.section(SECTION)
+        if not section:
+            return None
+        info = ctx.info
+        verb = info.policy_verb
+        for policy, faults in section:
+            fault: Any
+            for fault in faults:  # type: ignore[attr-defined]
+                if not fault.match.matches(info, verb, ctx.user):
+                    continue
+                if fault.probability < 1.0 and self._rng() >= fault.probability:
+                    continue
+                if (fault.mode or policy.mode) == "dryrun":
+                    telemetry.DRYRUN_DENIALS.labels("faults").inc()
+                    ctx.warn(f"fault {fault.name} of policy {policy.name} would fire (dryrun)")
+                    continue
+                return await self._fire(ctx, fault, policy.name)
+        return None
+
+    async def _fire(self, ctx: RequestContext, fault: Fault, policy: str) -> Decision:
+        log.info("fault %s of policy %s fired (%s %s, trace %s)", fault.name, policy,
+                 ctx.method, ctx.path, ctx.trace_id)
+        if not fault.code:
+            return Delay(fault.delay)
+        message = fault.message or f"opgate: injected fault {fault.name} (policy {policy})"
+        status = (too_many_requests(message, retry_after=fault.retry_after)
+                  if fault.code == 429 else StatusError(fault.code, message, fault.reason))
+        if fault.delay:
+            await asyncio.sleep(fault.delay)
+        return Deny(status, "fault")

@@ -1,0 +1,114 @@
+"""Fault injection: parsing with file:line errors, matching, probability, answers, dryrun."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from proxy.engine.check import check
+from proxy.engine.context import Delay, Deny, RequestContext
+from proxy.engine.policies import load_policy_set
+from proxy.engine.requestinfo import parse_request_info
+from proxy.middlewares import faults
+from proxy.middlewares.faults import Faults
+
+PARSERS = {faults.SECTION: faults.parse_section}
+HEAD = "apiVersion: opgate.dev/v1alpha1\nkind: Policy\nmetadata: {name: chaos}\nspec:\n"
+
+
+def policies(tmp_path: Path, body: str, *, mode: str = "enforce"):  # type: ignore[no-untyped-def]
+    path = tmp_path / "chaos.yaml"
+    path.write_text(HEAD + f"  mode: {mode}\n" + body)
+    return load_policy_set([path], parsers=PARSERS)
+
+
+def ctx_for(policy_set: object, method: str, path: str) -> RequestContext:
+    return RequestContext(info=parse_request_info(method, path, ""), method=method, path=path,
+                          query="", headers={}, policies=policy_set)  # type: ignore[arg-type]
+
+
+CONFLICTS = """\
+  faults:
+    - name: widget-conflicts
+      match: {verbs: [update], resources: [widgets]}
+      respond: {code: 409}
+"""
+WIDGET = "/apis/demo.opgate.dev/v1/namespaces/a/widgets/w"
+
+
+@pytest.mark.parametrize(("method", "path", "fires"), [
+    ("PUT", WIDGET, True),
+    ("GET", WIDGET, False),
+    ("PUT", WIDGET + "/status", False),  # RBAC rules: widgets is not widgets/status
+    ("PUT", "/api/v1/namespaces/a/configmaps/c", False),
+])
+def test_match(tmp_path: Path, method: str, path: str, fires: bool) -> None:
+    decision = asyncio.run(Faults().entry(ctx_for(policies(tmp_path, CONFLICTS), method, path)))
+    assert isinstance(decision, Deny) is fires
+
+
+def test_conflict_answer_is_an_apiserver_like_status(tmp_path: Path) -> None:
+    decision = asyncio.run(Faults().entry(ctx_for(policies(tmp_path, CONFLICTS), "PUT", WIDGET)))
+    assert isinstance(decision, Deny)
+    assert decision.decision == "fault"
+    body = json.loads(decision.status.body())
+    assert (body["code"], body["reason"], body["kind"]) == (409, "Conflict", "Status")
+    assert "widget-conflicts" in body["message"]
+
+
+def test_429_carries_an_integer_retry_after(tmp_path: Path) -> None:
+    p = policies(tmp_path, "  faults:\n    - respond: {code: 429, retryAfter: 3s}\n")
+    decision = asyncio.run(Faults().entry(ctx_for(p, "GET", "/api/v1/pods")))
+    assert isinstance(decision, Deny)
+    assert ("Retry-After", "3") in decision.status.headers
+
+
+def test_probability_uses_the_rng(tmp_path: Path) -> None:
+    p = policies(tmp_path, "  faults:\n    - probability: 0.25\n      respond: {code: 500}\n")
+    values = iter([0.1, 0.3, 0.2, 0.9])
+    mw = Faults(rng=lambda: next(values))
+    fired = [isinstance(asyncio.run(mw.entry(ctx_for(p, "GET", "/api/v1/pods"))), Deny)
+             for _ in range(4)]
+    assert fired == [True, False, True, False]
+
+
+def test_delay_only_relays_after_waiting(tmp_path: Path) -> None:
+    p = policies(tmp_path, "  faults:\n    - match: {verbs: [list]}\n      delay: 250ms\n")
+    decision = asyncio.run(Faults().entry(ctx_for(p, "GET", "/api/v1/pods")))
+    assert decision == Delay(0.25)
+
+
+def test_delay_then_answer(tmp_path: Path) -> None:
+    p = policies(tmp_path, "  faults:\n    - delay: 100ms\n      respond: {code: 503}\n")
+    started = time.monotonic()
+    decision = asyncio.run(Faults().entry(ctx_for(p, "GET", "/api/v1/pods")))
+    assert time.monotonic() - started >= 0.1
+    assert isinstance(decision, Deny) and decision.status.code == 503
+
+
+def test_dryrun_warns_and_never_fires(tmp_path: Path) -> None:
+    ctx = ctx_for(policies(tmp_path, CONFLICTS, mode="dryrun"), "PUT", WIDGET)
+    assert asyncio.run(Faults().entry(ctx)) is None
+    [(name, value)] = ctx.response_headers
+    assert name == "Warning" and "widget-conflicts" in value and "dryrun" in value
+
+
+@pytest.mark.parametrize(("body", "message"), [
+    ("  faults:\n    - match: {verbs: [get]}\n", "needs `respond`"),
+    ("  faults:\n    - respond: {code: 200}\n", "code"),
+    ("  faults:\n    - respond: {code: 500}\n      probability: 2\n", "probability"),
+    ("  faults:\n    - respond: {code: 500, colour: red}\n", 'unknown field "colour"'),
+    ("  faults:\n    - {name: a, respond: {code: 500}}\n    - {name: a, respond: {code: 500}}\n",
+     'two faults are named "a"'),
+])
+def test_errors_have_file_and_line(tmp_path: Path, body: str, message: str) -> None:
+    path = tmp_path / "chaos.yaml"
+    path.write_text(HEAD + body)
+    errors = check([path], parsers=PARSERS)
+    assert errors, "the broken file was accepted"
+    assert any(message in e for e in errors), errors
+    assert all(e.startswith(f"{path}:") for e in errors), errors
