@@ -11,7 +11,6 @@ import contextlib
 import datetime
 import ipaddress
 import os
-import socket
 import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -179,13 +178,6 @@ async def running_proxy(
     finally:
         await listener.close()
         await relay.close()
-
-
-def free_port() -> int:
-    """A port nothing listens on (bound, then released)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def make_cert(

@@ -17,11 +17,11 @@ from aiohttp import web
 
 from proxy.engine.context import Delay, Deny, RequestContext
 from proxy.engine.status import StatusError
+from proxy.envtest.procs import free_port
 from proxy.relay import RelaySettings
 from tests.integration.fakes import (
     AiohttpUpstream,
     RawUpstream,
-    free_port,
     ok_handler,
     read_head,
     running_proxy,

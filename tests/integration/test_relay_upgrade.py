@@ -11,9 +11,9 @@ import pytest
 
 from proxy.engine.context import Deny, RequestContext
 from proxy.engine.status import StatusError
+from proxy.envtest.procs import free_port
 from tests.integration.fakes import (
     RawUpstream,
-    free_port,
     make_cert,
     read_head,
     running_proxy,
