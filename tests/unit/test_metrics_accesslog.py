@@ -69,3 +69,35 @@ def test_access_log_line(caplog: pytest.LogCaptureFixture) -> None:
     assert line["user"] == "system:serviceaccount:ops:op"
     assert line["time"].endswith("Z")
     assert "token" not in record.getMessage().lower()
+
+
+@pytest.mark.parametrize("name", ['we"ird', "back\\slash", "ünïcode", "new\nline"])
+def test_access_log_escapes_like_json(name: str) -> None:
+    ctx = make_ctx("GET", f"/api/v1/namespaces/a/configmaps/{name}")
+    ctx.status_code = 200
+    line = json.loads(AccessLog().line(ctx))
+    assert line["name"] == name
+
+
+def test_writer_batches_and_flushes() -> None:
+    import io
+
+    from proxy.middlewares.accesslog import AccessWriter
+
+    out = io.StringIO()
+
+    async def main() -> None:
+        writer = AccessWriter(out)
+        mw = AccessLog(writer=writer)
+        for i in range(3):
+            ctx = make_ctx("GET", f"/api/v1/namespaces/a/configmaps/c{i}")
+            ctx.status_code = 200
+            await mw.exit(ctx)
+        assert out.getvalue() == ""  # batched, not yet written
+        await asyncio.sleep(0.2)
+        assert len(out.getvalue().splitlines()) == 3  # written within FLUSH_SECONDS
+        writer.close()
+
+    asyncio.run(main())
+    names = [json.loads(x)["name"] for x in out.getvalue().splitlines()]
+    assert names == ["c0", "c1", "c2"]
