@@ -1,0 +1,214 @@
+"""The paths a request can take to one upstream, each a running server the bench measures.
+
+``direct`` (no proxy), ``opgate`` (no policies, no access log: the relay alone), ``opgate-full``
+(every middleware that exists: rate limits in Redis with leasing under a generous rule that
+rejects nothing, metrics, and the access log written to a file as a real deployment writes it
+to stdout), ``kubectl-proxy`` (the real binary, pointed at the upstream by a kubeconfig) and
+``nginx-proxy`` (nginx as a streaming reverse proxy with a keep-alive pool: the practical
+limit). Every proxy listens on plain HTTP on loopback, as kubectl proxy does, and injects the
+bearer token, so clients send none; ``direct`` clients send it themselves.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from bench.procs import Procs, free_port, wait_http, wait_port
+from bench.upstreams import Upstream
+
+REPO = Path(__file__).resolve().parent.parent
+NAMES = ("direct", "opgate", "opgate-full", "kubectl-proxy", "nginx-proxy")
+STATIC_TOKEN = "opgate-bench-token"
+
+POLICY = """\
+apiVersion: opgate.dev/v1alpha1
+kind: Policy
+metadata: {{name: bench}}
+spec:
+  mode: enforce
+  rateLimits:
+    # generous: nothing is ever rejected, but every read is decided (Redis + leasing)
+    - name: reads
+      match: {{verbs: [get, list, watch], resources: [configmaps]}}
+      key: "{{user}}/{{resource}}"
+      qps: 1000000
+      burst: 1000000
+      lease: true
+{extra}"""
+
+PROBE_RULE = """\
+    - name: probe
+      match: {verbs: [get], resources: [secrets]}
+      key: "{user}"
+      qps: 1000000
+      burst: 1000000
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """One path: where clients send requests, and the process to measure (``None``: direct)."""
+
+    name: str
+    url: str
+    pid: int | None
+    upstream: Upstream
+    admin: str | None = None  # opgate's admin listener
+    policy_file: Path | None = None
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """What a client of this path sends: only ``direct`` carries the token itself."""
+        token = self.upstream.token or STATIC_TOKEN
+        return {"Authorization": f"Bearer {token}"} if self.pid is None else {}
+
+    @property
+    def ca_file(self) -> str | None:
+        return self.upstream.ca_file if self.pid is None else None
+
+
+def write_policy(path: Path, *, probe: bool) -> None:
+    """The full chain's policy; ``probe`` adds a rule the reload measure watches for. Written
+    to a temp file and renamed, as an editor or the kubelet would, so a reader never sees half."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(POLICY.format(extra=PROBE_RULE if probe else ""))
+    os.replace(tmp, path)
+
+
+def _token_file(work: Path, token: str) -> Path:
+    path = work / "token"
+    path.write_text(token)
+    path.chmod(0o600)
+    return path
+
+
+def start_opgate(
+    procs: Procs, work: Path, *, upstream: Upstream, full: bool, redis_url: str | None,
+    name: str, wrapper: tuple[str, ...] = (),
+) -> Target:
+    """opgate on a free port; ``wrapper`` runs it under another command (py-spy)."""
+    port, admin = free_port(), free_port()
+    argv = [*wrapper, sys.executable, "-m", "proxy", "serve", "--upstream", upstream.url,
+            "--listen", f"127.0.0.1:{port}", "--admin-listen", f"127.0.0.1:{admin}",
+            "--token-file", str(_token_file(work, upstream.token or STATIC_TOKEN))]
+    if upstream.ca_file:
+        argv += ["--upstream-ca", upstream.ca_file]
+    policy = None
+    if full:
+        policies = work / "policies"
+        policies.mkdir(exist_ok=True)
+        policy = policies / "bench.yaml"
+        write_policy(policy, probe=False)
+        argv += ["--policies", str(policies)]
+        if redis_url:
+            argv += ["--redis-url", redis_url]
+    else:
+        argv += ["--no-access-log"]
+    proc = procs.start(name, argv, cwd=REPO)
+    # through the proxy to the upstream (opgate's /readyz stays 503 without --policies)
+    wait_http(f"http://127.0.0.1:{port}/version", proc=proc, timeout=60)
+    assert proc.pid is not None
+    return Target(name, f"http://127.0.0.1:{port}", proc.pid, upstream,
+                  admin=f"http://127.0.0.1:{admin}", policy_file=policy)
+
+
+def start_kubectl_proxy(procs: Procs, work: Path, *, upstream: Upstream, kubectl: Path,
+                        name: str) -> Target:
+    port = free_port()
+    cluster: dict[str, object] = {"server": upstream.url}
+    if upstream.ca_file:
+        cluster["certificate-authority"] = upstream.ca_file
+    config = {
+        "apiVersion": "v1", "kind": "Config",
+        "clusters": [{"name": "up", "cluster": cluster}],
+        "users": [{"name": "u", "user": {"token": upstream.token or STATIC_TOKEN}}],
+        "contexts": [{"name": "c", "context": {"cluster": "up", "user": "u"}}],
+        "current-context": "c",
+    }
+    kubeconfig = work / "kubeconfig"
+    kubeconfig.touch(mode=0o600)
+    kubeconfig.write_text(json.dumps(config))
+    proc = procs.start(name, [str(kubectl), "proxy", f"--kubeconfig={kubeconfig}",
+                              "--address=127.0.0.1", f"--port={port}", "--accept-hosts=.*",
+                              "--disable-filter=true"])
+    wait_port(port, proc=proc)
+    assert proc.pid is not None
+    return Target(name, f"http://127.0.0.1:{port}", proc.pid, upstream)
+
+
+def nginx_proxy_conf(work: Path, *, upstream: Upstream, port: int) -> str:
+    host_port = upstream.url.split("://", 1)[1]
+    scheme = "https" if upstream.tls else "http"
+    tls = ""
+    if upstream.tls:
+        tls = (f"proxy_ssl_trusted_certificate {upstream.ca_file}; proxy_ssl_verify on;\n"
+               "    proxy_ssl_name localhost; proxy_ssl_server_name on; "
+               "proxy_ssl_session_reuse on;\n")
+    token = upstream.token or STATIC_TOKEN
+    return f"""\
+worker_processes 1;
+daemon off;
+pid {work}/nginx.pid;
+error_log {work}/nginx.error.log warn;
+worker_rlimit_nofile 20000;
+events {{ worker_connections 8192; }}
+http {{
+  access_log off;
+  client_body_temp_path {work}/tmp/body; proxy_temp_path {work}/tmp/proxy;
+  fastcgi_temp_path {work}/tmp/fcgi; uwsgi_temp_path {work}/tmp/uwsgi;
+  scgi_temp_path {work}/tmp/scgi;
+  keepalive_requests 100000000; keepalive_timeout 600s;
+  upstream up {{ server {host_port}; keepalive 64; keepalive_requests 100000000; }}
+  server {{
+    listen 127.0.0.1:{port} backlog=4096;
+    location / {{
+      proxy_pass {scheme}://up; proxy_http_version 1.1; proxy_set_header Connection "";
+      proxy_set_header Authorization "Bearer {token}";
+      proxy_buffering off; proxy_request_buffering off; proxy_read_timeout 3600s;
+    {tls}  }}
+  }}
+}}
+"""
+
+
+def start_nginx_proxy(procs: Procs, work: Path, *, upstream: Upstream, name: str) -> Target:
+    port = free_port()
+    (work / "tmp").mkdir(exist_ok=True)
+    conf = work / "nginx.conf"
+    conf.write_text(nginx_proxy_conf(work, upstream=upstream, port=port))
+    proc = procs.start(name, ["nginx", "-p", str(work), "-c", str(conf)])
+    wait_port(port, proc=proc)
+    assert proc.pid is not None
+    return Target(name, f"http://127.0.0.1:{port}", proc.pid, upstream)
+
+
+def start_paths(
+    procs: Procs, work: Path, *, upstream: Upstream, kubectl: Path | None, redis_url: str | None,
+    names: tuple[str, ...] = NAMES,
+) -> list[Target]:
+    """Start every path of ``names`` in front of ``upstream`` (each in its own work dir)."""
+    targets: list[Target] = []
+    for name in names:
+        d = work / f"{upstream.name}-{name}"
+        d.mkdir(parents=True, exist_ok=True)
+        os.chmod(d, 0o755)
+        label = f"{upstream.name}-{name}"
+        if name == "direct":
+            targets.append(Target(name, upstream.url, None, upstream))
+        elif name in ("opgate", "opgate-full"):
+            targets.append(start_opgate(procs, d, upstream=upstream, full=name == "opgate-full",
+                                        redis_url=redis_url, name=label))
+        elif name == "kubectl-proxy" and kubectl is not None:
+            targets.append(start_kubectl_proxy(procs, d, upstream=upstream, kubectl=kubectl,
+                                               name=label))
+        elif name == "nginx-proxy":
+            targets.append(start_nginx_proxy(procs, d, upstream=upstream, name=label))
+    return [replace(t, name=n) for t, n in zip(targets, names_started(names, kubectl), strict=True)]
+
+
+def names_started(names: tuple[str, ...], kubectl: Path | None) -> list[str]:
+    return [n for n in names if n != "kubectl-proxy" or kubectl is not None]

@@ -1,0 +1,174 @@
+"""Renders a run's results as Markdown (``REPORT.md``, also printed) next to ``latest.json``.
+
+Tables put each path beside ``direct`` and ``kubectl proxy`` as ratios, so a reader sees at a
+glance what the proxy costs and how it compares with the tool operators already use; the
+targets of issue #5 come first with a "met?" column.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from bench.targets import KUBECTL, checks
+
+TIER_TITLES = {
+    "tls": "Static upstream (nginx) over TLS + HTTP/2: the headline",
+    "http": "Static upstream (nginx) over plain HTTP",
+    "apiserver": "Real kube-apiserver (e2e harness, TLS, unpinned)",
+}
+
+
+def _fmt(v: Any, digits: int = 2) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "-"
+    if isinstance(v, float):
+        if abs(v) >= 100:
+            return f"{v:,.0f}"
+        return f"{v:.{digits}f}"
+    return str(v)
+
+
+def _ratio(a: Any, b: Any) -> str:
+    if not isinstance(a, int | float) or not isinstance(b, int | float) or not b:
+        return "-"
+    return f"{a / b:.2f}x"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return [*lines, ""]
+
+
+def _vs(rows: dict[str, Any], name: str, key: str) -> list[str]:
+    me = rows[name].get(key)
+    return [_ratio(me, rows.get("direct", {}).get(key)), _ratio(me, rows.get(KUBECTL, {}).get(key))]
+
+
+def _small_get(sg: dict[str, Any], label: str) -> list[str]:
+    rows = sg.get(label)
+    if not rows:
+        return []
+    out = [f"**Small GET, {label}** (wrk, closed loop; ~1 KB ConfigMap; CPU of the proxy process "
+           "tree per request)", ""]
+    body = [[n, _fmt(r.get("rps")), _fmt(r.get("p50_ms")), _fmt(r.get("p99_ms")),
+             _fmt(r.get("cpu_us"), 1), *_vs(rows, n, "rps"),
+             _ratio(r.get("cpu_us"), rows.get(KUBECTL, {}).get("cpu_us"))]
+            for n, r in rows.items()]
+    return out + _table(["path", "req/s", "p50 ms", "p99 ms", "CPU µs/req", "req/s vs direct",
+                         "req/s vs kubectl", "CPU vs kubectl"], body)
+
+
+def _tier(name: str, tier: dict[str, Any]) -> list[str]:
+    out = [f"## {TIER_TITLES.get(name, name)}", ""]
+    if "small_get" in tier:
+        out += _small_get(tier["small_get"], "pinned") + _small_get(tier["small_get"], "unpinned")
+    if "latency" in tier:
+        rows = tier["latency"]
+        out += ["**Latency at 50 req/s, open loop** (median over rounds of each round's "
+                "percentile; added = path minus direct in the same round)", ""]
+        out += _table(["path", "p50 ms", "p99 ms", "added p50 ms", "added p99 ms", "samples"],
+                      [[n, _fmt(r["p50_ms"], 3), _fmt(r["p99_ms"], 3),
+                        _fmt(r.get("added_p50_ms"), 3), _fmt(r.get("added_p99_ms"), 3),
+                        str(r["samples"])] for n, r in rows.items()])
+    for size, rows in tier.get("list", {}).items():
+        out += [f"**LIST {size} MB** (curl to /dev/null; RSS growth = peak during the transfer "
+                "minus RSS before it)", ""]
+        out += _table(["path", "MB/s", "vs direct", "vs kubectl", "RSS growth MB (max)",
+                       "CPU s/GB", "client protocol"],
+                      [[n, _fmt(r.get("mb_s"), 0), *_vs(rows, n, "mb_s"),
+                        _fmt(r.get("rss_growth_max_mb"), 1), _fmt(r.get("cpu_s_per_gb")),
+                        f"HTTP/{r.get('http')}"] for n, r in rows.items()])
+    if "watch" in tier:
+        out += ["**Watch event latency** (upstream send stamp to client receive; medians over "
+                "rounds as above)", ""]
+        out += _table(["path", "p50 µs", "p99 µs", "added p50 µs", "added p99 µs", "events"],
+                      [[n, _fmt(r["p50_us"], 0), _fmt(r["p99_us"], 0),
+                        _fmt(r.get("added_p50_us"), 0), _fmt(r.get("added_p99_us"), 0),
+                        str(r["samples"])] for n, r in tier["watch"].items()])
+    if "open_watches" in tier:
+        out += ["**Open watches** (RSS of the proxy with the watches open)", ""]
+        out += _table(["path", "open", "RSS before MB", "RSS open MB", "KB per watch",
+                       "seconds to open"],
+                      [[n, str(r["opened"]), _fmt(r["rss_before_mb"], 1),
+                        _fmt(r["rss_open_mb"], 1), _fmt(r["kb_per_watch"], 1),
+                        _fmt(r["open_seconds"], 1)] for n, r in tier["open_watches"].items()])
+    if "idle" in tier:
+        out += ["**Idle RSS** (started, 50 requests served)", ""]
+        out += _table(["path", "RSS MB"], [[n, _fmt(r["rss_mb"], 1)]
+                                           for n, r in tier["idle"].items()])
+    redis = tier.get("small_get", {}).get("pinned", {}).get("opgate-full", {})
+    if "redis_calls_per_req" in redis:
+        out += [f"Redis calls per admitted request (full chain, leasing on): "
+                f"**{redis['redis_calls_per_req']:.4f}**; redis-server CPU "
+                f"{_fmt(redis.get('redis_cpu_us'), 2)} µs per request.", ""]
+    return out
+
+
+def _profile(prof: dict[str, Any]) -> list[str]:
+    out = ["## Profile: what the hot path spends its time on", ""]
+    if "error" in prof:
+        return [*out, f"Not profiled: {prof['error']}", ""]
+    out += [f"py-spy, {prof.get('samples', 0)} busy samples of opgate's event loop (full chain, "
+            f"TLS upstream, under the small-GET load); collapsed stacks in `{prof.get('file')}` "
+            f"(speedscope opens them), flame graph in `{prof.get('svg')}`.", ""]
+    for key, title in (("areas", "Self time by area"),
+                       ("self", "Top functions by self time (the function itself)"),
+                       ("inclusive", "Top functions by inclusive time (with what they call)")):
+        rows = prof.get(key, [])
+        if rows:
+            out += [f"{title}:", ""]
+            out += _table(["%", "where"], [[f"{r['pct']:.1f}", f"`{r['function']}`"]
+                                           for r in rows])
+    return out
+
+
+def markdown(results: dict[str, Any]) -> str:
+    m = results.get("machine", {})
+    out = ["# opgate benchmark report", "",
+           f"{results.get('date')} · {results.get('mode')} run · "
+           f"{results.get('total_seconds')} s · measures: "
+           f"{', '.join(results.get('measures', []))}", "",
+           f"Machine: {m.get('nproc')} x {m.get('cpu')}, Linux {m.get('kernel')}, Python "
+           f"{m.get('python')}, aiohttp {m.get('aiohttp')}, {m.get('nginx')}, {m.get('wrk')}, "
+           f"{m.get('redis')}, kubectl {results.get('kubectl_version', '?')}.", "",
+           f"Placement: {results.get('layout')} (plus one unpinned round of small GETs).", "",
+           "Paths: `direct` (no proxy), `opgate` (no policies, no access log), `opgate-full` "
+           "(rate limits in Redis with leasing, metrics, access log to a file), "
+           "`kubectl-proxy`, `nginx-proxy` (the practical limit).", ""]
+    if results.get("note"):
+        out += [f"> {results['note']}", ""]
+    out += ["## Targets (full chain)", ""]
+    out += _table(["measure", "measured", "target", "met?"],
+                  [[c.what, f"{_fmt(c.measured)} {c.unit}" if c.measured is not None else "-",
+                    c.target, {True: "yes", False: "**no**", None: "n/a"}[c.ok]]
+                   for c in checks(results)])
+    for name, tier in results.get("tiers", {}).items():
+        out += _tier(name, tier)
+    if "reload" in results:
+        r = results["reload"]
+        out += ["## Hot reload", "",
+                f"Policy file rewritten (rename) {r['repeats']} times, alternately adding and "
+                "removing a rule: new digest on `/debug/policies` after "
+                f"{_fmt(r['digest_ms_median'], 0)} ms (median; max {_fmt(r['digest_ms_max'], 0)}"
+                f"), request behaviour changed after {_fmt(r['effect_ms_median'], 0)} ms "
+                f"(median; max {_fmt(r['effect_ms_max'], 0)}).", ""]
+    if "profile" in results:
+        out += _profile(results["profile"])
+    micro = results.get("ratelimit_micro")
+    if micro:
+        out += ["## Rate-limit middleware alone (`bench/ratelimit_bench.py`)", ""]
+        out += ["```", micro["output"], "```", ""] if "output" in micro else [micro["error"], ""]
+    out += ["---", "Raw numbers: `bench/results/latest.json`.", ""]
+    return "\n".join(out)
+
+
+def write(results: dict[str, Any], directory: Path) -> str:
+    directory.mkdir(parents=True, exist_ok=True)
+    text = markdown(results)
+    (directory / "REPORT.md").write_text(text)
+    (directory / "latest.json").write_text(json.dumps(results, indent=2, sort_keys=True) + "\n")
+    return text

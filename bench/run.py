@@ -1,0 +1,174 @@
+"""One bench run: start the upstreams, then for each tier start every path and run the measures.
+
+Tiers, in order: the static upstream over TLS + HTTP/2 (the headline: a real apiserver is TLS),
+the same over plain HTTP, then the real kube-apiserver of the e2e harness (unpinned, fewer
+measures: it is the realistic check, not the proxy's isolated cost). Each tier's proxies are
+started fresh and stopped when it ends; everything still running is stopped in ``finally``,
+also on Ctrl-C. Traffic goes to 127.0.0.1 only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from bench import measures, streams
+from bench.measures import Result, _log
+from bench.paths import NAMES, Target, start_paths
+from bench.plan import Bench, Plan
+from bench.procs import Procs, free_port, wait_port
+from bench.procstat import Layout
+from bench.upstreams import LISTS, SMALL, Upstream, start_static
+
+
+def start_redis(bench: Bench) -> None:
+    port = free_port()
+    proc = bench.procs.start("redis", [
+        "redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+        "--appendonly", "no", "--dir", str(bench.work), "--protected-mode", "yes"])
+    wait_port(port, proc=proc)
+    assert proc.pid is not None
+    bench.redis_url, bench.redis_pid = f"redis://127.0.0.1:{port}/0", proc.pid
+    bench.support_pids.append(proc.pid)
+
+
+def _kubectl() -> Path | None:
+    try:
+        from proxy.envtest.tools import find_tools
+
+        return find_tools().kubectl
+    except Exception as exc:  # no kubectl: the run goes on without that path
+        _log(f"kubectl proxy skipped: {exc}")
+        return None
+
+
+def _timed(name: str, fn: Callable[[], Result], into: Result) -> None:
+    started = time.monotonic()
+    _log(f"{name} …")
+    into[name] = fn()
+    into.setdefault("seconds", {})[name] = round(time.monotonic() - started, 1)
+
+
+def run_tier(bench: Bench, targets: Sequence[Target], *, static: bool) -> Result:
+    want = bench.plan.measures
+    out: Result = {"paths": [t.name for t in targets]}
+    if "idle" in want:
+        _timed("idle", lambda: measures.idle(bench, targets), out)
+    if "small-get" in want:
+        _timed("small_get", lambda: measures.small_get(bench, targets), out)
+    if "latency" in want:
+        _timed("latency", lambda: measures.latency(bench, targets), out)
+    if "list" in want:
+        sizes = None if static else {bench.plan.apiserver_list_mb: LISTS[64]}
+        _timed("list", lambda: measures.lists(bench, targets, sizes=sizes), out)
+    if static and "watch" in want:
+        _timed("watch", lambda: streams.watch(bench, targets), out)
+    if static and "open-watches" in want:
+        _timed("open_watches", lambda: streams.open_watch_memory(bench, targets), out)
+    return out
+
+
+@contextlib.contextmanager
+def tier_paths(bench: Bench, upstream: Upstream, kubectl: Path | None) -> Iterator[list[Target]]:
+    targets = start_paths(bench.procs, bench.work, upstream=upstream, kubectl=kubectl,
+                          redis_url=bench.redis_url, names=NAMES)
+    try:
+        yield targets
+    finally:
+        bench.procs.stop_pids({t.pid for t in targets if t.pid is not None})
+
+
+def static_tiers(bench: Bench, *, profile: bool, results: Result) -> None:
+    big = 200 in bench.plan.list_mb and "list" in bench.plan.measures
+    _log("generating data and starting nginx + the watch upstream")
+    static = start_static(bench.procs, bench.work, big=big)
+    bench.support_pids += [static.nginx_pid, static.watch_pid]
+    kubectl = _kubectl()
+    tiers = results.setdefault("tiers", {})
+    for upstream in (static.tls, static.http):
+        _log(f"tier {upstream.name}: starting the paths in front of {upstream.url}")
+        with tier_paths(bench, upstream, kubectl) as targets:
+            tiers[upstream.name] = run_tier(bench, targets, static=True)
+            full = next((t for t in targets if t.name == "opgate-full"), None)
+            if full is not None and upstream.name == "http" and "reload" in bench.plan.measures:
+                _timed("reload", functools.partial(streams.reload, bench, full), results)
+            if full is not None and upstream.name == "tls" and profile:
+                from bench.profile import profile as run_profile
+
+                _timed("profile", functools.partial(run_profile, bench, full), results)
+    bench.procs.stop_pids({static.nginx_pid, static.watch_pid})
+    bench.support_pids = [p for p in bench.support_pids
+                          if p not in (static.nginx_pid, static.watch_pid)]
+
+
+def apiserver_tier(bench: Bench, results: Result) -> None:
+    from proxy.envtest.cluster import LocalCluster
+
+    _log("starting etcd + kube-apiserver (e2e harness)")
+    cluster = LocalCluster().start()
+    try:
+        cluster.create_namespace("bench")
+        cluster.create_namespace("list64")
+        cluster.apply({"apiVersion": "v1", "kind": "ConfigMap",
+                       "metadata": {"name": "small", "namespace": "bench"},
+                       "data": {"config.yaml": "k" * 700}})
+        chunk = "v" * 1_000_000
+        for i in range(bench.plan.apiserver_list_mb):
+            cluster.call("POST", "/api/v1/namespaces/list64/configmaps", body={
+                "apiVersion": "v1", "kind": "ConfigMap",
+                "metadata": {"name": f"big-{i:03d}"}, "data": {"v": chunk}}).ok()
+        assert cluster.call("GET", SMALL).ok()
+        pid = cluster.apiserver_pid
+        assert pid is not None
+        upstream = Upstream("apiserver", cluster.url, cluster.ca_file, pid,
+                            token=cluster.admin_token)
+        bench.pinning = False
+        with tier_paths(bench, upstream, _kubectl()) as targets:
+            results.setdefault("tiers", {})["apiserver"] = run_tier(bench, targets, static=False)
+    finally:
+        bench.pinning = True
+        cluster.stop()
+
+
+def ratelimit_micro(plan: Plan) -> Result:
+    """The rate-limit middleware's own micro-benchmark (``bench/ratelimit_bench.py``), if any."""
+    script = Path(__file__).parent / "ratelimit_bench.py"
+    if not script.exists():
+        return {"error": f"{script.name} not found"}
+    seconds = "0.5" if plan.quick else "2"
+    out = subprocess.run([sys.executable, str(script), "--seconds", seconds],
+                         capture_output=True, text=True, timeout=600)
+    if out.returncode != 0:
+        return {"error": f"exit {out.returncode}: {out.stderr.strip()[-500:]}"}
+    return {"output": out.stdout.rstrip()}
+
+
+def run(plan: Plan, *, apiserver: bool, profile: bool) -> dict[str, Any]:
+    """The whole suite; returns the results (the report is written by the caller)."""
+    work = Path(tempfile.mkdtemp(prefix="opgate-bench-"))
+    procs = Procs(work)
+    layout = Layout.for_machine()
+    bench = Bench(plan=plan, layout=layout, procs=procs, work=work)
+    results: Result = {"layout": layout.describe(), "work": str(work)}
+    started = time.monotonic()
+    try:
+        start_redis(bench)
+        if set(plan.measures) - {"ratelimit"} or profile:
+            static_tiers(bench, profile=profile, results=results)
+        if apiserver and set(plan.measures) & {"idle", "small-get", "latency", "list"}:
+            apiserver_tier(bench, results)
+        if "ratelimit" in plan.measures:
+            _timed("ratelimit_micro", lambda: ratelimit_micro(plan), results)
+    finally:
+        procs.stop_all()
+        results["total_seconds"] = round(time.monotonic() - started, 1)
+        shutil.rmtree(work, ignore_errors=True)
+    return results
