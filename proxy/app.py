@@ -2,7 +2,10 @@
 
 Only this module knows every part: it resolves the upstream, loads the policies, builds the
 middleware chain in its fixed order, starts the API and admin listeners and the policy watcher,
-and stops them in reverse order on SIGTERM or SIGINT.
+and stops them in reverse order on SIGTERM or SIGINT. It runs them on uvloop when ``--loop`` asks
+for it (``auto``: when uvloop is installed). With ``--workers N`` each worker process of
+:mod:`proxy.workers` runs exactly this, on a shared port (``SO_REUSEPORT``), with its admin
+listener on a private Unix socket that the supervisor asks, and stops when the supervisor does.
 """
 
 from __future__ import annotations
@@ -12,9 +15,17 @@ import contextlib
 import logging
 import signal
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
-from proxy.admin import NamedCheck, bound_address, build_admin_app, serve_admin
+from proxy.admin import (
+    NamedCheck,
+    bound_address,
+    build_admin_app,
+    registry_metrics,
+    serve_admin,
+)
+from proxy.engine import telemetry
 from proxy.engine.chain import Chain
 from proxy.engine.check import check
 from proxy.engine.policies import PolicyStore
@@ -47,10 +58,17 @@ def check_paths(paths: Sequence[str]) -> int:
     return 0
 
 
-def configure_logging(settings: Settings) -> None:
+def configure_logging(settings: Settings, *, tag: str = "") -> None:
+    """Log to stderr; the access log (one JSON line per call) to stdout.
+
+    ``tag`` (``worker 1``) marks the lines of one worker process; access-log lines stay plain
+    JSON (their trace ids already differ per process).
+    """
     level = getattr(logging, settings.log.level.upper(), logging.INFO)
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    where = f" [{tag}]" if tag else ""
+    handler.setFormatter(
+        logging.Formatter(f"%(asctime)s %(levelname)s %(name)s{where}: %(message)s"))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level)
@@ -66,15 +84,39 @@ def configure_logging(settings: Settings) -> None:
         access.setLevel(logging.CRITICAL + 1)
 
 
-def serve(settings: Settings) -> int:
-    configure_logging(settings)
+def loop_factory(name: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """The event loop ``--loop`` names: None for asyncio's own; ImportError if uvloop is asked
+    for and missing."""
+    if name == "asyncio":
+        return None
     try:
-        return asyncio.run(_serve(settings))
+        import uvloop
+    except ImportError:
+        if name == "uvloop":
+            raise
+        return None
+    factory: Callable[[], asyncio.AbstractEventLoop] = uvloop.new_event_loop
+    return factory
+
+
+def serve(
+    settings: Settings, *, reuse_port: bool = False, parent_fd: int | None = None, tag: str = ""
+) -> int:
+    """Run the sidecar until SIGTERM/SIGINT (or, in a worker, until ``parent_fd`` hits EOF)."""
+    configure_logging(settings, tag=tag)
+    try:
+        factory = loop_factory(settings.runtime.loop)
+    except ImportError:
+        log.error("--loop uvloop: uvloop is not installed (pip install uvloop)")
+        return 2
+    try:
+        with asyncio.Runner(loop_factory=factory) as runner:
+            return runner.run(_serve(settings, reuse_port=reuse_port, parent_fd=parent_fd))
     except KeyboardInterrupt:
         return 0
 
 
-async def _serve(settings: Settings) -> int:
+async def _serve(settings: Settings, *, reuse_port: bool, parent_fd: int | None) -> int:
     up = settings.upstream
     try:
         upstream = resolve_upstream(url=up.url, kubeconfig=up.kubeconfig, ca_file=up.ca_file,
@@ -105,7 +147,15 @@ async def _serve(settings: Settings) -> int:
         health = buckets.health()
         return True, ", ".join(f"{k}={v}" for k, v in health.items())
 
-    checks = [NamedCheck("upstream", relay.upstream_ready),
+    async def policies_loaded() -> tuple[bool, str]:
+        loaded = store.loaded
+        return loaded, "" if loaded else store.last_error or "not loaded"
+
+    async def describe_policies() -> dict[str, Any]:
+        return store.describe()
+
+    checks = [NamedCheck("policies", policies_loaded),
+              NamedCheck("upstream", relay.upstream_ready),
               NamedCheck("ratelimit-store", ratelimit_ready)]
     tasks: list[asyncio.Task[None]] = []
     admin = None
@@ -113,15 +163,18 @@ async def _serve(settings: Settings) -> int:
     try:
         listener = await serve_api(relay, listen=settings.listen.listen,
                                    tls_cert=settings.listen.tls_cert,
-                                   tls_key=settings.listen.tls_key)
-        admin = await serve_admin(build_admin_app(store=store, checks=checks),
-                                  listen=settings.listen.admin_listen)
+                                   tls_key=settings.listen.tls_key, reuse_port=reuse_port)
+        admin = await serve_admin(
+            build_admin_app(checks=checks, describe_policies=describe_policies,
+                            render_metrics=registry_metrics(telemetry.REGISTRY)),
+            listen=settings.listen.admin_listen)
         if settings.policies.paths:
             tasks.append(asyncio.create_task(watch_policies(store), name="policy-watch"))
-        log.info("serving the Kubernetes API on %s -> %s; admin on %s; policies %s",
+        log.info("serving the Kubernetes API on %s -> %s; admin on %s; policies %s; loop %s",
                  listener.address, upstream.url, bound_address(admin),
-                 ", ".join(settings.policies.paths) or "(none)")
-        await _until_signalled()
+                 ", ".join(settings.policies.paths) or "(none)",
+                 type(asyncio.get_running_loop()).__module__.split(".")[0])
+        await _until_signalled(parent_fd)
         log.info("shutting down")
     finally:
         for task in tasks:
@@ -139,13 +192,24 @@ async def _serve(settings: Settings) -> int:
     return 0
 
 
-async def _until_signalled() -> None:
+async def _until_signalled(parent_fd: int | None = None) -> None:
+    """Until SIGTERM or SIGINT; in a worker also until the supervisor's pipe closes (it died)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+
+    def parent_gone() -> None:
+        if not stop.is_set():
+            log.warning("the supervisor is gone; shutting down")
+        stop.set()
+
+    if parent_fd is not None:
+        loop.add_reader(parent_fd, parent_gone)  # readable only at EOF: nobody writes to it
     try:
         await stop.wait()
     finally:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
+        if parent_fd is not None:
+            loop.remove_reader(parent_fd)

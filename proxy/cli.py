@@ -2,7 +2,8 @@
 
 ``python -m proxy`` is the same command. Every ``serve`` flag can also come from an ``OPGATE_*``
 environment variable named after it (``--redis-url`` ↔ ``OPGATE_REDIS_URL``); a flag given on the
-command line wins over the environment.
+command line wins over the environment. ``serve --workers N`` (N > 1) hands over to the supervisor
+in :mod:`proxy.workers`; otherwise :mod:`proxy.app` runs the sidecar in this process.
 """
 
 from __future__ import annotations
@@ -10,18 +11,41 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from proxy.settings import (
     ListenSettings,
     LogSettings,
     PolicySettings,
     RateLimitSettings,
+    RuntimeSettings,
     Settings,
     UpstreamSettings,
 )
 
 _TRUE = {"1", "true", "yes", "on"}
+LOOPS = ("auto", "asyncio", "uvloop")
+
+
+def worker_count(text: str) -> int:
+    """``--workers``: a positive number, or ``auto`` for one per CPU."""
+    if text.strip().lower() == "auto":
+        return os.cpu_count() or 1
+    try:
+        count = int(text)
+    except ValueError:
+        count = 0
+    if count < 1:
+        raise argparse.ArgumentTypeError(f"expected a number >= 1 or auto, got {text!r}")
+    return count
+
+
+def loop_name(text: str) -> str:
+    name = text.strip().lower()
+    if name not in LOOPS:
+        raise argparse.ArgumentTypeError(f"expected one of {', '.join(LOOPS)}, got {text!r}")
+    return name
 
 
 def _env(flag: str) -> str | None:
@@ -43,13 +67,17 @@ class _EnvDefaults(argparse.HelpFormatter):
 
 
 def _add(
-    parser: argparse.ArgumentParser, flag: str, *, help: str, default: object = None,
-    kind: type = str, metavar: str | None = None,
+    parser: argparse._ActionsContainer, flag: str, *, help: str, default: object = None,
+    kind: Callable[[str], Any] = str, metavar: str | None = None,
 ) -> None:
     env = _env(flag)
     if kind is bool:
-        value = env.strip().lower() in _TRUE if env is not None else bool(default)
-        parser.add_argument(flag, action="store_true", default=value, help=help)
+        on = env.strip().lower() in _TRUE if env is not None else bool(default)
+        parser.add_argument(flag, action="store_true", default=on, help=help)
+        return
+    if isinstance(default, str) and kind is not str:  # argparse converts it (and reports errors)
+        parser.add_argument(flag, type=kind, default=env if env is not None else default,
+                            help=help, metavar=metavar)
         return
     value = kind(env) if env is not None else default
     parser.add_argument(flag, type=kind, default=value, help=help, metavar=metavar)
@@ -107,6 +135,12 @@ def build_parser() -> argparse.ArgumentParser:
          help="timeout of one Redis call before the rule's failure mode applies")
     _add(g, "--replicas", kind=int, default=1, metavar="N",
          help="replicas sharing the budgets; with Redis down each admits qps/N locally")
+    g = serve.add_argument_group("processes")
+    _add(g, "--workers", kind=worker_count, default="1", metavar="N",
+         help="worker processes sharing the API port (SO_REUSEPORT) under a supervisor; "
+         "auto: one per CPU; more than 1 needs --redis-url and a TCP --listen")
+    _add(g, "--loop", kind=loop_name, default="auto", metavar="|".join(LOOPS),
+         help="event loop: auto is uvloop when it is installed, else asyncio")
     g = serve.add_argument_group("logging")
     _add(g, "--log-level", default="info", metavar="LEVEL",
          help="debug, info, warning or error")
@@ -143,6 +177,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
                                     replicas=args.replicas,
                                     redis_password_file=args.redis_password_file),
         log=LogSettings(level=args.log_level, access_log=not args.no_access_log),
+        runtime=RuntimeSettings(workers=args.workers, loop=args.loop),
     )
 
 
@@ -159,9 +194,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     if bool(args.tls_cert) != bool(args.tls_key):
         print("opgate: --tls-cert and --tls-key go together", file=sys.stderr)
         return 2
+    settings = settings_from(args)
+    if settings.runtime.workers > 1:
+        from proxy.workers import refusal, supervise
+
+        problem = refusal(settings)
+        if problem:
+            print(f"opgate: {problem}", file=sys.stderr)
+            return 2
+        return supervise(settings)
     from proxy.app import serve
 
-    return serve(settings_from(args))
+    return serve(settings)
 
 
 if __name__ == "__main__":

@@ -1,12 +1,14 @@
 """Grouped, immutable settings for ``opgate serve``, read from flags and ``OPGATE_*`` variables.
 
 Every flag ``--some-flag`` can also be given as ``OPGATE_SOME_FLAG`` (the flag wins). The groups
-mirror the parts they configure, so each part receives only its own settings.
+mirror the parts they configure, so each part receives only its own settings. With
+``--workers N`` the supervisor hands the settings to its workers as JSON (:meth:`Settings.to_json`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import json
+from dataclasses import asdict, dataclass, field
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,9 +52,32 @@ class LogSettings:
 
 
 @dataclass(frozen=True, slots=True)
+class RuntimeSettings:
+    workers: int = 1  # > 1: a supervisor process and this many worker processes
+    loop: str = "auto"  # auto (uvloop when importable) | asyncio | uvloop
+
+
+@dataclass(frozen=True, slots=True)
 class Settings:
     listen: ListenSettings = field(default_factory=ListenSettings)
     upstream: UpstreamSettings = field(default_factory=UpstreamSettings)
     policies: PolicySettings = field(default_factory=PolicySettings)
     ratelimit: RateLimitSettings = field(default_factory=RateLimitSettings)
     log: LogSettings = field(default_factory=LogSettings)
+    runtime: RuntimeSettings = field(default_factory=RuntimeSettings)
+
+    def to_json(self) -> str:
+        """The settings as JSON, for handing them to worker processes."""
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> Settings:
+        raw = json.loads(text)
+        return cls(
+            listen=ListenSettings(**raw["listen"]),
+            upstream=UpstreamSettings(**raw["upstream"]),
+            policies=PolicySettings(paths=tuple(raw["policies"]["paths"])),
+            ratelimit=RateLimitSettings(**raw["ratelimit"]),
+            log=LogSettings(**raw["log"]),
+            runtime=RuntimeSettings(**raw["runtime"]),
+        )

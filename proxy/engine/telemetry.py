@@ -3,6 +3,12 @@
 Label values always come from bounded sets (verbs, API groups and resources the cluster serves,
 status codes, decisions, policy and middleware names): never an object name, a user or a key.
 Components import the metric they update from here; the admin listener serves ``REGISTRY``.
+
+With ``--workers N`` every worker writes its values to files in ``PROMETHEUS_MULTIPROC_DIR``
+(prometheus_client's multiprocess mode, chosen by that variable at import) and the supervisor's
+``/metrics`` adds them up: counters and histograms sum over all workers, dead ones included;
+each gauge's ``multiprocess_mode`` says how it combines the live workers' values. In a single
+process the mode is ignored.
 """
 
 from __future__ import annotations
@@ -26,8 +32,10 @@ UPSTREAM_DURATION = Histogram(
     "opgate_upstream_duration_seconds", "Time until the apiserver's response headers arrived.",
     ["verb"], buckets=_LATENCY_BUCKETS, registry=REGISTRY,
 )
-INFLIGHT = Gauge("opgate_inflight_requests", "Calls being handled now.", registry=REGISTRY)
-WATCHES_OPEN = Gauge("opgate_watches_open", "Watch streams open now.", registry=REGISTRY)
+INFLIGHT = Gauge("opgate_inflight_requests", "Calls being handled now.", registry=REGISTRY,
+                 multiprocess_mode="livesum")
+WATCHES_OPEN = Gauge("opgate_watches_open", "Watch streams open now.", registry=REGISTRY,
+                     multiprocess_mode="livesum")
 UPSTREAM_ERRORS = Counter(
     "opgate_upstream_errors_total", "Calls that failed to reach the apiserver.", ["kind"],
     registry=REGISTRY,
@@ -45,7 +53,7 @@ QUOTA_DENIALS = Counter(
 )
 QUOTA_USAGE = Gauge(
     "opgate_quota_usage", "Objects counted against opgate quotas.", ["namespace", "resource"],
-    registry=REGISTRY,
+    registry=REGISTRY, multiprocess_mode="livemax",  # every worker counts the same objects
 )
 IDENTITY_DENIALS = Counter(
     "opgate_identity_denials_total", "Calls refused by the identity middleware.", ["reason"],
@@ -59,7 +67,7 @@ REDIS_ERRORS = Counter(
 )
 RATELIMIT_BACKEND = Gauge(
     "opgate_ratelimit_backend", "1 for the rate-limit backend in use now.", ["backend"],
-    registry=REGISTRY,
+    registry=REGISTRY, multiprocess_mode="livemax",  # 1 when any live worker uses it
 )
 DRYRUN_DENIALS = Counter(
     "opgate_dryrun_denials_total", "Denials a dryrun policy would have made.", ["middleware"],

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -14,6 +15,7 @@ SERVE_FLAGS = [
     "--upstream-ca", "--upstream-insecure", "--token-file", "--policies", "--redis-url",
     "--connect-timeout", "--header-timeout", "--request-timeout", "--watch-idle-timeout",
     "--redis-timeout", "--redis-password-file", "--replicas", "--log-level", "--no-access-log",
+    "--workers", "--loop",
 ]
 
 
@@ -36,6 +38,8 @@ def test_defaults_are_secure() -> None:
     ("OPGATE_REPLICAS", "3", lambda s: s.ratelimit.replicas),
     ("OPGATE_POLICIES", "/etc/opgate", lambda s: s.policies.paths),
     ("OPGATE_NO_ACCESS_LOG", "1", lambda s: not s.log.access_log),
+    ("OPGATE_WORKERS", "3", lambda s: s.runtime.workers),
+    ("OPGATE_LOOP", "asyncio", lambda s: s.runtime.loop),
 ])
 def test_environment_variables(monkeypatch: pytest.MonkeyPatch, var: str, value: str,
                                read: object) -> None:
@@ -47,11 +51,30 @@ def test_environment_variables(monkeypatch: pytest.MonkeyPatch, var: str, value:
         expected = True
     elif var == "OPGATE_HEADER_TIMEOUT":
         expected = 2.5
-    elif var == "OPGATE_REPLICAS":
+    elif var in ("OPGATE_REPLICAS", "OPGATE_WORKERS"):
         expected = 3
     elif var == "OPGATE_POLICIES":
         expected = (value,)
     assert got == expected
+
+
+def test_one_worker_on_the_best_loop_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("OPGATE_WORKERS", raising=False)
+    monkeypatch.delenv("OPGATE_LOOP", raising=False)
+    s = settings_from(build_parser().parse_args(["serve"]))
+    assert (s.runtime.workers, s.runtime.loop) == (1, "auto")
+
+
+def test_workers_auto_is_one_per_cpu() -> None:
+    s = settings_from(build_parser().parse_args(["serve", "--workers", "auto"]))
+    assert s.runtime.workers == (os.cpu_count() or 1)
+
+
+@pytest.mark.parametrize("argv", [["--workers", "0"], ["--workers", "many"], ["--loop", "trio"]])
+def test_bad_process_flags_are_usage_errors(argv: list[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        build_parser().parse_args(["serve", *argv])
+    assert exit_.value.code == 2
 
 
 def test_flag_wins_over_environment(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,0 +1,345 @@
+"""``opgate serve --workers N``: a supervisor process and N worker processes, to use every core.
+
+One Python process relays on one core. With N > 1 the process the user started supervises N
+fresh interpreters (``python -m proxy.workers RUN_DIR INDEX FD``), each running exactly the
+single-process sidecar (:func:`proxy.app.serve`: its own chain, policy watcher, Redis store and
+relay), all listening on the API address with ``SO_REUSEPORT`` so the kernel spreads connections.
+
+* :func:`refusal`: no ``--redis-url`` (each worker's own buckets would admit N times the limits)
+  and ``unix:`` listeners (``SO_REUSEPORT`` shares ports, not socket paths) are refused.
+* :func:`hold_port`: the address must be free to a plain bind (never join someone else's
+  ``SO_REUSEPORT`` group); port 0 is resolved once; a bound, non-listening socket holds the port
+  for the supervisor's life, so a restarted worker gets it back.
+* The settings go to the workers as JSON in a private (0700) run directory that also holds their
+  Prometheus files (``PROMETHEUS_MULTIPROC_DIR``) and admin sockets. Each worker is a replica to
+  the rate limits (``--replicas`` x N), since each keeps its own leases and fallback buckets.
+* The admin listener opens once every worker's admin socket answers; a worker that exits before
+  that stops everything with its status (a configuration error would only repeat). Later a dead
+  worker is restarted after a backoff (0.5 s, doubling to 30 s while it dies within 10 s).
+  ``/readyz`` asks each worker's, ``/metrics`` adds all up (:mod:`proxy.admin`).
+* SIGTERM/SIGINT go on to the workers as SIGTERM; each finishes its in-flight calls; the
+  supervisor exits when all have stopped. Workers also stop when the pipe whose write end only
+  the supervisor holds reads EOF, so even a SIGKILLed supervisor leaves no orphan.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from proxy.settings import Settings
+
+log = logging.getLogger("opgate.workers")
+
+START_TIMEOUT = 60.0  # for a worker's admin socket to answer after its start
+STOP_TIMEOUT = 30.0  # for workers to finish after SIGTERM (they drain for up to 10 s), then KILL
+BACKOFF_FIRST = 0.5
+BACKOFF_MAX = 30.0
+STABLE_AFTER = 10.0  # a worker that ran this long before dying restarts at BACKOFF_FIRST
+
+
+def refusal(settings: Settings) -> str | None:
+    """Why ``settings`` cannot run as several workers, or None."""
+    n = settings.runtime.workers
+    if n <= 1:
+        return None
+    if not settings.ratelimit.redis_url:
+        return (f"--workers {n} needs --redis-url: without Redis each worker keeps its own "
+                f"rate-limit buckets, so {n} workers would admit {n} times the policies' limits. "
+                "Give a Redis URL (shared by all workers) or run --workers 1.")
+    if settings.listen.listen.startswith("unix:"):
+        return (f"--workers {n} needs a TCP --listen (HOST:PORT): workers share the port with "
+                "SO_REUSEPORT, which a unix: socket cannot do. Use --workers 1 with a Unix "
+                "socket.")
+    return None
+
+
+def supervise(settings: Settings) -> int:
+    """Run ``settings.runtime.workers`` workers until SIGTERM/SIGINT; the exit status."""
+    run_dir = tempfile.mkdtemp(prefix="opgate-workers-")
+    metrics_dir = os.path.join(run_dir, "metrics")
+    os.mkdir(metrics_dir)
+    # before prometheus_client is imported here or in any worker (the workers inherit it)
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
+    _configure_logging(settings)
+    held: list[socket.socket] = []
+    try:
+        try:
+            listen, held = hold_port(settings.listen.listen)
+        except (OSError, ValueError) as exc:
+            log.error("cannot listen on %s: %s", settings.listen.listen, exc)
+            return 1
+        n = settings.runtime.workers
+        for_workers = replace(
+            settings, listen=replace(settings.listen, listen=listen),
+            ratelimit=replace(settings.ratelimit, replicas=settings.ratelimit.replicas * n))
+        fd = os.open(os.path.join(run_dir, "settings.json"), os.O_WRONLY | os.O_CREAT, 0o600)
+        with open(fd, "w", encoding="utf-8") as out:
+            out.write(for_workers.to_json())
+        supervisor = Supervisor(settings, run_dir=run_dir, listen=listen)
+        try:
+            return asyncio.run(supervisor.run())
+        except KeyboardInterrupt:
+            return 0
+    finally:
+        for sock in held:
+            sock.close()
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def hold_port(listen: str) -> tuple[str, list[socket.socket]]:
+    """Check that ``HOST:PORT`` is free, fix port 0, and hold it: ``(HOST:REALPORT, sockets)``."""
+    host, _, port_text = listen.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not host or not port_text.isdigit() or int(port_text) > 65535:
+        raise ValueError(f"expected HOST:PORT or [IPV6]:PORT, got {listen!r}")
+    port = int(port_text)
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    held: list[socket.socket] = []
+    try:
+        for family, kind, proto, _, addr in dict.fromkeys(infos):  # unique, in order
+            where = (addr[0], port, *addr[2:])
+            with _socket(family, kind, proto, reuse_port=False) as probe:
+                probe.bind(where)  # fails if anything holds it, an SO_REUSEPORT group included
+                port = probe.getsockname()[1]
+            hold = _socket(family, kind, proto, reuse_port=True)
+            held.append(hold)
+            hold.bind((addr[0], port, *addr[2:]))
+    except BaseException:
+        for sock in held:
+            sock.close()
+        raise
+    return (f"[{host}]:{port}" if ":" in host else f"{host}:{port}"), held
+
+
+def _socket(family: int, kind: int, proto: int, *, reuse_port: bool) -> socket.socket:
+    """A TCP socket set up the way asyncio's ``create_server`` sets up the workers' listeners."""
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    if family == socket.AF_INET6:
+        sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+    return sock
+
+
+def admin_socket(run_dir: str, index: int) -> str:
+    return os.path.join(run_dir, f"worker-{index}.sock")
+
+
+@dataclass(eq=False)
+class _Worker:
+    index: int
+    socket: str  # its admin listener
+    proc: asyncio.subprocess.Process | None = None
+    started: float = 0.0
+    up: bool = False  # its admin socket has answered since this start
+    quick_deaths: int = 0
+    last_exit: str = "not started"
+
+    @property
+    def pid(self) -> int | None:
+        proc = self.proc
+        return proc.pid if proc is not None and proc.returncode is None else None
+
+
+class Supervisor:
+    """Starts, watches and stops the workers; serves the admin listener for all of them."""
+
+    def __init__(self, settings: Settings, *, run_dir: str, listen: str) -> None:
+        self.settings = settings
+        self.run_dir = run_dir
+        self.listen = listen
+        self.workers = [_Worker(i, admin_socket(run_dir, i))
+                        for i in range(settings.runtime.workers)]
+        self._stop = asyncio.Event()
+        self._pipe = os.pipe()  # workers get the read end; EOF tells them we are gone
+
+    async def run(self) -> int:
+        from proxy.admin import (  # here: prometheus_client only after PROMETHEUS_MULTIPROC_DIR
+            bound_address,
+            build_admin_app,
+            multiprocess_metrics,
+            serve_admin,
+            worker_checks,
+            worker_policies,
+        )
+
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._stop.set)
+        keepers: list[asyncio.Task[None]] = []
+        admin = None
+        try:
+            for worker in self.workers:
+                await self._spawn(worker)
+            failed = await self._all_up()
+            if failed is not None:
+                return failed
+            app = build_admin_app(
+                checks=worker_checks(self.workers),
+                describe_policies=worker_policies(self.workers),
+                render_metrics=multiprocess_metrics(os.environ["PROMETHEUS_MULTIPROC_DIR"]))
+            try:
+                admin = await serve_admin(app, listen=self.settings.listen.admin_listen)
+            except OSError as exc:
+                log.error("cannot listen on %s: %s", self.settings.listen.admin_listen, exc)
+                return 1
+            keepers = [asyncio.create_task(self._keep(w)) for w in self.workers]
+            log.info("serving the Kubernetes API on %s with %d workers (pids %s); admin on %s",
+                     self.listen, len(self.workers), ", ".join(self._pids()),
+                     bound_address(admin))
+            await self._stop.wait()
+            log.info("shutting down %d workers", len(self.workers))
+        finally:
+            for task in keepers:
+                task.cancel()
+            await self._stop_workers()
+            if admin is not None:
+                await admin.cleanup()
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.remove_signal_handler(sig)
+            for fd in self._pipe:
+                os.close(fd)
+        return 0
+
+    def _pids(self) -> list[str]:
+        return [str(w.proc.pid) for w in self.workers if w.proc is not None]
+
+    async def _spawn(self, worker: _Worker) -> None:
+        read_end = self._pipe[0]
+        worker.proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "proxy.workers", self.run_dir, str(worker.index), str(read_end),
+            stdin=asyncio.subprocess.DEVNULL, pass_fds=(read_end,))
+        worker.started = asyncio.get_running_loop().time()
+        worker.up = False
+
+    async def _answers(self, worker: _Worker) -> bool:
+        from proxy.admin import unix_get
+
+        try:
+            status, _ = await unix_get(worker.socket, "/healthz", within=1.0)
+        except Exception:  # refused, no socket yet, timed out (aiohttp's errors): not up yet
+            return False
+        return status == 200
+
+    async def _all_up(self) -> int | None:
+        """Wait for every worker's admin socket; an exit status if starting failed."""
+        deadline = asyncio.get_running_loop().time() + START_TIMEOUT
+        while not self._stop.is_set():
+            for worker in self.workers:
+                assert worker.proc is not None
+                if worker.proc.returncode is not None:
+                    code = worker.proc.returncode
+                    log.error("worker %d %s while starting; stopping", worker.index,
+                              _describe_exit(code))
+                    return code if code > 0 else 1
+                if not worker.up:
+                    worker.up = await self._answers(worker)
+            if all(w.up for w in self.workers):
+                return None
+            if asyncio.get_running_loop().time() > deadline:
+                log.error("workers not up after %gs; stopping", START_TIMEOUT)
+                return 1
+            await self._stopped_within(0.05)
+        return 0
+
+    async def _keep(self, worker: _Worker) -> None:
+        """Restart ``worker`` whenever it dies, until the supervisor stops."""
+        from prometheus_client.multiprocess import mark_process_dead
+
+        loop = asyncio.get_running_loop()
+        while True:
+            assert worker.proc is not None
+            code = await worker.proc.wait()
+            if self._stop.is_set():
+                return
+            ran = loop.time() - worker.started
+            mark_process_dead(  # type: ignore[no-untyped-call]
+                worker.proc.pid, os.environ["PROMETHEUS_MULTIPROC_DIR"])
+            worker.quick_deaths = worker.quick_deaths + 1 if ran < STABLE_AFTER else 0
+            delay = min(BACKOFF_MAX, BACKOFF_FIRST * 2 ** max(0, worker.quick_deaths - 1))
+            worker.last_exit = _describe_exit(code)
+            worker.up = False
+            log.error("worker %d (pid %d) %s after %.1fs; restarting in %.1fs", worker.index,
+                      worker.proc.pid, worker.last_exit, ran, delay)
+            while not await self._stopped_within(delay):  # if stopped: the outer check ends it
+                try:
+                    await self._spawn(worker)
+                    log.info("worker %d restarted (pid %d)", worker.index, worker.proc.pid)
+                    break
+                except OSError as exc:
+                    delay = BACKOFF_MAX
+                    log.error("cannot start worker %d (%s); retrying in %.0fs", worker.index,
+                              exc, delay)
+
+    async def _stopped_within(self, seconds: float) -> bool:
+        """Wait ``seconds`` or until the supervisor stops; whether it stopped."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._stop.wait(), seconds)
+        return self._stop.is_set()
+
+    async def _stop_workers(self) -> None:
+        live = [w.proc for w in self.workers if w.proc is not None and w.proc.returncode is None]
+        for proc in live:
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGTERM)
+        waits = [asyncio.ensure_future(proc.wait()) for proc in live]
+        if not waits:
+            return
+        _, pending = await asyncio.wait(waits, timeout=STOP_TIMEOUT)
+        if pending:
+            log.warning("%d workers still running %gs after SIGTERM; killing them",
+                        len(pending), STOP_TIMEOUT)
+            for proc in live:
+                if proc.returncode is None:
+                    with contextlib.suppress(ProcessLookupError):
+                        proc.kill()
+            await asyncio.wait(waits)
+
+
+def _describe_exit(code: int) -> str:
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            return f"was killed by {signal.Signals(-code).name}"
+        return f"was killed by signal {-code}"
+    return f"exited with status {code}"
+
+
+def _configure_logging(settings: Settings) -> None:
+    """The supervisor's log: stderr, in the format of :func:`proxy.app.configure_logging`."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(
+        logging.Formatter("%(asctime)s %(levelname)s %(name)s [supervisor]: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(getattr(logging, settings.log.level.upper(), logging.INFO))
+
+
+def worker_main(argv: list[str]) -> int:
+    """One worker: ``RUN_DIR INDEX FD`` (FD: the pipe that reads EOF when the supervisor dies)."""
+    run_dir, index, parent_fd = argv[0], int(argv[1]), int(argv[2])
+    settings = Settings.from_json(Path(run_dir, "settings.json").read_text("utf-8"))
+    settings = replace(settings, listen=replace(
+        settings.listen, admin_listen="unix:" + admin_socket(run_dir, index)))
+    from proxy.app import serve
+
+    supervisor = os.getppid()
+    code = serve(settings, reuse_port=True, parent_fd=parent_fd, tag=f"worker {index}")
+    if os.getppid() != supervisor:  # it died without cleaning up: the last worker out does
+        shutil.rmtree(run_dir, ignore_errors=True)
+    return code
+
+
+if __name__ == "__main__":
+    raise SystemExit(worker_main(sys.argv[1:]))

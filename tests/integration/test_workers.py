@@ -1,0 +1,285 @@
+"""``opgate serve --workers 2``: real processes, a real redis-server, a small local upstream.
+
+Which worker served a call is read from the access log: every process draws its own trace-id
+prefix. The workers are the supervisor's children in ``/proc``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from tests.integration.opgate_proc import OpgateProcess
+from tests.integration.redis_server import RedisServer
+
+POLICY = """\
+apiVersion: opgate.dev/v1alpha1
+kind: Policy
+metadata: {{name: {name}}}
+spec:
+  mode: enforce
+  rateLimits:
+    - name: generous
+      match: {{verbs: [get, list]}}
+      key: "{{user}}"
+      qps: 100000
+      burst: {burst}
+"""
+LIST = "/api/v1/namespaces/a/configmaps"
+SLOW = "/api/v1/namespaces/slow/configmaps"
+
+
+@pytest.fixture(scope="module")
+def redis_server() -> Iterator[RedisServer]:
+    with RedisServer.launch() as server:
+        yield server
+
+
+@pytest.fixture
+async def upstream() -> AsyncIterator[str]:
+    async def handle(request: web.Request) -> web.Response:
+        if request.path == SLOW:
+            await asyncio.sleep(1.5)
+        return web.json_response({"kind": "ConfigMapList", "apiVersion": "v1", "items": []})
+
+    runner = web.ServerRunner(web.Server(handle))
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    yield f"http://127.0.0.1:{runner.addresses[0][1]}"
+    await runner.cleanup()
+
+
+@pytest.fixture
+def policy_file(tmp_path: Path) -> Path:
+    path = tmp_path / "policies" / "policy.yaml"
+    path.parent.mkdir()
+    path.write_text(POLICY.format(name="v1", burst=100000))
+    return path
+
+
+@pytest.fixture
+async def opgate(upstream: str, redis_server: RedisServer, policy_file: Path,
+                 tmp_path: Path) -> AsyncIterator[OpgateProcess]:
+    # a loaded CI machine can take longer than the 50 ms default; this is not a Redis test
+    proc = OpgateProcess("--upstream", upstream, "--redis-url", redis_server.url,
+                         "--redis-timeout", "2", "--policies", str(policy_file.parent),
+                         "--workers", "2", log_dir=tmp_path)
+    try:
+        await asyncio.to_thread(proc.wait_ready)
+        await _until(lambda: _get(proc.admin_url + "/readyz"), lambda r: r[0] == 200)
+        yield proc
+    finally:
+        workers = children(proc.proc.pid)
+        proc.stop()
+        for pid in workers:  # never leave one behind, whatever the test did
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+    assert "Traceback" not in proc.stderr()
+
+
+def children(pid: int) -> set[int]:
+    """The live child processes of ``pid``."""
+    found = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            state, ppid = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[:2]
+        except (OSError, ValueError):
+            continue
+        if int(ppid) == pid and state != "Z":
+            found.add(int(entry))
+    return found
+
+
+def _run_dir(pid: int) -> str:
+    return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[3].decode()
+
+
+async def _children(pid: int) -> set[int]:
+    return children(pid)
+
+
+async def _still_alive(pids: set[int]) -> list[int]:
+    return [pid for pid in pids if alive(pid)]
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+async def _get(url: str) -> tuple[int, str]:
+    async with aiohttp.ClientSession() as s, s.get(url) as r:
+        return r.status, await r.text()
+
+
+async def _until(probe, ok, *, within: float = 15.0):  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + within
+    while True:
+        try:
+            value = await probe()
+            if ok(value):
+                return value
+        except aiohttp.ClientError:
+            value = None
+        assert time.monotonic() < deadline, f"gave up waiting; last: {value}"
+        await asyncio.sleep(0.1)
+
+
+async def _calls(url: str, count: int, *, parallel: int = 8) -> list[aiohttp.ClientResponse]:
+    """``count`` GETs, each on a new connection (so the kernel picks a worker for each)."""
+    responses: list[aiohttp.ClientResponse] = []
+    pending = iter(range(count))
+    connector = aiohttp.TCPConnector(force_close=True, limit=parallel)
+    async with aiohttp.ClientSession(connector=connector) as s:
+        async def client() -> None:
+            for _ in pending:
+                async with s.get(url + LIST) as r:
+                    await r.read()
+                    responses.append(r)
+
+        await asyncio.gather(*(client() for _ in range(parallel)))
+    return responses
+
+
+def _trace_prefixes(stdout: str) -> list[str]:
+    return [json.loads(line)["trace"].split("-")[0] for line in stdout.splitlines()
+            if line.startswith("{")]
+
+
+def _requests_total(metrics: str) -> float:
+    return sum(float(m.group(1)) for m in re.finditer(
+        r'^opgate_requests_total\{[^}]*resource="configmaps"[^}]*\} (\S+)$', metrics, re.M))
+
+
+@pytest.mark.asyncio
+async def test_both_workers_serve_and_metrics_add_up(opgate: OpgateProcess) -> None:
+    workers = children(opgate.proc.pid)
+    assert len(workers) == 2
+    responses = await _calls(opgate.url, 200)
+    assert [r.status for r in responses] == [200] * 200
+    await asyncio.sleep(0.3)  # the access log line is written after the response
+    served_by = _trace_prefixes(opgate.stdout())
+    assert len(served_by) == 200
+    assert len(set(served_by)) == 2, "both workers must have served calls"
+    status, metrics = await _get(opgate.admin_url + "/metrics")
+    assert status == 200
+    assert _requests_total(metrics) == 200
+    assert "opgate_inflight_requests 0.0" in metrics  # a live-sum gauge, no per-pid label
+    assert 'opgate_ratelimit_backend{backend="redis"} 1.0' in metrics
+    status, ready = await _get(opgate.admin_url + "/readyz?verbose")
+    assert status == 200
+    for pid in workers:
+        assert f"pid {pid}" in ready
+    status, body = await _get(opgate.admin_url + "/debug/policies")
+    view = json.loads(body)
+    assert [p["name"] for p in view["policies"]] == ["v1"]
+    assert {w["pid"] for w in view["workers"]} == workers
+    assert len({w["digest"] for w in view["workers"]}) == 1
+
+
+@pytest.mark.asyncio
+async def test_killed_worker_is_restarted(opgate: OpgateProcess) -> None:
+    before = children(opgate.proc.pid)
+    assert [r.status for r in await _calls(opgate.url, 40)] == [200] * 40
+    victim = min(before)
+    os.kill(victim, signal.SIGKILL)
+    await _until(lambda: _children(opgate.proc.pid),
+                 lambda pids: len(pids) == 2 and victim not in pids)
+    # the survivor serves meanwhile; then the new worker is up and ready
+    assert [r.status for r in await _calls(opgate.url, 40)] == [200] * 40
+    await _until(lambda: _get(opgate.admin_url + "/readyz"), lambda r: r[0] == 200)
+    after = children(opgate.proc.pid)
+    assert len(after - before) == 1
+    assert [r.status for r in await _calls(opgate.url, 100)] == [200] * 100
+    await asyncio.sleep(0.3)
+    assert len(set(_trace_prefixes(opgate.stdout()))) == 3  # two workers, then the new one
+    _, metrics = await _get(opgate.admin_url + "/metrics")
+    assert _requests_total(metrics) == 180  # the dead worker's calls still count
+    assert f"(pid {victim}) was killed by SIGKILL" in opgate.stderr()
+
+
+@pytest.mark.asyncio
+async def test_sigterm_finishes_inflight_calls_and_leaves_no_process(
+    opgate: OpgateProcess,
+) -> None:
+    workers = children(opgate.proc.pid)
+    run_dirs = {_run_dir(pid) for pid in workers}  # python -m proxy.workers RUN_DIR INDEX FD
+    assert len(run_dirs) == 1 and all(map(os.path.isdir, run_dirs))
+
+    async def slow_call() -> tuple[int, dict[str, object]]:
+        async with aiohttp.ClientSession() as s, s.get(opgate.url + SLOW) as resp:
+            return resp.status, await resp.json()
+
+    slow = asyncio.create_task(slow_call())
+    await asyncio.sleep(0.5)  # the call is in flight in a worker
+    opgate.proc.send_signal(signal.SIGTERM)
+    status, body = await slow
+    assert status == 200
+    assert body["kind"] == "ConfigMapList"
+    code = await asyncio.to_thread(opgate.proc.wait, 20)
+    assert code == 0
+    assert not [pid for pid in workers if alive(pid)]
+    assert not any(map(os.path.exists, run_dirs))
+    assert "shutting down 2 workers" in opgate.stderr()
+
+
+@pytest.mark.asyncio
+async def test_workers_stop_when_the_supervisor_is_killed(opgate: OpgateProcess) -> None:
+    workers = children(opgate.proc.pid)
+    run_dirs = {_run_dir(pid) for pid in workers}
+    opgate.proc.kill()
+    opgate.proc.wait(10)
+    await _until(lambda: _still_alive(workers), lambda orphans: not orphans)
+    assert not any(map(os.path.exists, run_dirs))  # the last worker out removed it
+    assert opgate.stderr().count("the supervisor is gone; shutting down") == 2
+
+
+@pytest.mark.asyncio
+async def test_policy_edit_reaches_every_worker(opgate: OpgateProcess, policy_file: Path) -> None:
+    responses = await _calls(opgate.url, 20)
+    assert {r.headers.get("RateLimit-Limit") for r in responses} == {"100000"}
+    marker = len(opgate.stdout().splitlines())
+    await asyncio.to_thread(policy_file.write_text, POLICY.format(name="v2", burst=200000))
+    started = time.monotonic()
+
+    async def digests() -> tuple[set[str], set[str]]:
+        view = json.loads((await _get(opgate.admin_url + "/debug/policies"))[1])
+        return {p["name"] for p in view["policies"]}, {w["digest"] for w in view["workers"]}
+
+    await _until(digests, lambda v: v[0] == {"v2"} and len(v[1]) == 1, within=5)
+    assert time.monotonic() - started < 3.0  # ~1 s, with slack for a loaded machine
+    responses = await _calls(opgate.url, 60)
+    assert {r.headers.get("RateLimit-Limit") for r in responses} == {"200000"}
+    await asyncio.sleep(0.3)
+    assert len(set(_trace_prefixes("\n".join(opgate.stdout().splitlines()[marker:])))) == 2
+
+
+@pytest.mark.parametrize(("args", "says"), [
+    (["--workers", "2"], "--workers 2 needs --redis-url"),
+    (["--workers", "2", "--redis-url", "redis://127.0.0.1:1/0", "--listen", "unix:/tmp/x.sock"],
+     "needs a TCP --listen"),
+])
+def test_refused_with_a_clear_message(args: list[str], says: str) -> None:
+    run = subprocess.run([sys.executable, "-m", "proxy", "serve", "--upstream",
+                          "http://127.0.0.1:1", *args], capture_output=True, text=True,
+                         timeout=30)
+    assert run.returncode == 2
+    assert says in run.stderr
+    assert "Traceback" not in run.stderr
