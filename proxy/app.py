@@ -31,10 +31,11 @@ from proxy.engine.check import check
 from proxy.engine.policies import PolicyStore
 from proxy.engine.reload import watch_policies
 from proxy.engine.schema import SectionParser
-from proxy.middlewares import ratelimit
-from proxy.middlewares.accesslog import AccessLog
+from proxy.middlewares import faults, identity, ratelimit
+from proxy.middlewares.accesslog import AccessLog, AccessWriter
 from proxy.middlewares.metrics import Metrics
 from proxy.relay import Relay, RelaySettings, resolve_upstream, serve_api
+from proxy.relay.authn import UpstreamAuthenticator
 from proxy.relay.informer import InformerPool
 from proxy.relay.upstream import UpstreamConfigError
 from proxy.settings import Settings
@@ -45,7 +46,8 @@ log = logging.getLogger("opgate")
 
 def section_parsers() -> Mapping[str, SectionParser]:
     """The ``spec`` sections this build understands, each owned by its middleware."""
-    return {ratelimit.SECTION: ratelimit.parse_section}
+    return {identity.SECTION: identity.parse_section, ratelimit.SECTION: ratelimit.parse_section,
+            faults.SECTION: faults.parse_section}
 
 
 def check_paths(paths: Sequence[str]) -> int:
@@ -72,16 +74,10 @@ def configure_logging(settings: Settings, *, tag: str = "") -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level)
-    access = logging.getLogger("opgate.access")
+    access = logging.getLogger("opgate.access")  # the access log writes to stdout itself
     access.propagate = False
     access.handlers[:] = []
-    if settings.log.access_log:
-        out = logging.StreamHandler(sys.stdout)
-        out.setFormatter(logging.Formatter("%(message)s"))
-        access.addHandler(out)
-        access.setLevel(logging.INFO)
-    else:
-        access.setLevel(logging.CRITICAL + 1)
+    access.setLevel(logging.CRITICAL + 1)
 
 
 def loop_factory(name: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
@@ -136,7 +132,12 @@ async def _serve(settings: Settings, *, reuse_port: bool, parent_fd: int | None)
                           timeout=rl.redis_timeout, replicas=rl.replicas)
     # the CR instances' own qps (instanceAnnotation), watched with opgate's upstream credentials
     informers = InformerPool(upstream, connect_timeout=up.connect_timeout)
-    chain = Chain([ratelimit.RateLimit(store=buckets, overrides=informers), Metrics(), AccessLog()])
+    access_writer = AccessWriter(sys.stdout) if settings.log.access_log else None
+    after = [Metrics(), AccessLog(writer=access_writer)] if access_writer else [Metrics()]
+    authn = UpstreamAuthenticator(upstream, connect_timeout=up.connect_timeout)
+    # who calls, then what may be injected, then how fast; metrics and the log see the outcome
+    chain = Chain([identity.IdentityCheck(authenticator=authn), faults.Faults(),
+                   ratelimit.RateLimit(store=buckets, overrides=informers), *after])
     relay = Relay(upstream=upstream, chain=chain, policies=store, settings=RelaySettings(
         connect_timeout=up.connect_timeout, header_timeout=up.header_timeout,
         request_timeout=up.request_timeout, watch_idle_timeout=up.watch_idle_timeout))
@@ -148,6 +149,8 @@ async def _serve(settings: Settings, *, reuse_port: bool, parent_fd: int | None)
         return True, ", ".join(f"{k}={v}" for k, v in health.items())
 
     async def policies_loaded() -> tuple[bool, str]:
+        if not settings.policies.paths:
+            return True, "none configured"
         loaded = store.loaded
         return loaded, "" if loaded else store.last_error or "not loaded"
 
@@ -187,8 +190,11 @@ async def _serve(settings: Settings, *, reuse_port: bool, parent_fd: int | None)
         if admin is not None:
             await admin.cleanup()
         await informers.close()
+        await authn.close()
         await relay.close()
         await buckets.close()
+        if access_writer is not None:
+            access_writer.close()
     return 0
 
 

@@ -1,0 +1,355 @@
+"""The identity middleware (``spec.identity``): who is calling, and may they make this call?
+
+First in the chain. It takes the bearer token of ``Authorization`` (never logged, never put in a
+message), verifies it once, and caches the result (a bounded LRU keyed by a SHA-256 of the token,
+until the token expires or 5 minutes, whichever is first), so a known token costs a dict lookup
+and the rule matching. A JWT of an accepted issuer is verified here (asymmetric signatures only,
+``iss``, ``aud``, ``exp``/``nbf`` with 30 s of leeway) with the keys the :class:`Authenticator`
+fetches; any other token goes to the apiserver (a TokenReview) and the apiserver decides.
+
+Then each policy with an identity section must pass, in order: the token is accepted (401
+otherwise), the caller is in ``allow`` and the first rule that matches allows the call (403
+naming the rule, or saying no rule matches, and the policy file), and, with
+``subjectAccessReview: true``, the apiserver agrees (a SubjectAccessReview, cached ~10 s). A
+``dryrun`` policy never denies: it warns (``Warning`` header), logs and counts. A verified caller
+becomes ``ctx.identity`` (the rate limiter's ``{user}``). The network calls live in
+:mod:`proxy.relay.authn`; this module never touches a socket.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import jwt
+
+from proxy.engine import telemetry
+from proxy.engine.context import Decision, Deny, Identity, RequestContext
+from proxy.engine.requestinfo import RequestInfo
+from proxy.engine.status import forbidden, service_unavailable, unauthorized
+from proxy.middlewares.identity_spec import (
+    KUBERNETES,
+    SECTION,
+    TOKENREVIEW,
+    IdentitySpec,
+    Issuer,
+    identity_from_claims,
+    parse_section,
+)
+
+__all__ = ["SECTION", "Authenticator", "IdentityCheck", "parse_section"]
+
+log = logging.getLogger("opgate.identity")
+
+ALGORITHMS = frozenset({"RS256", "RS384", "RS512", "PS256", "PS384", "PS512",
+                        "ES256", "ES384", "ES512", "EdDSA"})  # never none, never HS*
+LEEWAY = 30.0
+TOKEN_TTL = 300.0
+NEGATIVE_TTL = 10.0
+SAR_TTL = 10.0
+CACHE_SIZE = 4096
+
+
+class Authenticator(Protocol):
+    """The network half (:class:`proxy.relay.authn.UpstreamAuthenticator`); any exception it
+    raises means "cannot tell now" (503, or the call goes on under ``failure: open``)."""
+
+    async def cluster_issuer(self) -> str | None: ...
+    async def keys_for(self, issuer: str, kid: str | None) -> Sequence[Any]: ...  # PyJWK-like
+    async def token_review(self, token: str) -> tuple[Identity, tuple[str, ...]] | None: ...
+    async def access_review(self, attrs: Mapping[str, Any]) -> tuple[bool, str]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class _Verified:
+    identity: Identity | None  # None: the apiserver said no (kept NEGATIVE_TTL)
+    issuer: str  # issuer key: "kubernetes", an OIDC issuer URL, or "tokenreview"
+    issuer_url: str
+    audiences: tuple[str, ...]
+    expires: float  # monotonic
+
+
+class _Invalid(Exception):
+    """The token is not acceptable; the message says why and never holds the token."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    section: tuple[tuple[Any, IdentitySpec], ...]
+    oidc: Mapping[str, Issuer]
+    kubernetes: Issuer | None
+
+
+def _bearer(headers: Mapping[str, str]) -> str | None:
+    value = headers.get("Authorization") or headers.get("authorization") or ""
+    scheme, _, token = value.strip().partition(" ")
+    token = token.strip()
+    return token if scheme.lower() == "bearer" and token else None
+
+
+def _action(info: RequestInfo, verb: str) -> str:
+    """The call in the apiserver's words (``create resource "configmaps" in API group ""…``)."""
+    if not info.is_resource_request:
+        return f'{verb} path "{info.path}"'
+    resource = f"{info.resource}/{info.subresource}" if info.subresource else info.resource
+    where = f' in the namespace "{info.namespace}"' if info.namespace else " at the cluster scope"
+    return f'{verb} resource "{resource}" in API group "{info.api_group}"{where}'
+
+
+class IdentityCheck:
+    """The middleware; ``authenticator`` does the network calls (see the module docstring)."""
+
+    name = "identity"
+    needs_body = False
+    fail_open = False
+
+    def __init__(self, *, authenticator: Authenticator, cache_size: int = CACHE_SIZE) -> None:
+        self.auth = authenticator
+        self.cache_size = cache_size
+        self._tokens: OrderedDict[bytes, _Verified] = OrderedDict()
+        self._inflight: dict[bytes, asyncio.Future[_Verified]] = {}
+        self._sar: OrderedDict[tuple[Any, ...], tuple[bool, str, float]] = OrderedDict()
+        self._plan_for: object = None
+        self._plan = _Plan((), {}, None)
+
+    def _plan_of(self, policies: Any) -> _Plan:
+        if policies is not self._plan_for:
+            section = tuple(policies.section(SECTION))
+            oidc: dict[str, Issuer] = {}
+            kubernetes = None
+            for _policy, spec in section:
+                for issuer in spec.issuers:  # the first declaration of an issuer maps claims
+                    if issuer.kind == KUBERNETES:
+                        kubernetes = kubernetes or issuer
+                    else:
+                        oidc.setdefault(issuer.url, issuer)
+            self._plan = _Plan(section, oidc, kubernetes)
+            self._plan_for = policies
+            self._tokens.clear()  # claim mappings may have changed
+        return self._plan
+
+    async def entry(self, ctx: RequestContext) -> Decision | None:
+        if not ctx.policies.section(SECTION):
+            return None
+        plan = self._plan_of(ctx.policies)
+        token = _bearer(ctx.headers)
+        verified: _Verified | None = None
+        problem = "no bearer token in the Authorization header"
+        if token is not None:
+            try:
+                verified = await self._verify(token, plan)
+            except _Invalid as exc:
+                problem = f"invalid bearer token: {str(exc).replace(token, '<token>')}"
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # the authenticator cannot tell now
+                return self._unavailable(ctx, plan, f"{type(exc).__name__}: {exc}", token)
+        if verified is not None:
+            ctx.identity = verified.identity
+        sar: list[tuple[bool, str]] = []  # one SubjectAccessReview per call, if any policy asks
+        for policy, spec in plan.section:
+            denial = self._check(ctx, spec, policy, verified, problem, token is None)
+            if denial is None and spec.subject_access_review and verified is not None:
+                try:
+                    denial = await self._sar_denial(ctx, policy, verified.identity, sar)
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:
+                    log.warning("SubjectAccessReview failed (trace %s): %s", ctx.trace_id, exc)
+                    if policy.dryrun or policy.failure == "open":
+                        continue
+                    return Deny(service_unavailable(
+                        f'opgate: cannot ask the apiserver now (subjectAccessReview of policy '
+                        f'"{policy.name}", {policy.source}); try again'), "unauthorized")
+            if denial is None:
+                continue
+            code, reason, message = denial
+            telemetry.IDENTITY_DENIALS.labels(reason).inc()
+            if policy.dryrun:
+                telemetry.DRYRUN_DENIALS.labels(self.name).inc()
+                log.info("dryrun policy %s would deny (%s): %s", policy.name, reason, message)
+                ctx.warn(f"would deny (dryrun): {message}")
+                continue
+            log.debug("identity denies (%s, trace %s): %s", reason, ctx.trace_id, message)
+            if code == 401:
+                return Deny(unauthorized(f"opgate: Unauthorized: {message}"), "unauthorized")
+            return Deny(forbidden(f"opgate: {message}"), "denied")
+        return None
+
+    def _check(self, ctx: RequestContext, spec: IdentitySpec, policy: Any,
+               verified: _Verified | None, problem: str,
+               missing: bool) -> tuple[int, str, str] | None:
+        where = f'policy "{policy.name}" ({policy.source})'
+        if verified is None:
+            return 401, "missing_token" if missing else "invalid_token", f"{problem} ({where})"
+        identity = verified.identity
+        assert identity is not None
+        if not spec.accepts(verified.issuer):
+            return 401, "invalid_token", f"the token's issuer is not one of {where}'s issuers"
+        issuer = spec.issuer(verified.issuer)
+        if (issuer is not None
+                and not issuer.audience_ok(verified.audiences, verified.issuer_url)):
+            return 401, "invalid_token", f"the token's audience is not accepted by {where}"
+        if not spec.allow.allows(identity):
+            return 403, "not_allowed", (f'user "{identity.user}" is not allowed by {where}: not '
+                                        f"in spec.identity.allow ({spec.allow.where})")
+        info, verb = ctx.info, ctx.info.policy_verb
+        for rule in spec.rules:
+            if rule.match.matches(info, verb, identity.user):
+                if rule.allow:
+                    return None
+                return 403, "rule_denied", (f'user "{identity.user}" cannot {_action(info, verb)}:'
+                                            f' rule "{rule.name}" ({rule.source}) of {where} '
+                                            "denies it")
+        return 403, "no_rule", (f'user "{identity.user}" cannot {_action(info, verb)}: no rule '
+                                f"of {where} matches (spec.identity.rules at {spec.rules_where})")
+
+    def _unavailable(self, ctx: RequestContext, plan: _Plan, why: str, token: str) -> Deny | None:
+        why = why.replace(token, "<token>")
+        log.warning("cannot verify a token now (%s %s, trace %s): %s", ctx.method, ctx.path,
+                    ctx.trace_id, why)
+        for policy, _spec in plan.section:
+            if policy.dryrun:
+                ctx.warn(f"policy {policy.name} could not verify the caller (dryrun)")
+            elif policy.failure != "open":
+                return Deny(service_unavailable(
+                    f'opgate: cannot verify the caller now (policy "{policy.name}", '
+                    f"{policy.source}); try again"), "unauthorized")
+        return None
+
+    # --- verification (cached) --------------------------------------------------------------
+
+    async def _verify(self, token: str, plan: _Plan) -> _Verified:
+        key = hashlib.sha256(token.encode()).digest()
+        hit = self._tokens.get(key)
+        if hit is not None:
+            if hit.expires > time.monotonic():
+                self._tokens.move_to_end(key)
+                if hit.identity is None:
+                    raise _Invalid("the apiserver does not accept it")
+                return hit
+            del self._tokens[key]
+        future = self._inflight.get(key)
+        if future is None:  # one verification per token, however many calls wait for it
+            future = asyncio.ensure_future(self._verify_uncached(token, plan))
+            self._inflight[key] = future
+            future.add_done_callback(lambda _: self._inflight.pop(key, None))
+        result = await asyncio.shield(future)
+        self._remember(self._tokens, key, result)
+        if result.identity is None:
+            raise _Invalid("the apiserver does not accept it")
+        return result
+
+    def _remember(self, cache: OrderedDict[Any, Any], key: Any, value: Any) -> None:
+        cache[key] = value
+        cache.move_to_end(key)
+        while len(cache) > self.cache_size:
+            cache.popitem(last=False)
+
+    async def _verify_uncached(self, token: str, plan: _Plan) -> _Verified:
+        try:
+            header = jwt.get_unverified_header(token)
+            claims = jwt.decode(token, options={"verify_signature": False})
+        except (jwt.PyJWTError, ValueError, TypeError):
+            header, claims = None, {}
+        iss = claims.get("iss") if header is not None else None
+        if isinstance(iss, str) and iss:
+            issuer = plan.oidc.get(iss)
+            if issuer is None and plan.kubernetes is not None:
+                if await self.auth.cluster_issuer() == iss:
+                    issuer = plan.kubernetes
+            if issuer is not None:
+                return await self._verify_jwt(token, header or {}, issuer, iss)
+        return await self._review(token, claims)
+
+    async def _verify_jwt(self, token: str, header: Mapping[str, Any], issuer: Issuer,
+                          iss: str) -> _Verified:
+        alg = header.get("alg")
+        if alg not in ALGORITHMS:
+            raise _Invalid(f"signing algorithm {str(alg)[:20]!r} is not accepted")
+        kid = header.get("kid") if isinstance(header.get("kid"), str) else None
+        keys = await self.auth.keys_for(iss, kid)
+        if not keys:
+            raise _Invalid(f"no signing key of issuer {iss} matches the token's key id")
+        claims: dict[str, Any] | None = None
+        for key in keys:
+            try:
+                claims = jwt.decode(token, getattr(key, "key", key), algorithms=[alg],
+                                    issuer=iss, leeway=LEEWAY,
+                                    options={"verify_aud": False, "require": ["exp", "iss"]})
+                break
+            except (jwt.InvalidSignatureError, jwt.InvalidAlgorithmError, jwt.InvalidKeyError,
+                    TypeError, ValueError):  # not this key (or not a key of this type)
+                continue
+            except jwt.ExpiredSignatureError:
+                raise _Invalid("the token has expired") from None
+            except jwt.PyJWTError as exc:
+                raise _Invalid(f"{type(exc).__name__}: {exc}") from None
+        if claims is None:
+            raise _Invalid(f"the signature does not verify with the keys of issuer {iss}")
+        identity = identity_from_claims(issuer, iss, claims)
+        if identity is None:
+            raise _Invalid(f"the token's claims name no {issuer.kind} user")
+        aud = claims.get("aud")
+        audiences = (aud,) if isinstance(aud, str) else tuple(a for a in aud or ()
+                                                              if isinstance(a, str))
+        return _Verified(identity, issuer.key, iss, audiences, self._expiry(claims))
+
+    async def _review(self, token: str, claims: Mapping[str, Any]) -> _Verified:
+        result = await self.auth.token_review(token)
+        if result is None:
+            return _Verified(None, TOKENREVIEW, "", (), time.monotonic() + NEGATIVE_TTL)
+        identity, audiences = result
+        return _Verified(identity, TOKENREVIEW, "", audiences, self._expiry(claims))
+
+    @staticmethod
+    def _expiry(claims: Mapping[str, Any]) -> float:
+        ttl = TOKEN_TTL
+        exp = claims.get("exp")
+        if isinstance(exp, (int, float)) and not isinstance(exp, bool):
+            ttl = min(ttl, exp - time.time())
+        return time.monotonic() + max(ttl, 0.0)
+
+    # --- SubjectAccessReview (cached) ---------------------------------------------------------
+
+    async def _sar_denial(self, ctx: RequestContext, policy: Any, identity: Identity | None,
+                          done: list[tuple[bool, str]]) -> tuple[int, str, str] | None:
+        assert identity is not None
+        if not done:
+            done.append(await self._access_review(ctx, identity))
+        allowed, reason = done[0]
+        if allowed:
+            return None
+        return 403, "sar_denied", (
+            f'user "{identity.user}" cannot {_action(ctx.info, ctx.info.policy_verb)}: the '
+            f'apiserver denies it ({reason or "no RBAC rule allows it"}; subjectAccessReview '
+            f'of policy "{policy.name}" ({policy.source}))')
+
+    async def _access_review(self, ctx: RequestContext, identity: Identity) -> tuple[bool, str]:
+        info, verb = ctx.info, ctx.info.policy_verb
+        key = (identity.user, identity.groups, verb, info.api_group, info.resource,
+               info.subresource, info.namespace, info.name,
+               "" if info.is_resource_request else info.path)
+        now = time.monotonic()
+        hit = self._sar.get(key)
+        if hit is not None and hit[2] > now:
+            return hit[0], hit[1]
+        attrs: dict[str, Any] = {"user": identity.user, "groups": list(identity.groups)}
+        if identity.uid:
+            attrs["uid"] = identity.uid
+        if info.is_resource_request:
+            attrs["resourceAttributes"] = {
+                "namespace": info.namespace, "verb": verb, "group": info.api_group,
+                "version": info.api_version, "resource": info.resource,
+                "subresource": info.subresource, "name": info.name}
+        else:
+            attrs["nonResourceAttributes"] = {"path": info.path, "verb": verb}
+        allowed, reason = await self.auth.access_review(attrs)
+        self._remember(self._sar, key, (allowed, reason, now + SAR_TTL))
+        return allowed, reason

@@ -1,0 +1,247 @@
+"""The network half of the identity middleware: OIDC discovery, JWKS, TokenReview, SAR.
+
+The identity middleware verifies tokens and decides, but never touches a socket; it calls this
+module through its ``Authenticator`` protocol. Everything here uses opgate's own upstream
+credentials (like :mod:`proxy.relay.informer`), never the caller's token:
+
+- ``cluster_issuer()``: the apiserver's service-account issuer, from
+  ``GET /.well-known/openid-configuration`` on the upstream (once; retried at most every
+  ``retry_seconds`` while it fails). Its keys come from the upstream's ``/openid/v1/jwks``.
+- ``keys_for(issuer, kid)``: the issuer's signing keys. Other issuers are found by OIDC
+  discovery at ``<issuer>/.well-known/openid-configuration`` → ``jwks_uri`` (system CAs). A key
+  set is kept for ``jwks_ttl`` seconds (then refreshed; the old keys stay if that fails) and
+  fetched again at once, at most every ``retry_seconds``, when a token names an unknown ``kid``.
+- ``token_review(token)``: ``POST /apis/authentication.k8s.io/v1/tokenreviews``: the apiserver
+  decides. ``access_review(attrs)``: a ``SubjectAccessReview``.
+
+The upstream identity needs ``create`` on ``tokenreviews`` and ``subjectaccessreviews``
+(``system:auth-delegator``) and the service-account issuer discovery (granted to every service
+account by default). Failures raise :class:`AuthnUnavailable` with a message that never holds a
+token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import jwt
+from yarl import URL
+
+from proxy.engine.context import Identity
+from proxy.relay.errors import describe
+from proxy.relay.session import Endpoint, TokenSource, make_session, make_ssl_context
+from proxy.relay.upstream import UpstreamConfig
+
+__all__ = ["AuthnUnavailable", "UpstreamAuthenticator"]
+
+log = logging.getLogger("opgate.authn")
+
+DISCOVERY_PATH = "/.well-known/openid-configuration"
+CLUSTER_JWKS_PATH = "/openid/v1/jwks"
+JWKS_ACCEPT = "application/jwk-set+json, */*"  # the apiserver refuses a plain application/json
+MAX_BODY = 1024 * 1024
+USER_AGENT = "opgate-authn"
+
+
+class AuthnUnavailable(Exception):
+    """An issuer or the apiserver could not answer (message without any token)."""
+
+
+@dataclass(slots=True, eq=False)
+class _KeySet:
+    keys: dict[str, jwt.PyJWK] = field(default_factory=dict)
+    unnamed: tuple[jwt.PyJWK, ...] = ()
+    fetched: float = -1e9  # monotonic time of the last successful fetch
+    attempted: float = -1e9
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+
+class UpstreamAuthenticator:
+    """Implements the identity middleware's ``Authenticator`` protocol against the upstream."""
+
+    def __init__(self, upstream: UpstreamConfig, *, connect_timeout: float = 5.0,
+                 timeout: float = 10.0, jwks_ttl: float = 300.0,
+                 retry_seconds: float = 10.0) -> None:
+        self._endpoint = Endpoint.from_config(upstream, make_ssl_context(upstream))
+        self._token = TokenSource(token=upstream.token, token_file=upstream.token_file)
+        self._connect_timeout = connect_timeout
+        self._timeout = timeout
+        self.jwks_ttl = jwks_ttl
+        self.retry_seconds = retry_seconds
+        self._session: aiohttp.ClientSession | None = None
+        self._external: aiohttp.ClientSession | None = None
+        self._cluster_issuer: str | None = None
+        self._cluster_attempted = -1e9
+        self._cluster_lock = asyncio.Lock()
+        self._keysets: dict[str, _KeySet] = {}
+
+    async def close(self) -> None:
+        for session in (self._session, self._external):
+            if session is not None:
+                await session.close()
+        self._session = self._external = None
+
+    # --- the Authenticator protocol -------------------------------------------------------
+
+    async def cluster_issuer(self) -> str | None:
+        if self._cluster_issuer is not None:
+            return self._cluster_issuer
+        async with self._cluster_lock:
+            now = time.monotonic()
+            if self._cluster_issuer is None and now - self._cluster_attempted >= self.retry_seconds:
+                self._cluster_attempted = now
+                try:
+                    doc = await self._fetch(DISCOVERY_PATH, upstream=True,
+                                            accept="application/json")
+                    issuer = doc.get("issuer")
+                    if isinstance(issuer, str) and issuer:
+                        self._cluster_issuer = issuer
+                        log.info("the cluster's service-account issuer is %s", issuer)
+                except AuthnUnavailable as exc:
+                    log.warning("service-account issuer discovery failed (%s); tokens of that "
+                                "issuer go to TokenReview meanwhile", exc)
+        return self._cluster_issuer
+
+    async def keys_for(self, issuer: str, kid: str | None) -> tuple[jwt.PyJWK, ...]:
+        ks = self._keysets.setdefault(issuer, _KeySet())
+        now = time.monotonic()
+        stale = now - ks.fetched >= self.jwks_ttl
+        unknown = kid is not None and kid not in ks.keys
+        if (stale or unknown) and now - ks.attempted >= self.retry_seconds:
+            async with ks.lock:
+                if time.monotonic() - ks.attempted >= self.retry_seconds:  # not just done
+                    await self._refresh(issuer, ks)
+        if kid is None:
+            return (*ks.keys.values(), *ks.unnamed)
+        found = ks.keys.get(kid)
+        return (found,) if found is not None else ks.unnamed
+
+    async def token_review(self, token: str) -> tuple[Identity, tuple[str, ...]] | None:
+        body = {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenReview",
+                "spec": {"token": token}}
+        doc = await self._post("/apis/authentication.k8s.io/v1/tokenreviews", body)
+        status = doc.get("status") or {}
+        if not status.get("authenticated"):
+            return None
+        user = status.get("user") or {}
+        username = user.get("username")
+        if not isinstance(username, str) or not username:
+            return None
+        groups = tuple(g for g in user.get("groups") or () if isinstance(g, str))
+        audiences = tuple(a for a in status.get("audiences") or () if isinstance(a, str))
+        return Identity(user=username, groups=groups, uid=str(user.get("uid") or ""),
+                        source="tokenreview"), audiences
+
+    async def access_review(self, attrs: Mapping[str, Any]) -> tuple[bool, str]:
+        """``attrs``: user, groups, uid, and either ``resourceAttributes`` or
+        ``nonResourceAttributes`` as the SubjectAccessReview spec spells them."""
+        body = {"apiVersion": "authorization.k8s.io/v1", "kind": "SubjectAccessReview",
+                "spec": dict(attrs)}
+        doc = await self._post("/apis/authorization.k8s.io/v1/subjectaccessreviews", body)
+        status = doc.get("status") or {}
+        return bool(status.get("allowed")), str(status.get("reason") or "")
+
+    # --- fetching ---------------------------------------------------------------------------
+
+    async def _refresh(self, issuer: str, ks: _KeySet) -> None:
+        ks.attempted = time.monotonic()
+        try:
+            if issuer == self._cluster_issuer:
+                data = await self._fetch(CLUSTER_JWKS_PATH, upstream=True, accept=JWKS_ACCEPT)
+            else:
+                doc = await self._fetch(issuer.rstrip("/") + DISCOVERY_PATH, upstream=False,
+                                        accept="application/json")
+                if doc.get("issuer") != issuer or not isinstance(doc.get("jwks_uri"), str):
+                    raise AuthnUnavailable(f"the discovery document of {issuer} does not name "
+                                           "this issuer and a jwks_uri")
+                data = await self._fetch(doc["jwks_uri"], upstream=False, accept=JWKS_ACCEPT)
+            keys: dict[str, jwt.PyJWK] = {}
+            unnamed: list[jwt.PyJWK] = []
+            for raw in data.get("keys") or ():
+                try:
+                    key = jwt.PyJWK.from_dict(raw)
+                except (jwt.PyJWKError, jwt.InvalidKeyError, KeyError, TypeError, ValueError):
+                    continue  # a key of a type this build cannot use
+                if key.key_id:
+                    keys[key.key_id] = key
+                else:
+                    unnamed.append(key)
+        except AuthnUnavailable as exc:
+            log.warning("cannot refresh the keys of issuer %s (%s); keeping %d known keys",
+                        issuer, exc, len(ks.keys) + len(ks.unnamed))
+            return
+        ks.keys, ks.unnamed, ks.fetched = keys, tuple(unnamed), time.monotonic()
+        log.info("keys of issuer %s: %d", issuer, len(keys) + len(unnamed))
+
+    def _sessions(self, upstream: bool) -> aiohttp.ClientSession:
+        if upstream:
+            if self._session is None:
+                self._session = make_session(self._endpoint, connect_timeout=self._connect_timeout)
+            return self._session
+        if self._external is None:
+            self._external = aiohttp.ClientSession(
+                cookie_jar=aiohttp.DummyCookieJar(), trust_env=False,
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=self._connect_timeout))
+        return self._external
+
+    def _headers(self, accept: str, upstream: bool) -> dict[str, str]:
+        headers = {"Accept": accept, "User-Agent": USER_AGENT}
+        auth = self._token.authorization() if upstream else None
+        if auth:
+            headers["Authorization"] = auth
+        return headers
+
+    async def _fetch(self, where: str, *, upstream: bool, accept: str) -> dict[str, Any]:
+        url = URL(self._endpoint.base + where, encoded=True) if upstream else URL(where)
+        return await self._call("GET", url, upstream=upstream, accept=accept, body=None)
+
+    async def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        return await self._call("POST", URL(self._endpoint.base + path, encoded=True),
+                                upstream=True, accept="application/json", body=body)
+
+    async def _call(self, method: str, url: URL, *, upstream: bool, accept: str,
+                    body: dict[str, Any] | None) -> dict[str, Any]:
+        headers = self._headers(accept, upstream)
+        data = None
+        if body is not None:
+            headers["Content-Type"] = "application/json"
+            data = json.dumps(body).encode()
+        timeout = aiohttp.ClientTimeout(total=self._timeout,
+                                        sock_connect=self._connect_timeout or None)
+        what = f"{method} {url.path}" if upstream else f"{method} {url.human_repr()}"
+        try:
+            async with self._sessions(upstream).request(
+                    method, url, headers=headers, data=data, timeout=timeout,
+                    allow_redirects=not upstream,
+                    server_hostname=self._endpoint.server_name if upstream else None) as resp:
+                raw = await resp.content.read(MAX_BODY + 1)
+                if resp.status not in (200, 201):
+                    raise AuthnUnavailable(f"{what} answered {resp.status}: "
+                                           f"{_status_message(raw)}")
+        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            raise AuthnUnavailable(f"{what}: {describe(exc)}") from None
+        if len(raw) > MAX_BODY:
+            raise AuthnUnavailable(f"{what}: answer larger than {MAX_BODY} bytes")
+        try:
+            doc = json.loads(raw)
+        except ValueError:
+            raise AuthnUnavailable(f"{what}: answer is not JSON") from None
+        if not isinstance(doc, dict):
+            raise AuthnUnavailable(f"{what}: answer is not a JSON object")
+        return doc
+
+
+def _status_message(raw: bytes) -> str:
+    """The ``message`` of a Status body (never the request, so never a token), shortened."""
+    try:
+        message = str(json.loads(raw).get("message", ""))
+    except (ValueError, AttributeError):
+        message = ""
+    return (message or raw[:120].decode(errors="replace")).strip()[:300]

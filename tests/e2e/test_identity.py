@@ -1,0 +1,165 @@
+"""spec.identity against the real apiserver: TokenRequest tokens through a TLS opgate.
+
+opgate discovers the cluster's service-account issuer and its JWKS through the upstream and
+does TokenReviews and SubjectAccessReviews with its own credentials (``--token-file`` with the
+admin token); each client's own token passes through to the apiserver, whose RBAC still applies.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from proxy.envtest.cluster import LocalCluster
+from tests.e2e.conftest import Opgate
+
+NS = "idt"
+CM = f"/api/v1/namespaces/{NS}/configmaps"
+POLICY = """\
+apiVersion: opgate.dev/v1alpha1
+kind: Policy
+metadata: {{name: identity-e2e}}
+spec:
+  mode: enforce
+  identity:
+    issuers:
+      - kubernetes: {{}}
+    allow:
+      - serviceAccount: {ns}/allowed
+      - group: "system:masters"
+    rules:
+      - {{name: read, verbs: [get, list, watch], resources: ["*"]}}
+      - {{name: no-secrets, effect: deny, resources: [secrets]}}
+      - {{name: write-configmaps, verbs: [create, update, patch, delete], apiGroups: [""],
+         resources: [configmaps], namespaces: [{ns}]}}
+    subjectAccessReview: {sar}
+"""
+
+
+@dataclass(frozen=True)
+class Setup:
+    allowed: str
+    other: str
+    wrong_audience: str
+    token_file: str
+
+
+@pytest.fixture(scope="module")
+def setup(cluster: LocalCluster, tmp_path_factory: pytest.TempPathFactory) -> Setup:
+    rules = [{"apiGroups": [""], "resources": ["configmaps", "secrets"],
+              "verbs": ["get", "list", "watch", "create", "delete"]}]
+    cluster.create_service_account_with_rbac(NS, "allowed", rules)
+    cluster.create_service_account_with_rbac(NS, "other", rules)
+    token_file = tmp_path_factory.mktemp("identity") / "opgate-token"
+    token_file.write_text(cluster.admin_token)
+    token_file.chmod(0o600)
+    return Setup(allowed=cluster.token_request(NS, "allowed"),
+                 other=cluster.token_request(NS, "other"),
+                 wrong_audience=cluster.token_request(NS, "allowed", audiences=["vault"]),
+                 token_file=str(token_file))
+
+
+def start(opgate_factory: Callable[..., Opgate], setup: Setup, *, sar: bool) -> Opgate:
+    return opgate_factory(policies={"identity.yaml": POLICY.format(ns=NS, sar=str(sar).lower())},
+                          extra_args=["--token-file", setup.token_file])
+
+
+@pytest.fixture(scope="module")
+def gate(opgate_factory: Callable[..., Opgate], setup: Setup) -> Opgate:
+    return start(opgate_factory, setup, sar=False)
+
+
+def status(resp: Any) -> dict[str, Any]:
+    return dict(json.loads(resp.body))
+
+
+def configmap(name: str) -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": name},
+            "data": {"k": "v"}}
+
+
+def test_the_allowed_service_account_passes_and_rbac_still_applies(
+        cluster: LocalCluster, gate: Opgate, setup: Setup) -> None:
+    listed = cluster.call("GET", CM, server=gate.url, token=setup.allowed)
+    assert listed.status == 200, listed.body
+    created = cluster.call("POST", CM, body=configmap("via-identity"), server=gate.url,
+                           token=setup.allowed)
+    assert created.status == 201, created.body
+    # opgate's rules allow reading anywhere; the apiserver's RBAC does not
+    elsewhere = cluster.call("GET", "/api/v1/namespaces/default/configmaps", server=gate.url,
+                             token=setup.allowed)
+    assert elsewhere.status == 403
+    assert not status(elsewhere)["message"].startswith("opgate:")
+
+
+def test_calls_outside_the_rules_are_refused_by_opgate(
+        cluster: LocalCluster, gate: Opgate, setup: Setup) -> None:
+    secret = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "s"}}
+    denied = cluster.call("POST", f"/api/v1/namespaces/{NS}/secrets", body=secret,
+                          server=gate.url, token=setup.allowed)
+    assert denied.status == 403
+    got = status(denied)
+    assert (got["kind"], got["reason"]) == ("Status", "Forbidden")
+    assert got["message"].startswith("opgate: ")
+    assert 'rule "no-secrets"' in got["message"]
+    assert str(Path(gate.policies_dir) / "identity.yaml") in got["message"]
+    no_rule = cluster.call("DELETE", f"/api/v1/namespaces/{NS}", server=gate.url,
+                           token=setup.allowed)
+    assert no_rule.status == 403
+    assert "no rule of policy" in status(no_rule)["message"]
+    assert "identity.yaml" in status(no_rule)["message"]
+
+
+def test_a_service_account_not_in_allow_is_refused(
+        cluster: LocalCluster, gate: Opgate, setup: Setup) -> None:
+    denied = cluster.call("GET", CM, server=gate.url, token=setup.other)
+    assert denied.status == 403
+    assert (f'user "system:serviceaccount:{NS}:other" is not allowed'
+            in status(denied)["message"])
+    assert cluster.call("GET", CM, token=setup.other).status == 200  # RBAC alone would allow it
+
+
+@pytest.mark.parametrize("which", ["none", "garbage", "wrong_audience"])
+def test_missing_and_invalid_tokens_are_401(
+        cluster: LocalCluster, gate: Opgate, setup: Setup, which: str) -> None:
+    token = {"none": "", "garbage": "not-a-token",
+             "wrong_audience": setup.wrong_audience}[which]
+    resp = cluster.call("GET", CM, server=gate.url, token=token)
+    assert resp.status == 401, resp.body
+    got = status(resp)
+    assert (got["kind"], got["reason"], got["code"]) == ("Status", "Unauthorized", 401)
+    if token:
+        assert token not in resp.body.decode()
+        assert token not in gate.log_tail(400)
+
+
+def test_an_opaque_token_is_checked_by_tokenreview(
+        cluster: LocalCluster, gate: Opgate) -> None:
+    # the static admin token is no JWT: the apiserver vouches for it (group system:masters)
+    resp = cluster.call("GET", f"/api/v1/namespaces/{NS}/secrets", server=gate.url)
+    assert resp.status == 200, resp.body
+    assert cluster.admin_token not in gate.log_tail(400)
+
+
+def test_denials_are_counted(gate: Opgate, cluster: LocalCluster, setup: Setup) -> None:
+    cluster.call("GET", CM, server=gate.url, token=setup.other)
+    code, text = gate.admin_get("/metrics")
+    assert code == 200
+    assert 'opgate_identity_denials_total{reason="not_allowed"}' in text
+
+
+def test_subject_access_review_denies_what_rbac_denies(
+        cluster: LocalCluster, opgate_factory: Callable[..., Opgate], setup: Setup) -> None:
+    gate = start(opgate_factory, setup, sar=True)
+    assert cluster.call("GET", CM, server=gate.url, token=setup.allowed).status == 200
+    denied = cluster.call("GET", "/api/v1/namespaces/default/configmaps", server=gate.url,
+                          token=setup.allowed)
+    assert denied.status == 403
+    message = status(denied)["message"]
+    assert message.startswith("opgate: ") and "the apiserver denies it" in message
+    assert "subjectAccessReview" in message and "identity.yaml" in message

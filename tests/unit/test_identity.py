@@ -1,0 +1,393 @@
+"""The identity middleware over canned tokens signed with keys generated here (no network).
+
+A fake :class:`Authenticator` serves the keys, TokenReviews and SubjectAccessReviews; the JWKS
+refresh of the real :class:`UpstreamAuthenticator` is driven with its fetch replaced.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import hmac
+import json
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import jwt
+import pytest
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ec, rsa
+
+from proxy.engine import telemetry
+from proxy.engine.context import Deny, Identity, RequestContext
+from proxy.engine.policies import load_policy_set
+from proxy.engine.requestinfo import parse_request_info
+from proxy.middlewares import identity
+from proxy.middlewares.identity import IdentityCheck
+from proxy.relay.authn import UpstreamAuthenticator
+from proxy.relay.upstream import UpstreamConfig
+
+ISSUER = "https://kubernetes.default.svc.cluster.local"
+RSA_KEY = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+OTHER_KEY = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+EC_KEY = ec.generate_private_key(ec.SECP256R1())
+PARSERS = {identity.SECTION: identity.parse_section}
+CM = "/api/v1/namespaces/team-a/configmaps"
+SECRETS = "/api/v1/namespaces/team-a/secrets"
+
+
+def jwk(public: Any, kid: str, alg: str) -> dict[str, Any]:
+    algorithm = jwt.algorithms.RSAAlgorithm if alg.startswith("RS") else jwt.algorithms.ECAlgorithm
+    data = json.loads(algorithm.to_jwk(public))  # type: ignore[attr-defined]
+    return {**data, "kid": kid, "alg": alg, "use": "sig"}
+
+
+KEYS = {"k1": jwt.PyJWK.from_dict(jwk(RSA_KEY.public_key(), "k1", "RS256")),
+        "e1": jwt.PyJWK.from_dict(jwk(EC_KEY.public_key(), "e1", "ES256"))}
+
+
+def claims(ns: str = "ops", name: str = "op", *, aud: Sequence[str] = (ISSUER,),
+           exp_in: float = 600, iss: str = ISSUER) -> dict[str, Any]:
+    now = int(time.time())
+    return {"iss": iss, "sub": f"system:serviceaccount:{ns}:{name}", "aud": list(aud),
+            "iat": now, "nbf": now, "exp": int(now + exp_in),
+            "kubernetes.io": {"namespace": ns, "serviceaccount": {"name": name, "uid": "uid-1"}}}
+
+
+def sa_token(ns: str = "ops", name: str = "op", *, key: Any = RSA_KEY, kid: str = "k1",
+             alg: str = "RS256", **kw: Any) -> str:
+    return jwt.encode(claims(ns, name, **kw), key, algorithm=alg, headers={"kid": kid})
+
+
+def b64(data: bytes) -> str:
+    return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
+
+
+def forged(alg: str, secret: bytes = b"") -> str:
+    """A token with ``alg`` none (no signature) or HS256 keyed with ``secret``."""
+    head = b64(json.dumps({"alg": alg, "kid": "k1", "typ": "JWT"}).encode())
+    body = b64(json.dumps(claims()).encode())
+    signing = f"{head}.{body}".encode()
+    sig = b64(hmac.new(secret, signing, hashlib.sha256).digest()) if alg == "HS256" else ""
+    return f"{head}.{body}.{sig}"
+
+
+class FakeAuth:
+    def __init__(self) -> None:
+        self.keys: dict[str, jwt.PyJWK] = dict(KEYS)
+        self.reviews: dict[str, tuple[Identity, tuple[str, ...]]] = {}
+        self.sar: tuple[bool, str] = (True, "")
+        self.calls: list[str] = []
+        self.sar_attrs: list[Mapping[str, Any]] = []
+        self.fail: Exception | None = None
+
+    async def cluster_issuer(self) -> str | None:
+        return ISSUER
+
+    async def keys_for(self, issuer: str, kid: str | None) -> Sequence[Any]:
+        self.calls.append(f"keys {kid}")
+        if self.fail is not None:
+            raise self.fail
+        return (self.keys[kid],) if kid in self.keys else ()
+
+    async def token_review(self, token: str) -> tuple[Identity, tuple[str, ...]] | None:
+        self.calls.append("review")
+        if self.fail is not None:
+            raise self.fail
+        return self.reviews.get(token)
+
+    async def access_review(self, attrs: Mapping[str, Any]) -> tuple[bool, str]:
+        self.calls.append("sar")
+        self.sar_attrs.append(attrs)
+        return self.sar
+
+
+POLICY = """\
+apiVersion: opgate.dev/v1alpha1
+kind: Policy
+metadata: {{name: {name}}}
+spec:
+  mode: {mode}
+  failure: {failure}
+  identity:
+    issuers: [{{kubernetes: {{}}}}]
+    allow:
+      - serviceAccount: ops/op*
+      - group: "system:masters"
+    rules:
+      - {{verbs: [get, list, watch], resources: ["*"]}}
+      - {{name: no-secrets, effect: deny, resources: [secrets]}}
+      - {{name: team-configmaps, verbs: [create, delete], resources: [configmaps],
+         namespaces: ["team-*"]}}
+      - {{name: all-secrets, resources: [secrets]}}
+    subjectAccessReview: {sar}
+"""
+
+
+def policy_set(tmp_path: Path, *docs: str) -> Any:
+    paths = []
+    for i, doc in enumerate(docs):
+        path = tmp_path / f"p{i}.yaml"
+        path.write_text(doc)
+        paths.append(path)
+    return load_policy_set(paths, parsers=PARSERS)
+
+
+def policy(name: str = "ident", *, mode: str = "enforce", sar: bool = False,
+           failure: str = "closed") -> str:
+    return POLICY.format(name=name, mode=mode, sar=str(sar).lower(), failure=failure)
+
+
+def ctx_for(policies: Any, method: str, path: str, token: str | None,
+            query: str = "") -> RequestContext:
+    headers = {"Authorization": f"Bearer {token}"} if token is not None else {}
+    return RequestContext(info=parse_request_info(method, path, query), method=method, path=path,
+                          query=query, headers=headers, policies=policies)
+
+
+def run(check: IdentityCheck, ctx: RequestContext) -> Deny | None:
+    decision = asyncio.run(check.entry(ctx))
+    assert decision is None or isinstance(decision, Deny)
+    return decision
+
+
+def body(decision: Deny) -> dict[str, Any]:
+    return dict(json.loads(decision.status.body()))
+
+
+def test_a_good_token_sets_the_identity(tmp_path: Path) -> None:
+    ctx = ctx_for(policy_set(tmp_path, policy()), "GET", CM, sa_token())
+    assert run(IdentityCheck(authenticator=FakeAuth()), ctx) is None
+    assert ctx.identity == Identity(
+        user="system:serviceaccount:ops:op", uid="uid-1", source="serviceaccount",
+        groups=("system:serviceaccounts", "system:serviceaccounts:ops", "system:authenticated"))
+
+
+def test_an_es256_token_verifies(tmp_path: Path) -> None:
+    ctx = ctx_for(policy_set(tmp_path, policy()), "GET", CM,
+                  sa_token(key=EC_KEY, kid="e1", alg="ES256"))
+    assert run(IdentityCheck(authenticator=FakeAuth()), ctx) is None
+
+
+PUBLIC_PEM = RSA_KEY.public_key().public_bytes(serialization.Encoding.PEM,
+                                               serialization.PublicFormat.SubjectPublicKeyInfo)
+
+
+@pytest.mark.parametrize(("token", "why"), [
+    (sa_token(key=OTHER_KEY), "signature does not verify"),
+    (forged("none"), "'none' is not accepted"),
+    (forged("HS256", PUBLIC_PEM), "'HS256' is not accepted"),
+    (sa_token(exp_in=-120), "expired"),
+    (sa_token(aud=["vault"]), "audience is not accepted"),
+    (sa_token(kid="k9"), "no signing key"),
+    (sa_token(kid="e1"), "signature does not verify"),  # an RS256 token against an EC key
+])
+def test_bad_tokens_are_401(tmp_path: Path, token: str, why: str) -> None:
+    ctx = ctx_for(policy_set(tmp_path, policy()), "GET", CM, token)
+    decision = run(IdentityCheck(authenticator=FakeAuth()), ctx)
+    assert decision is not None and decision.decision == "unauthorized"
+    got = body(decision)
+    assert (got["code"], got["reason"], got["kind"]) == (401, "Unauthorized", "Status")
+    assert why in got["message"] and "p0.yaml:1" in got["message"]
+    assert ctx.identity is None or why == "audience is not accepted"
+
+
+def test_missing_token_is_401(tmp_path: Path) -> None:
+    before = telemetry.IDENTITY_DENIALS.labels("missing_token")._value.get()
+    decision = run(IdentityCheck(authenticator=FakeAuth()),
+                   ctx_for(policy_set(tmp_path, policy()), "GET", CM, None))
+    assert decision is not None and body(decision)["code"] == 401
+    assert "no bearer token" in body(decision)["message"]
+    assert telemetry.IDENTITY_DENIALS.labels("missing_token")._value.get() == before + 1
+
+
+@pytest.mark.parametrize(("method", "path", "verdict"), [
+    ("GET", CM, None),                      # rules[0]
+    ("GET", SECRETS + "/s", None),          # rules[0] wins over no-secrets (first match)
+    ("POST", CM, None),                     # team-configmaps
+    ("POST", SECRETS, "no-secrets"),        # the deny rule wins over all-secrets below it
+    ("POST", "/api/v1/namespaces/prod/configmaps", "no rule"),
+    ("PATCH", CM + "/c", "no rule"),
+    ("GET", "/api", None),                  # a non-resource get: rules[0]
+])
+def test_rules_first_match_wins(tmp_path: Path, method: str, path: str,
+                                verdict: str | None) -> None:
+    ctx = ctx_for(policy_set(tmp_path, policy()), method, path, sa_token())
+    decision = run(IdentityCheck(authenticator=FakeAuth()), ctx)
+    if verdict is None:
+        assert decision is None
+        return
+    assert decision is not None and decision.decision == "denied"
+    got = body(decision)
+    assert (got["code"], got["reason"]) == (403, "Forbidden")
+    assert 'user "system:serviceaccount:ops:op" cannot' in got["message"]
+    assert 'policy "ident"' in got["message"] and "p0.yaml:1" in got["message"]
+    if verdict == "no rule":
+        assert "no rule of policy" in got["message"] and "rules at" in got["message"]
+    else:
+        assert f'rule "{verdict}" (' in got["message"] and "p0.yaml:14)" in got["message"]
+
+
+def test_callers_outside_allow_are_403(tmp_path: Path) -> None:
+    decision = run(IdentityCheck(authenticator=FakeAuth()),
+                   ctx_for(policy_set(tmp_path, policy()), "GET", CM, sa_token(name="intruder")))
+    assert decision is not None
+    got = body(decision)
+    assert got["code"] == 403
+    assert ('user "system:serviceaccount:ops:intruder" is not allowed by policy "ident"'
+            in got["message"])
+    assert "spec.identity.allow (" in got["message"] and "p0.yaml:10" in got["message"]
+
+
+def test_dryrun_warns_and_never_denies(tmp_path: Path) -> None:
+    before = telemetry.DRYRUN_DENIALS.labels("identity")._value.get()
+    ctx = ctx_for(policy_set(tmp_path, policy(mode="dryrun")), "POST", SECRETS, None)
+    assert run(IdentityCheck(authenticator=FakeAuth()), ctx) is None
+    (name, value), = ctx.response_headers
+    assert name == "Warning" and value.startswith('299 - "opgate: would deny (dryrun): ')
+    assert "no bearer token" in value
+    assert telemetry.DRYRUN_DENIALS.labels("identity")._value.get() == before + 1
+
+
+def test_every_policy_must_pass(tmp_path: Path) -> None:
+    strict = policy("strict").replace("ops/op*", "ops/other")
+    policies = policy_set(tmp_path, policy("loose"), strict)
+    decision = run(IdentityCheck(authenticator=FakeAuth()),
+                   ctx_for(policies, "GET", CM, sa_token()))
+    assert decision is not None and 'policy "strict"' in body(decision)["message"]
+    assert "p1.yaml:1" in body(decision)["message"]
+
+
+def test_no_identity_section_costs_nothing(tmp_path: Path) -> None:
+    auth = FakeAuth()
+    policies = policy_set(tmp_path, "apiVersion: opgate.dev/v1alpha1\nkind: Policy\n"
+                                    "metadata: {name: p}\nspec: {mode: enforce}\n")
+    assert run(IdentityCheck(authenticator=auth), ctx_for(policies, "GET", CM, None)) is None
+    assert auth.calls == []
+
+
+def test_verified_tokens_are_cached(tmp_path: Path) -> None:
+    auth, token = FakeAuth(), sa_token()
+    check, policies = IdentityCheck(authenticator=auth), policy_set(tmp_path, policy())
+
+    async def calls() -> None:
+        await asyncio.gather(*(check.entry(ctx_for(policies, "GET", CM, token))
+                               for _ in range(5)))
+        await check.entry(ctx_for(policies, "GET", CM, token))
+
+    asyncio.run(calls())
+    assert auth.calls == ["keys k1"]
+
+
+def test_tokenreview_fallback_for_opaque_tokens(tmp_path: Path) -> None:
+    auth = FakeAuth()
+    admin = Identity(user="admin", groups=("system:masters", "system:authenticated"),
+                     source="tokenreview")
+    auth.reviews["opaque-admin-token"] = (admin, ())
+    check, policies = IdentityCheck(authenticator=auth), policy_set(tmp_path, policy())
+    ctx = ctx_for(policies, "GET", CM, "opaque-admin-token")
+    assert run(check, ctx) is None and ctx.identity == admin
+    assert run(check, ctx_for(policies, "GET", CM, "opaque-admin-token")) is None
+    for _ in range(2):  # a rejected token is remembered briefly too
+        decision = run(check, ctx_for(policies, "GET", CM, "garbage"))
+        assert decision is not None and body(decision)["code"] == 401
+        assert "the apiserver does not accept it" in body(decision)["message"]
+    assert auth.calls == ["review", "review"]
+
+
+def test_a_jwt_of_an_unknown_issuer_goes_to_tokenreview(tmp_path: Path) -> None:
+    auth = FakeAuth()
+    token = sa_token(iss="https://elsewhere.example.com")
+    decision = run(IdentityCheck(authenticator=auth),
+                   ctx_for(policy_set(tmp_path, policy()), "GET", CM, token))
+    assert decision is not None and body(decision)["code"] == 401
+    assert auth.calls == ["review"]
+
+
+def test_subject_access_review_denies_and_is_cached(tmp_path: Path) -> None:
+    auth = FakeAuth()
+    auth.sar = (False, "no RBAC policy matched")
+    check, policies = IdentityCheck(authenticator=auth), policy_set(tmp_path, policy(sar=True))
+    for _ in range(2):
+        decision = run(check, ctx_for(policies, "GET", CM + "/c", sa_token()))
+        assert decision is not None
+        got = body(decision)
+        assert got["code"] == 403 and "the apiserver denies it (no RBAC policy matched" in (
+            got["message"])
+    assert auth.calls.count("sar") == 1
+    assert auth.sar_attrs[0] == {
+        "user": "system:serviceaccount:ops:op", "uid": "uid-1",
+        "groups": ["system:serviceaccounts", "system:serviceaccounts:ops", "system:authenticated"],
+        "resourceAttributes": {"namespace": "team-a", "verb": "get", "group": "", "version": "v1",
+                               "resource": "configmaps", "subresource": "", "name": "c"}}
+    auth.sar = (True, "")
+    ctx = ctx_for(policies, "GET", "/api/v1/namespaces/team-b/configmaps/c", sa_token())
+    assert run(check, ctx) is None
+
+
+@pytest.mark.parametrize(("failure", "denied"), [("closed", True), ("open", False)])
+def test_an_unreachable_authenticator(tmp_path: Path, failure: str, denied: bool) -> None:
+    auth = FakeAuth()
+    auth.fail = ConnectionError("upstream down")
+    decision = run(IdentityCheck(authenticator=auth),
+                   ctx_for(policy_set(tmp_path, policy(failure=failure)), "GET", CM, sa_token()))
+    assert (decision is not None) is denied
+    if decision is not None:
+        assert body(decision)["code"] == 503
+
+
+def test_the_token_is_never_in_a_message_or_a_log(tmp_path: Path,
+                                                  caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG)
+    auth = FakeAuth()
+    check = IdentityCheck(authenticator=auth)
+    tokens = [sa_token(key=OTHER_KEY), forged("none"), sa_token(exp_in=-120), "garbage-opaque",
+              sa_token(name="intruder"), sa_token(aud=["vault"]), sa_token()]
+    texts = []
+    for mode in ("enforce", "dryrun"):
+        policies = policy_set(tmp_path, policy(mode=mode, sar=True))
+        auth.sar = (False, "nope")
+        for token in tokens:
+            ctx = ctx_for(policies, "POST", SECRETS, token)
+            decision = run(check, ctx)
+            texts.append(decision.status.body().decode() if decision else "")
+            texts.extend(v for _, v in ctx.response_headers)
+    auth.fail = RuntimeError("down")
+    check = IdentityCheck(authenticator=auth)
+    ctx = ctx_for(policy_set(tmp_path, policy()), "GET", CM, "another-opaque-token")
+    texts.append(run(check, ctx).status.body().decode())  # type: ignore[union-attr]
+    assert any("would deny" in t for t in texts) and caplog.text
+    for token in [*tokens, "another-opaque-token"]:
+        for part in {token, *token.split(".")} - {""}:
+            if len(part) > 30 or "." not in token:
+                assert part not in caplog.text
+                assert all(part not in t for t in texts)
+
+
+def test_unknown_kid_refreshes_the_key_set_rate_limited(tmp_path: Path) -> None:
+    auth = UpstreamAuthenticator(UpstreamConfig(url="https://127.0.0.1:1"), retry_seconds=60)
+    served = [{"keys": [jwk(RSA_KEY.public_key(), "k1", "RS256")]}]
+    fetched: list[str] = []
+
+    async def fetch(where: str, *, upstream: bool, accept: str) -> dict[str, Any]:
+        fetched.append(where)
+        if where.endswith("openid-configuration"):
+            return {"issuer": ISSUER, "jwks_uri": f"{ISSUER}/openid/v1/jwks"}
+        assert upstream and "jwk-set+json" in accept
+        return served[-1]
+
+    auth._fetch = fetch  # type: ignore[method-assign]
+    check, policies = IdentityCheck(authenticator=auth), policy_set(tmp_path, policy())
+    assert run(check, ctx_for(policies, "GET", CM, sa_token())) is None
+    assert fetched == ["/.well-known/openid-configuration", "/openid/v1/jwks"]
+    served.append({"keys": [jwk(OTHER_KEY.public_key(), "k2", "RS256")]})  # rotation
+    auth._keysets[ISSUER].attempted -= 61  # the last fetch was a while ago
+    assert run(check, ctx_for(policies, "GET", CM, sa_token(key=OTHER_KEY, kid="k2"))) is None
+    assert fetched[-1] == "/openid/v1/jwks" and len(fetched) == 3
+    decision = run(check, ctx_for(policies, "GET", CM, sa_token(key=OTHER_KEY, kid="k3")))
+    assert decision is not None and body(decision)["code"] == 401
+    assert len(fetched) == 3  # an unknown kid right after a fetch does not fetch again

@@ -1,0 +1,186 @@
+"""``spec.identity`` parsing (file:line errors, defaults) and the claims → Identity mapping."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from proxy.engine.check import check
+from proxy.engine.context import Identity
+from proxy.engine.policies import load_policy_set
+from proxy.middlewares import identity_spec
+from proxy.middlewares.identity_spec import (
+    KUBERNETES,
+    TOKENREVIEW,
+    IdentitySpec,
+    Issuer,
+    identity_from_claims,
+)
+
+PARSERS = {identity_spec.SECTION: identity_spec.parse_section}
+HEAD = "apiVersion: opgate.dev/v1alpha1\nkind: Policy\nmetadata: {name: ident}\nspec:\n"
+GOOD = """\
+  identity:
+    issuers:
+      - kubernetes: {}
+      - oidc: {issuer: "https://dex.example.com", audiences: [kubernetes],
+               claims: {groups: groups, groupsPrefix: "dex:"}}
+    allow:
+      - serviceAccount: ops/sample-*
+      - user: alice
+      - group: "system:masters"
+    rules:
+      - {verbs: [get, list, watch], resources: ["*"]}
+      - {name: no-secrets, effect: deny, resources: [secrets]}
+      - {verbs: [create], apiGroups: [""], resources: [configmaps], namespaces: ["team-*"]}
+    subjectAccessReview: true
+"""
+
+
+def spec_of(tmp_path: Path, body: str) -> IdentitySpec:
+    path = tmp_path / "ident.yaml"
+    path.write_text(HEAD + body)
+    policy_set = load_policy_set([path], parsers=PARSERS)
+    ((_, spec),) = policy_set.section(identity_spec.SECTION)
+    assert isinstance(spec, IdentitySpec)
+    return spec
+
+
+def errors_of(tmp_path: Path, body: str) -> list[str]:
+    path = tmp_path / "ident.yaml"
+    path.write_text(HEAD + body)
+    return check([str(path)], parsers=PARSERS)
+
+
+def test_a_full_section_parses(tmp_path: Path) -> None:
+    spec = spec_of(tmp_path, GOOD)
+    k8s, dex = spec.issuers
+    assert (k8s.kind, k8s.key, k8s.audiences) == (KUBERNETES, KUBERNETES, ())
+    assert (dex.key, dex.audiences, dex.groups_claim, dex.groups_prefix) == (
+        "https://dex.example.com", ("kubernetes",), "groups", "dex:")
+    assert [r.name for r in spec.rules] == ["rules[0]", "no-secrets", "rules[2]"]
+    assert [r.allow for r in spec.rules] == [True, False, True]
+    assert spec.rules[1].source.endswith("ident.yaml:16")
+    assert spec.subject_access_review
+    assert spec.accepts(KUBERNETES) and spec.accepts(TOKENREVIEW)
+    assert not spec.accepts("https://other.example.com")
+
+
+@pytest.mark.parametrize(("user", "groups", "allowed"), [
+    ("system:serviceaccount:ops:sample-operator", (), True),
+    ("system:serviceaccount:ops:sample-x", (), True),
+    ("system:serviceaccount:ops:other", (), False),
+    ("system:serviceaccount:dev:sample-operator", (), False),
+    ("alice", (), True),
+    ("alice2", (), False),
+    ("bob", ("system:authenticated", "system:masters"), True),
+])
+def test_allow_list_with_globs(tmp_path: Path, user: str, groups: tuple[str, ...],
+                               allowed: bool) -> None:
+    spec = spec_of(tmp_path, GOOD)
+    assert spec.allow.allows(Identity(user=user, groups=groups)) is allowed
+
+
+def test_issuers_default_to_the_cluster(tmp_path: Path) -> None:
+    spec = spec_of(tmp_path, "  identity:\n    allow: [{group: x}]\n    rules: [{verbs: ['*']}]\n")
+    assert [i.kind for i in spec.issuers] == [KUBERNETES]
+
+
+@pytest.mark.parametrize(("body", "expected"), [
+    ("  identity:\n    rules: [{verbs: [get]}]\n",
+     'ident.yaml:6: missing required field "allow" in spec.identity'),
+    ("  identity:\n    allow: [{group: x}]\n",
+     'ident.yaml:6: missing required field "rules" in spec.identity'),
+    ("  identity:\n    allow: [{group: x}]\n    rules: []\n",
+     "ident.yaml:7: spec.identity.rules: has no rule, so it denies everything"),
+    ("  identity:\n    allow: []\n    rules: [{verbs: [get]}]\n",
+     "ident.yaml:6: spec.identity.allow: names nobody"),
+    ("  identity:\n    allow: [{serviceAccount: nonamespace}]\n    rules: [{verbs: [get]}]\n",
+     'ident.yaml:6: spec.identity.allow[0].serviceAccount: "nonamespace" must be '
+     "<namespace>/<name>"),
+    ("  identity:\n    allow: [{user: a, group: b}]\n    rules: [{verbs: [get]}]\n",
+     "spec.identity.allow[0].serviceAccount: an entry is exactly one of"),
+    ("  identity:\n    allow: [{group: x}]\n    rules: [{verbs: [get], effect: maybe}]\n",
+     "spec.identity.rules[0].effect: must be one of allow, deny"),
+    ("  identity:\n    allow: [{group: x}]\n    rules: [{verbs: [get], colour: red}]\n",
+     'ident.yaml:7: unknown field "colour" in spec.identity.rules[0]'),
+    ("  identity:\n    allow: [{group: x}]\n    rules: [{name: a}, {name: a}]\n",
+     'spec.identity.rules: two rules are named "a"'),
+    ("  identity:\n    issuers: [{oidc: {issuer: 'http://dex', audiences: [k]}}]\n"
+     "    allow: [{group: x}]\n    rules: [{verbs: [get]}]\n",
+     'spec.identity.issuers[0].oidc.issuer: must be an https:// URL (got "http://dex")'),
+    ("  identity:\n    issuers: [{oidc: {issuer: 'https://dex'}}]\n"
+     "    allow: [{group: x}]\n    rules: [{verbs: [get]}]\n",
+     'missing required field "audiences" in spec.identity.issuers[0].oidc'),
+    ("  identity:\n    issuers: [{kubernetes: {}, oidc: {issuer: 'https://d', audiences: [a]}}]\n"
+     "    allow: [{group: x}]\n    rules: [{verbs: [get]}]\n",
+     'an issuer is exactly one of "kubernetes: {}" or "oidc: {...}"'),
+    ("  identity:\n    issuers: [{kubernetes: {}}, {kubernetes: {}}]\n"
+     "    allow: [{group: x}]\n    rules: [{verbs: [get]}]\n",
+     'spec.identity.issuers: "kubernetes" is listed twice'),
+    ("  identity:\n    allow: [{group: x}]\n    rules: [{verbs: [get]}]\n    sar: true\n",
+     'unknown field "sar" in spec.identity'),
+])
+def test_errors_say_where(tmp_path: Path, body: str, expected: str) -> None:
+    errors = errors_of(tmp_path, body)
+    assert any(expected in e for e in errors), errors
+
+
+SA_CLAIMS = {"iss": "https://kubernetes.default.svc.cluster.local",
+             "sub": "system:serviceaccount:ops:op",
+             "kubernetes.io": {"namespace": "ops", "serviceaccount": {"name": "op", "uid": "u1"}}}
+
+
+def test_service_account_claims() -> None:
+    identity = identity_from_claims(Issuer(kind=KUBERNETES), "https://k", SA_CLAIMS)
+    assert identity == Identity(
+        user="system:serviceaccount:ops:op", uid="u1", source="serviceaccount",
+        groups=("system:serviceaccounts", "system:serviceaccounts:ops", "system:authenticated"))
+
+
+@pytest.mark.parametrize("claims", [
+    {"sub": "alice"},
+    {"sub": "system:serviceaccount:ops"},
+    {**SA_CLAIMS, "kubernetes.io": {"namespace": "other",
+                                    "serviceaccount": {"name": "op", "uid": "u1"}}},
+])
+def test_service_account_claims_that_name_nobody(claims: dict[str, object]) -> None:
+    assert identity_from_claims(Issuer(kind=KUBERNETES), "https://k", claims) is None
+
+
+@pytest.mark.parametrize(("issuer", "claims", "user", "groups"), [
+    (Issuer(kind="oidc", url="https://dex"), {"sub": "123"}, "https://dex#123",
+     ("system:authenticated",)),
+    (Issuer(kind="oidc", url="https://dex", username_claim="email"),
+     {"sub": "1", "email": "a@b.c"}, "a@b.c", ("system:authenticated",)),
+    (Issuer(kind="oidc", url="https://dex", username_prefix="dex:", groups_claim="groups",
+            groups_prefix="dex:"), {"sub": "1", "groups": ["ops", 7, "dev"]}, "dex:1",
+     ("dex:ops", "dex:dev", "system:authenticated")),
+    (Issuer(kind="oidc", url="https://dex", username_prefix="-", groups_claim="groups"),
+     {"sub": "1", "groups": "ops"}, "1", ("ops", "system:authenticated")),
+])
+def test_oidc_claims(issuer: Issuer, claims: dict[str, object], user: str,
+                     groups: tuple[str, ...]) -> None:
+    identity = identity_from_claims(issuer, issuer.url, claims)
+    assert identity is not None
+    assert (identity.user, identity.groups, identity.source) == (user, groups, "oidc")
+
+
+def test_unverified_email_names_nobody() -> None:
+    issuer = Issuer(kind="oidc", url="https://dex", username_claim="email")
+    assert identity_from_claims(issuer, "https://dex",
+                                {"email": "a@b.c", "email_verified": False}) is None
+
+
+def test_kubernetes_audiences() -> None:
+    default = Issuer(kind=KUBERNETES)
+    assert default.audience_ok(("https://issuer",), "https://issuer")
+    assert default.audience_ok(("x", "https://kubernetes.default.svc"), "https://issuer")
+    assert not default.audience_ok(("vault",), "https://issuer")
+    assert Issuer(kind=KUBERNETES, audiences=("vault",)).audience_ok(("vault",), "https://i")
+
+
+def test_the_example_policy_is_valid() -> None:
+    example = Path(__file__).resolve().parents[2] / "policies" / "examples" / "identity.yaml"
+    assert check([str(example)], parsers=PARSERS) == []
