@@ -4,7 +4,9 @@ Starts a real etcd + kube-apiserver (the test harness), Redis when a ``redis-ser
 there (else in-process buckets, said on screen), opgate with ``policies/demo``, and the sample
 operator behind it with its ServiceAccount token. It creates a few Widgets, then keeps one of
 them noisy (its spec changes several times a second) so that its writes get throttled while the
-quiet ones are not. Every call opgate relays is printed as it happens. Ctrl-C stops everything.
+quiet ones are not; another ServiceAccount calls now and then and is denied by the identity
+policy; a fault turns a few status writes into conflicts. Every call opgate handles is printed
+as it happens. Ctrl-C stops everything.
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ NAMESPACE = "opgate-demo"
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "reconciler"
 
-_COLOURS = {"allowed": "32", "throttled": "33", "denied": "31", "error": "31", "dryrun": "36"}
+_COLOURS = {"allowed": "32", "throttled": "33", "denied": "31", "unauthorized": "31",
+            "error": "31", "fault": "35"}
 
 
 def _paint(text: str, decision: str) -> str:
@@ -70,7 +73,8 @@ def _line(entry: dict[str, Any]) -> str:
         target = f"{target}/{entry['subresource']}"
     where = "/".join(str(entry[k]) for k in ("namespace", "name") if entry.get(k))
     text = (f"{entry.get('time', '')[11:23]} {decision.upper():<9} {entry.get('code', ''):>3} "
-            f"{entry.get('verb', ''):<6} {target:<31} {where:<24} {entry.get('duration_ms', '')}ms")
+            f"{entry.get('verb', ''):<6} {target:<31} {where:<24} {entry.get('duration_ms', '')}ms"
+            f"  {str(entry.get('user', '')).removeprefix('system:serviceaccount:')}")
     return _paint(text, decision)
 
 
@@ -102,6 +106,16 @@ def _noisy(cluster: LocalCluster, stop: threading.Event) -> None:
             cluster.call("PATCH", f"/apis/demo.opgate.dev/v1/namespaces/{NAMESPACE}/widgets/"
                          "widget-1", body={"spec": {"data": {"tick": str(n)}}},
                          content_type="application/merge-patch+json")
+
+
+def _intruder(url: str, token: str, stop: threading.Event) -> None:
+    """Another ServiceAccount with a valid token (and RBAC to read ConfigMaps) tries its luck
+    every few seconds: opgate's identity policy answers 403 before the apiserver sees it."""
+    request = urllib.request.Request(f"{url}/api/v1/namespaces/{NAMESPACE}/configmaps",
+                                     headers={"Authorization": f"Bearer {token}"})
+    while not stop.wait(3.0):
+        with contextlib.suppress(OSError):
+            urllib.request.urlopen(request, timeout=5).close()
 
 
 def run_demo(*, policies: str, widgets: int, duration: float) -> int:
@@ -136,13 +150,23 @@ def run_demo(*, policies: str, widgets: int, duration: float) -> int:
         cluster.install_crd((EXAMPLE / "widget-crd.yaml").read_text())
         token = cluster.token_request(NAMESPACE, "sample-operator", audiences=None,
                                       expiration_seconds=3600)
+        cluster.create_service_account_with_rbac(NAMESPACE, "intruder", [
+            {"apiGroups": [""], "resources": ["configmaps"], "verbs": ["get", "list"]}])
+        intruder = cluster.token_request(NAMESPACE, "intruder", audiences=None,
+                                         expiration_seconds=3600)
+        # opgate's own identity upstream: discovery, JWKS, TokenReview (never sent for a
+        # client that brings its own token)
+        own_token = work / "opgate.token"
+        own_token.write_text(cluster.admin_token)
+        own_token.chmod(0o600)
 
         api_port, admin_port = free_port(), free_port()
         opgate = Proc("opgate", [sys.executable, "-m", "proxy", "serve",
                                  "--upstream", cluster.url, "--upstream-ca", cluster.ca_file,
                                  "--listen", f"127.0.0.1:{api_port}",
                                  "--admin-listen", f"127.0.0.1:{admin_port}",
-                                 "--policies", str(policies_path), *redis_args],
+                                 "--policies", str(policies_path), "--token-file", str(own_token),
+                                 *redis_args],
                       log=work / "opgate.log", cwd=ROOT)
         opgate.start()
         procs.append(opgate)
@@ -173,6 +197,9 @@ def run_demo(*, policies: str, widgets: int, duration: float) -> int:
             cluster.apply(_widget(f"widget-{i}", colors[i % len(colors)]))
         _say(f"created {widgets} Widgets; widget-1 is noisy and will be throttled")
         threading.Thread(target=_noisy, args=(cluster, stop), daemon=True).start()
+        threading.Thread(target=_intruder, args=(f"http://127.0.0.1:{api_port}", intruder, stop),
+                         daemon=True).start()
+        _say("the ServiceAccount opgate-demo/intruder calls every 3 s and is denied")
 
         interrupted = threading.Event()
         signal.signal(signal.SIGINT, lambda *_: interrupted.set())

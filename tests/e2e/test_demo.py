@@ -23,5 +23,6 @@ def test_demo_runs_and_stops_cleanly() -> None:
     assert "opgate admin" in out and "/debug/policies" in out
     assert "ALLOWED" in out
     assert "THROTTLED 429" in out  # the noisy widget's writes hit its per-instance budget
+    assert "DENIED    403" in out and "opgate-demo:intruder" in out  # the identity policy
     assert "stopped everything" in out
     assert "Traceback" not in out
