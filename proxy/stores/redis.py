@@ -45,15 +45,37 @@ WARM_CONNECTIONS = 4
 _FIELDS = 5  # per-key values in the script's reply
 
 
+_TLS_QUERY = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile")
+
+
+def _tls_options(url: str) -> tuple[str, dict[str, str]]:
+    """Take ``ssl_ca_certs``, ``ssl_certfile`` and ``ssl_keyfile`` out of a ``rediss://`` URL's
+    query (redis-py does not read them from a URL) and return them as client arguments, so that
+    a CA and a client certificate mounted from a Secret can be named in the URL alone."""
+    parts = urlsplit(url)
+    if not parts.query:
+        return url, {}
+    kept, tls = [], {}
+    for pair in parts.query.split("&"):
+        name, _, value = pair.partition("=")
+        if name in _TLS_QUERY:
+            tls[name] = unquote(value)
+        else:
+            kept.append(pair)
+    return parts._replace(query="&".join(kept)).geturl(), tls
+
+
 def connect(url: str, *, password: str | None = None, timeout: float = 0.05) -> tuple[Any, bool]:
     """A redis-py asyncio client for ``url`` and whether it is a Cluster client.
 
     ``password`` is used when the URL carries none. Clients never retry by themselves (the
     breaker does), and every socket operation is bounded by ``timeout``.
     """
+    url, tls = _tls_options(url)
     parts = urlsplit(url)
     scheme = parts.scheme.lower()
     common: dict[str, Any] = {
+        **tls,
         "socket_timeout": timeout,
         "socket_connect_timeout": timeout,
         "retry": Retry(NoBackoff(), 0),
