@@ -1,0 +1,289 @@
+"""The fast relay: the same engine contract as :class:`proxy.relay.handler.Relay`, less machinery.
+
+Per call: ``parse_request_info`` → :class:`RequestContext` → ``chain.entry`` → relay over a
+pooled upstream connection → ``chain.exit``, with one task per call and no coroutine per body
+chunk: bodies flow by protocol callbacks (client → upstream through ``Request.attach``,
+upstream → client through :class:`~proxy.relay.fast.exchange.Exchange`), with backpressure by
+``pause_reading`` on the feeding transport whenever the other one's write buffer is full.
+
+Not served here (answered ``501``, connection closed): upgrades (exec, attach, port-forward),
+which stay with the aiohttp relay. A stale pooled connection that fails before any response
+byte is retried once on a fresh one when the request body can be sent again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import time
+from functools import partial
+from typing import Any
+from urllib.parse import unquote
+
+import httptools
+from multidict import CIMultiDict, CIMultiDictProxy
+
+from proxy.engine import telemetry
+from proxy.engine.chain import Chain
+from proxy.engine.context import RequestContext
+from proxy.engine.requestinfo import parse_request_info
+from proxy.engine.status import StatusError, internal_error
+from proxy.relay import errors
+from proxy.relay.fast.exchange import Exchange
+from proxy.relay.fast.server import Request, serve
+from proxy.relay.fast.upstream import UpstreamConnection, UpstreamPool
+from proxy.relay.fast.wire import connection_tokens, request_head, status_line
+from proxy.relay.handler import CLIENT_GONE, EXIT_HOOK_TIMEOUT, PolicyStoreLike, RelaySettings
+from proxy.relay.handler import _body_predicate as body_predicate
+from proxy.relay.session import Endpoint, TokenSource, make_ssl_context
+from proxy.relay.upstream import UpstreamConfig
+
+__all__ = ["FastRelay"]
+
+log = logging.getLogger("opgate.relay")
+
+_CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+_LAST_CHUNK = b"0\r\n\r\n"
+_trace_prefix = os.urandom(4).hex() + "-f"
+_trace_counter = itertools.count(1)
+
+
+def not_in_fast_path() -> StatusError:
+    return StatusError(501, "opgate: upgrade requests are not served by the fast path",
+                       "NotImplemented")
+
+
+class FastRelay:
+    """Relays non-upgrade API calls to one upstream through one middleware chain."""
+
+    def __init__(
+        self,
+        *,
+        upstream: UpstreamConfig,
+        chain: Chain,
+        policies: PolicyStoreLike,
+        settings: RelaySettings | None = None,
+    ) -> None:
+        settings = settings or RelaySettings()
+        endpoint = Endpoint.from_config(upstream, make_ssl_context(upstream))
+        self.settings = settings
+        self.pool = UpstreamPool(
+            host=endpoint.host, port=endpoint.port, tls=endpoint.tls,
+            server_hostname=endpoint.server_name, connect_timeout=settings.connect_timeout,
+        )
+        self._base = endpoint.base
+        self._host = endpoint.host_header.encode("latin-1")
+        self._prefix = endpoint.prefix.encode("latin-1")
+        self._chain = chain
+        self._policies = policies
+        self._token = TokenSource(token=upstream.token, token_file=upstream.token_file)
+        self._has_after_hooks = any(
+            getattr(m, "exit", None) or getattr(m, "retry", None) for m in chain.middlewares
+        )
+        self._wants_body = body_predicate(chain) if chain.needs_body else None
+        self._background: set[asyncio.Task[None]] = set()
+        self._upstream_hist: dict[str, Any] = {}
+
+    async def serve(self, *, host: str, port: int, reuse_port: bool = False) -> asyncio.Server:
+        return await serve(self.handle, host=host, port=port, reuse_port=reuse_port)
+
+    async def close(self) -> None:
+        if self._background:
+            await asyncio.wait(self._background, timeout=EXIT_HOOK_TIMEOUT)
+        self.pool.close()
+
+    # --- one call ----------------------------------------------------------------------
+    async def handle(self, req: Request) -> None:
+        url = req.url
+        cut = url.find(b"?")
+        raw_path = url if cut < 0 else url[:cut]
+        query = "" if cut < 0 else url[cut + 1 :].decode("latin-1")
+        path = raw_path.decode("latin-1")
+        if "%" in path:
+            path = unquote(path)
+        method = req.method.decode("ascii")
+        ctx = RequestContext(
+            info=parse_request_info(method, path, query),
+            method=method,
+            path=path,
+            query=query,
+            headers=CIMultiDictProxy(CIMultiDict(
+                [(n.decode("latin-1"), v.decode("latin-1")) for n, v in req.headers]
+            )),
+            policies=self._policies.current,  # type: ignore[arg-type]
+            trace_id=f"{_trace_prefix}{next(_trace_counter):x}",
+        )
+        watch = ctx.info.verb == "watch"
+        telemetry.INFLIGHT.inc()
+        if watch:
+            telemetry.WATCHES_OPEN.inc()
+        try:
+            await self._serve(req, ctx)
+        except asyncio.CancelledError:  # the client has gone
+            ctx.status_code = ctx.status_code or CLIENT_GONE
+            ctx.error = ctx.error or "client went away"
+            ctx.finished = time.monotonic()
+            if self._has_after_hooks:
+                self._exit_later(ctx)
+            raise
+        finally:
+            telemetry.INFLIGHT.dec()
+            if watch:
+                telemetry.WATCHES_OPEN.dec()
+        ctx.finished = time.monotonic()
+        if self._has_after_hooks:
+            req.cancellable = False
+            await self._chain.exit(ctx)
+
+    async def _serve(self, req: Request, ctx: RequestContext) -> None:
+        try:
+            if req.upgrade:
+                self._answer(req, ctx, not_in_fast_path(), close=True)
+                return
+            if req.has_body and self._wants_body is not None and self._wants_body(ctx):
+                if req.expect_continue:
+                    req.conn.write(_CONTINUE)
+                limit = self.settings.max_body_bytes
+                body = await req.read_all(limit)
+                if body is None:
+                    raise errors.Answer(errors.too_large(limit), close=True)
+                ctx.body = body
+            denied = await self._chain.entry(ctx)
+            if denied is not None:
+                self._answer(req, ctx, denied)
+                return
+            await self._relay(req, ctx)
+        except errors.Answer as answer:
+            self._answer(req, ctx, answer.status, close=answer.close)
+        except Exception as e:
+            log.exception("fast relay failed (%s %s, trace %s)", ctx.method, ctx.path, ctx.trace_id)
+            ctx.error = f"internal error: {type(e).__name__}"
+            if ctx.status_code:  # the head went out: cut the response short
+                req.conn.abort()
+            else:
+                self._answer(req, ctx, internal_error("opgate: internal error; see the opgate log"),
+                             close=True)
+        finally:
+            ctx.bytes_in = len(ctx.body) if ctx.body is not None else req.bytes_in
+
+    def _answer(
+        self, req: Request, ctx: RequestContext, status: StatusError, *, close: bool = False
+    ) -> None:
+        body = status.body()
+        ctx.status_code = status.code
+        ctx.bytes_out = len(body)
+        lines = [status_line(status.code)]
+        for name, value in (*status.response_headers(), *ctx.response_headers):
+            lines.append(f"{name}: {value}\r\n".encode("latin-1"))
+        if close or not req.keep_alive:
+            lines.append(b"Connection: close\r\n")
+            req.keep_alive = False
+        lines.append(b"Content-Length: %d\r\n\r\n" % len(body))
+        req.conn.write(b"".join(lines) + body)
+
+    def _head(self, req: Request, ctx: RequestContext) -> bytes:
+        if ctx.body is not None:
+            framing = b"Content-Length: %d\r\n" % len(ctx.body)
+        elif req.chunked:
+            framing = b"Transfer-Encoding: chunked\r\n"
+        elif req.content_length is not None:
+            framing = b"Content-Length: " + req.content_length + b"\r\n"
+        else:
+            framing = b""
+        client_auth = any(n.lower() == b"authorization" for n, _ in req.headers)
+        auth = None if client_auth else self._token.authorization()
+        allowed = ctx.allow_impersonation or bool(
+            getattr(ctx.policies, "allow_impersonation", False)
+        )
+        head, impersonating = request_head(
+            method=req.method, target=self._prefix + req.url, host=self._host,
+            headers=req.headers, named=connection_tokens(req.headers),
+            drop=ctx.drop_request_headers, allow_impersonation=allowed,
+            authorization=auth.encode("latin-1") if auth else None, framing=framing,
+        )
+        if impersonating:
+            log.info("%s client impersonation headers (trace %s)",
+                     "forwarding" if allowed else "stripped", ctx.trace_id)
+        return head + (ctx.body or b"")
+
+    async def _relay(self, req: Request, ctx: RequestContext) -> None:
+        client = req.conn
+        data = self._head(req, ctx)
+        streaming = req.has_body and ctx.body is None
+        long_running = ctx.info.is_long_running
+        head_only = req.method == b"HEAD"
+        for attempt in (0, 1):
+            try:
+                conn, reused = await self.pool.acquire()
+            except (OSError, TimeoutError) as e:
+                raise errors.upstream_failed(e, ctx, self._base) from e
+            exchange = Exchange(
+                client, extra=ctx.response_headers, defer_head=not long_running,
+                head_only=head_only, http11=req.http11, keep_alive=req.keep_alive,
+            )
+            started = time.monotonic()
+            client.flow = conn
+            conn.flow = client
+            conn.send(exchange, data, head_only=head_only, streaming=streaming)
+            if streaming:
+                if req.expect_continue:
+                    client.write(_CONTINUE)
+                if req.chunked:
+                    req.attach(partial(_write_chunk, conn), partial(_end_body, conn, _LAST_CHUNK))
+                else:
+                    req.attach(conn.write, partial(_end_body, conn, b""))
+            exchange.arm(self.settings.header_timeout)
+            try:
+                try:
+                    await exchange.head
+                except (OSError, TimeoutError, httptools.HttpParserError) as e:
+                    conn.close()
+                    if attempt == 0 and reused and not streaming and not conn.received \
+                            and not isinstance(e, TimeoutError):
+                        continue  # a stale keep-alive connection: once more on a fresh one
+                    raise errors.upstream_failed(e, ctx, self._base) from e
+                ctx.status_code = exchange.status
+                ctx.upstream_seconds = time.monotonic() - started
+                self._observe_upstream(ctx.info.verb, ctx.upstream_seconds)
+                complete = await exchange.done
+            except BaseException:
+                conn.close()
+                raise
+            finally:
+                ctx.bytes_out = exchange.sent
+            if exchange.close_client:
+                req.keep_alive = False
+            if not complete:
+                assert exchange.error is not None
+                errors.stream_broke(exchange.error, ctx, idle=False)
+                client.abort()
+            return
+
+    def _observe_upstream(self, verb: str, seconds: float) -> None:
+        child = self._upstream_hist.get(verb)
+        if child is None:
+            child = self._upstream_hist[verb] = telemetry.UPSTREAM_DURATION.labels(verb)
+        child.observe(seconds)
+
+    def _exit_later(self, ctx: RequestContext) -> None:
+        task = asyncio.get_running_loop().create_task(self._bounded_exit(ctx))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _bounded_exit(self, ctx: RequestContext) -> None:
+        try:
+            await asyncio.wait_for(self._chain.exit(ctx), EXIT_HOOK_TIMEOUT)
+        except Exception:
+            log.exception("exit hooks failed for a cancelled call (trace %s)", ctx.trace_id)
+
+
+def _write_chunk(conn: UpstreamConnection, chunk: bytes) -> None:
+    conn.write(b"%x\r\n%b\r\n" % (len(chunk), chunk))
+
+
+def _end_body(conn: UpstreamConnection, tail: bytes) -> None:
+    if tail:
+        conn.write(tail)
+    conn.body_pending = False

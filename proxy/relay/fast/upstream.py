@@ -1,0 +1,236 @@
+"""The upstream side of the fast relay: a keep-alive pool of ``asyncio.Protocol`` connections.
+
+An :class:`UpstreamConnection` parses responses with httptools and calls the :class:`Exchange`
+it is lent to (head, each body chunk as it arrives, end, or loss): no stream reader, no
+coroutine per chunk. A connection goes back to the pool after a complete response the upstream
+did not ask to close; anything else closes it. ``pause_writing``/``resume_writing`` pause and
+resume whatever feeds its request body (``flow``: the client transport).
+
+The pool is LIFO (the warmest connection first), unbounded in size like the aiohttp relay's
+(``limit=0``), keeps at most ``max_idle`` idle connections, and drops idle ones older than
+``keepalive`` seconds when it meets them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+from typing import Protocol, cast
+
+import httptools
+
+from proxy.relay.fast.server import Flow
+from proxy.relay.fast.wire import Headers
+
+__all__ = ["Exchange", "UpstreamConnection", "UpstreamPool"]
+
+WRITE_HIGH_WATER = 64 * 1024
+
+
+class Exchange(Protocol):
+    """Receives one upstream response."""
+
+    def on_head(
+        self, status: int, reason: bytes, headers: Headers, *, length: bytes | None, chunked: bool
+    ) -> None: ...
+    def on_body(self, chunk: bytes) -> None: ...
+    def on_complete(self) -> None: ...
+    def on_lost(self, exc: BaseException) -> None: ...
+
+
+class UpstreamConnection(asyncio.Protocol):
+    """One connection to the upstream, lent to one exchange at a time."""
+
+    def __init__(self, pool: UpstreamPool) -> None:
+        self._pool = pool
+        self._parser = httptools.HttpResponseParser(self)
+        self.transport: asyncio.Transport | None = None
+        self.exchange: Exchange | None = None
+        self.flow: Flow | None = None
+        self.closed = False
+        self.idle_since = 0.0
+        self.head_only = False  # the request was HEAD: no body follows the head
+        self.received = False  # any byte of the current response
+        self._reason = b""
+        self._headers: Headers = []
+        self._until_close = False  # a body framed by the end of the connection
+        self._keep = True
+        self.body_pending = False  # a streamed request body is still being sent
+
+    def send(
+        self, exchange: Exchange, data: bytes, *, head_only: bool = False, streaming: bool = False
+    ) -> None:
+        self.exchange, self.head_only, self.received = exchange, head_only, False
+        self.body_pending, self._until_close = streaming, False
+        assert self.transport is not None
+        self.transport.write(data)
+
+    def write(self, data: bytes) -> None:
+        if self.transport is not None and not self.closed:
+            self.transport.write(data)
+
+    def close(self) -> None:
+        if not self.closed and self.transport is not None:
+            self.transport.close()
+        self.closed = True
+        self.exchange = None
+
+    def pause_reading(self) -> None:
+        if self.transport is not None and not self.closed:
+            self.transport.pause_reading()
+
+    def resume_reading(self) -> None:
+        if self.transport is not None and not self.closed:
+            self.transport.resume_reading()
+
+    # --- asyncio.Protocol ----------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's is no asyncio.Transport
+        self.transport.set_write_buffer_limits(high=WRITE_HIGH_WATER)
+
+    def data_received(self, data: bytes) -> None:
+        if self.exchange is None:  # nothing asked: a stray byte makes the connection unusable
+            self.close()
+            return
+        self.received = True
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserError as e:
+            exchange = self.exchange
+            self.close()
+            if exchange is not None:
+                exchange.on_lost(e)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self._pool.discard(self)
+        exchange, self.exchange = self.exchange, None
+        if exchange is None:
+            return
+        if self._until_close and exc is None:
+            exchange.on_complete()
+        else:
+            exchange.on_lost(exc or ConnectionResetError("the upstream closed the connection"))
+
+    def pause_writing(self) -> None:
+        if self.flow is not None:
+            self.flow.pause_reading()
+
+    def resume_writing(self) -> None:
+        if self.flow is not None:
+            self.flow.resume_reading()
+
+    # --- httptools callbacks -------------------------------------------------------
+    def on_message_begin(self) -> None:
+        self._headers = []
+        self._reason = b""
+
+    def on_status(self, reason: bytes) -> None:
+        self._reason += reason
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._headers.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        status = self._parser.get_status_code()
+        if 100 <= status < 200:
+            return  # interim (100 Continue): the real response follows
+        self._keep = self._parser.should_keep_alive()
+        length: bytes | None = None
+        chunked = False
+        for name, value in self._headers:
+            low = name.lower()
+            if low == b"content-length":
+                length = value.strip()
+            elif low == b"transfer-encoding":
+                chunked = b"chunked" in value.lower()
+        no_body = self.head_only or status in (204, 304)
+        self._until_close = not (chunked or length is not None or no_body)
+        exchange = self.exchange
+        if exchange is not None:
+            exchange.on_head(status, self._reason, self._headers, length=length,
+                             chunked=chunked and not no_body)
+        if self.head_only:  # httptools cannot skip a HEAD's announced body: finish, do not reuse
+            self.exchange = None
+            self.close()
+            if exchange is not None:
+                exchange.on_complete()
+
+    def on_body(self, body: bytes) -> None:
+        if self.exchange is not None:
+            self.exchange.on_body(body)
+
+    def on_message_complete(self) -> None:
+        if 100 <= self._parser.get_status_code() < 200:
+            return
+        exchange, self.exchange = self.exchange, None
+        self.flow = None
+        if self._keep and not (self._until_close or self.closed or self.body_pending):
+            self._pool.release(self)
+        else:
+            self.close()
+        if exchange is not None:
+            exchange.on_complete()
+
+
+class UpstreamPool:
+    """Keep-alive connections to one ``host:port`` (TLS when ``tls`` is set)."""
+
+    def __init__(
+        self,
+        *,
+        host: str,
+        port: int,
+        tls: ssl.SSLContext | None,
+        server_hostname: str | None,
+        connect_timeout: float,
+        keepalive: float = 30.0,
+        max_idle: int = 64,
+    ) -> None:
+        self._host, self._port, self._tls = host, port, tls
+        self._server_hostname = server_hostname
+        self._connect_timeout = connect_timeout or None
+        self._keepalive = keepalive
+        self._max_idle = max_idle
+        self._idle: list[UpstreamConnection] = []
+        self._all: set[UpstreamConnection] = set()
+        self.opened = 0  # connections ever opened (for tests and benchmarks)
+
+    async def acquire(self) -> tuple[UpstreamConnection, bool]:
+        """A connection and whether it was reused from the pool."""
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        idle = self._idle
+        while idle:
+            conn = idle.pop()
+            if conn.closed:
+                continue
+            if now - conn.idle_since > self._keepalive:
+                conn.close()
+                continue
+            return conn, True
+        tls = self._tls
+        async with asyncio.timeout(self._connect_timeout):
+            _, conn = await loop.create_connection(
+                lambda: UpstreamConnection(self), self._host, self._port, ssl=tls,
+                server_hostname=(self._server_hostname or self._host) if tls else None,
+            )
+        self.opened += 1
+        self._all.add(conn)
+        return conn, False
+
+    def release(self, conn: UpstreamConnection) -> None:
+        if len(self._idle) >= self._max_idle:
+            conn.close()
+            return
+        conn.idle_since = asyncio.get_running_loop().time()
+        self._idle.append(conn)
+
+    def discard(self, conn: UpstreamConnection) -> None:
+        self._all.discard(conn)
+
+    def close(self) -> None:
+        for conn in list(self._all):
+            conn.close()
+        self._idle.clear()
+        self._all.clear()

@@ -1,0 +1,121 @@
+"""HTTP/1.1 heads as bytes: header hygiene both ways and the serialised request/response heads.
+
+The same rules as :mod:`proxy.relay.headers` (RFC 9110 §7.6.1 hop-by-hop headers, every name
+listed in ``Connection``, ``Proxy-*``; upwards also ``Host``/``Expect``, ``Opgate-*``,
+``Impersonate-*`` unless allowed, and the names middlewares dropped), but over the plain
+``(name, value)`` byte pairs httptools hands out, so a relayed call never builds a multidict on
+the way through. Framing headers (``Content-Length``, ``Transfer-Encoding``) are decided by the
+relay and appended by the callers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable
+from http import HTTPStatus
+
+__all__ = [
+    "Headers",
+    "connection_tokens",
+    "request_head",
+    "response_head",
+    "status_line",
+]
+
+Headers = list[tuple[bytes, bytes]]
+
+_HOP = frozenset(
+    {b"connection", b"keep-alive", b"proxy-connection", b"te", b"trailer",
+     b"transfer-encoding", b"upgrade"}
+)
+_REQUEST_DROP = _HOP | {b"host", b"expect"}
+_DROP_PREFIXES = (b"proxy-", b"opgate-")
+_IMPERSONATE = b"impersonate-"
+_NOTHING: frozenset[bytes] = frozenset()
+_LINES: dict[int, bytes] = {}
+
+
+def status_line(code: int, reason: bytes = b"") -> bytes:
+    """``HTTP/1.1 <code> <reason>\\r\\n`` (the standard phrase when ``reason`` is empty)."""
+    if reason:
+        return b"HTTP/1.1 %d %s\r\n" % (code, reason)
+    line = _LINES.get(code)
+    if line is None:
+        try:
+            phrase = HTTPStatus(code).phrase.encode()
+        except ValueError:
+            phrase = b"Unknown"
+        line = _LINES[code] = b"HTTP/1.1 %d %s\r\n" % (code, phrase)
+    return line
+
+
+def connection_tokens(headers: Headers) -> frozenset[bytes]:
+    """Lower-case names listed in every ``Connection`` header."""
+    found: set[bytes] | None = None
+    for name, value in headers:
+        if len(name) == 10 and name.lower() == b"connection":
+            found = found or set()
+            found.update(t.strip().lower() for t in value.split(b",") if t.strip())
+    return frozenset(found) if found else _NOTHING
+
+
+def request_head(
+    *,
+    method: bytes,
+    target: bytes,
+    host: bytes,
+    headers: Headers,
+    named: frozenset[bytes],
+    drop: Collection[str],
+    allow_impersonation: bool,
+    authorization: bytes | None,
+    framing: bytes,
+) -> tuple[bytes, bool]:
+    """The upstream request head, and whether the client sent any ``Impersonate-*`` header.
+
+    ``named`` are the client's ``Connection`` tokens, ``drop`` the lower-case ``str`` names the
+    middlewares removed, ``framing`` the ``Content-Length``/``Transfer-Encoding`` line(s).
+    """
+    parts = [method, b" ", target, b" HTTP/1.1\r\nHost: ", host, b"\r\n"]
+    dropped = {d.encode("latin-1") for d in drop} if drop else _NOTHING
+    impersonating = False
+    for name, value in headers:
+        low = name.lower()
+        if low in _REQUEST_DROP or low.startswith(_DROP_PREFIXES) or low == b"content-length":
+            continue
+        if low.startswith(_IMPERSONATE):
+            impersonating = True
+            if not allow_impersonation:
+                continue
+        if (named and low in named) or (dropped and low in dropped):
+            continue
+        if authorization is not None and low == b"authorization":
+            continue
+        parts += (name, b": ", value, b"\r\n")
+    if authorization is not None:
+        parts += (b"Authorization: ", authorization, b"\r\n")
+    parts += (framing, b"\r\n")
+    return b"".join(parts), impersonating
+
+
+def response_head(
+    *,
+    status: int,
+    reason: bytes,
+    headers: Headers,
+    extra: Iterable[tuple[str, str]],
+    framing: bytes,
+) -> bytes:
+    """The client response head: the upstream's end-to-end headers, ``extra``, ``framing``."""
+    named = connection_tokens(headers)
+    parts = [status_line(status, reason)]
+    for name, value in headers:
+        low = name.lower()
+        if low in _HOP or low.startswith(b"proxy-") or low == b"content-length":
+            continue
+        if named and low in named:
+            continue
+        parts += (name, b": ", value, b"\r\n")
+    for name_s, value_s in extra:
+        parts += (name_s.encode("latin-1"), b": ", value_s.encode("latin-1"), b"\r\n")
+    parts += (framing, b"\r\n")
+    return b"".join(parts)

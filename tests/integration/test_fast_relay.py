@@ -1,0 +1,367 @@
+"""The fast relay (proxy/relay/fast): bodies, framing, watches, disconnects, errors, headers, pool.
+
+Each test runs a fake upstream from tests/integration/fakes.py and the fast relay on 127.0.0.1
+in this process; the client is aiohttp, or raw sockets where exact bytes matter.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import socket
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from proxy.engine.chain import Chain
+from proxy.engine.context import RequestContext
+from proxy.relay import RelaySettings, UpstreamConfig
+from proxy.relay.fast import FastRelay
+from tests.integration.fakes import (
+    AiohttpUpstream,
+    Policies,
+    RawUpstream,
+    ok_handler,
+    read_head,
+    wait_closed,
+)
+
+
+@contextlib.asynccontextmanager
+async def fast_proxy(
+    upstream_url: str,
+    *,
+    middlewares: tuple[object, ...] = (),
+    settings: RelaySettings | None = None,
+    **upstream: Any,
+) -> AsyncIterator[tuple[FastRelay, str]]:
+    relay = FastRelay(
+        upstream=UpstreamConfig(url=upstream_url, **upstream),
+        chain=Chain(middlewares),
+        policies=Policies(),
+        settings=settings,
+    )
+    server = await relay.serve(host="127.0.0.1", port=0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        yield relay, f"http://127.0.0.1:{port}"
+    finally:
+        server.close()
+        await relay.close()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def client() -> aiohttp.ClientSession:
+    return aiohttp.ClientSession(
+        auto_decompress=False, skip_auto_headers=("Accept", "Accept-Encoding", "User-Agent")
+    )
+
+
+async def raw_exchange(url: str, request: bytes) -> bytes:
+    """Send ``request`` on a fresh connection; read until the relay closes it."""
+    host, port = url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(request)
+    data = await asyncio.wait_for(reader.read(-1), 5)
+    writer.close()
+    return data
+
+
+async def echo(request: web.BaseRequest) -> web.StreamResponse:
+    body = await request.read()
+    return web.Response(body=body, content_type="application/octet-stream")
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("chunked", [False, True])
+async def test_bodies_are_byte_exact_both_ways(chunked: bool) -> None:
+    payload = os.urandom(900_017)  # the aiohttp upstream reads at most 1 MiB
+    up = await AiohttpUpstream(echo).start()
+
+    async def pieces() -> AsyncIterator[bytes]:
+        for i in range(0, len(payload), 100_000):
+            yield payload[i : i + 100_000]
+
+    try:
+        async with fast_proxy(up.url) as (_, url), client() as c:
+            data: Any = pieces() if chunked else payload
+            async with c.post(url + "/api/v1/namespaces/a/configmaps", data=data) as r:
+                assert r.status == 200
+                assert await r.read() == payload
+            async with c.get(url + "/api/v1/namespaces/a/configmaps/x") as r:
+                assert r.status == 200
+    finally:
+        await up.close()
+    seen = up.seen[0]
+    assert seen.body == payload
+    if chunked:
+        assert seen.headers["Transfer-Encoding"] == "chunked"
+        assert "Content-Length" not in seen.headers
+    else:
+        assert seen.headers["Content-Length"] == str(len(payload))
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("framing", ["length", "chunked"])
+async def test_response_framing_is_preserved(framing: str) -> None:
+    async def handler(request: web.BaseRequest) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "application/json"})
+        if framing == "length":
+            resp.content_length = 10
+        await resp.prepare(request)
+        await resp.write(b"01234")
+        await resp.write(b"56789")
+        await resp.write_eof()
+        return resp
+
+    up = await AiohttpUpstream(handler).start()
+    try:
+        async with fast_proxy(up.url) as (_, url):
+            raw = await raw_exchange(
+                url, b"GET /api/v1/pods HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+            )
+    finally:
+        await up.close()
+    head, _, body = raw.partition(b"\r\n\r\n")
+    lines = head.lower().split(b"\r\n")
+    if framing == "length":
+        assert b"content-length: 10" in lines and body == b"0123456789"
+    else:
+        assert b"transfer-encoding: chunked" in lines
+        assert body.endswith(b"0\r\n\r\n") and b"01234" in body and b"56789" in body
+
+
+@pytest.mark.asyncio
+async def test_head_request_keeps_length_and_sends_no_body() -> None:
+    up = await AiohttpUpstream(ok_handler).start()
+    try:
+        async with fast_proxy(up.url) as (_, url), client() as c:
+            for _ in range(2):
+                async with c.head(url + "/api/v1/namespaces/a/pods/b") as r:
+                    assert r.status == 200
+                    assert r.headers["Content-Length"] == "15"
+                    assert await r.read() == b""
+    finally:
+        await up.close()
+
+
+async def watch_upstream(events: int, gap: float, sent: list[float]) -> RawUpstream:
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_head(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                     b"Transfer-Encoding: chunked\r\n\r\n")
+        await writer.drain()
+        for i in range(events):
+            await asyncio.sleep(gap)
+            event = b'{"type":"ADDED","object":{"n":%d}}\n' % i
+            sent.append(asyncio.get_running_loop().time())
+            writer.write(b"%x\r\n%b\r\n" % (len(event), event))
+            await writer.drain()
+        await wait_closed(reader)
+
+    return await RawUpstream(serve).start()
+
+
+@pytest.mark.asyncio
+async def test_watch_events_arrive_one_by_one() -> None:
+    sent: list[float] = []
+    up = await watch_upstream(3, 0.3, sent)
+    loop = asyncio.get_running_loop()
+    try:
+        async with fast_proxy(up.url) as (_, url), client() as c:
+            async with c.get(url + "/api/v1/namespaces/a/pods?watch=true") as r:
+                assert r.status == 200
+                for i in range(3):
+                    line = await asyncio.wait_for(r.content.readline(), 5)
+                    assert line == b'{"type":"ADDED","object":{"n":%d}}\n' % i
+                    assert loop.time() - sent[i] < 0.2  # not held back for the next one
+    finally:
+        await up.close()
+
+
+@pytest.mark.asyncio
+async def test_client_disconnect_closes_upstream_within_a_second() -> None:
+    sent: list[float] = []
+    up = await watch_upstream(1000, 0.2, sent)
+    loop = asyncio.get_running_loop()
+    try:
+        async with fast_proxy(up.url) as (_, url):
+            host, port = url.removeprefix("http://").split(":")
+            reader, writer = await asyncio.open_connection(host, int(port))
+            writer.write(b"GET /api/v1/pods?watch=1 HTTP/1.1\r\nHost: x\r\n\r\n")
+            await asyncio.wait_for(reader.readuntil(b"ADDED"), 5)
+            left = loop.time()
+            writer.close()
+            closed_at = await asyncio.wait_for(up.closed.get(), 2)
+            assert closed_at - left < 1.0
+    finally:
+        await up.close()
+
+
+@pytest.mark.asyncio
+async def test_unreachable_upstream_is_503_status() -> None:
+    async with fast_proxy(f"http://127.0.0.1:{free_port()}") as (_, url), client() as c:
+        async with c.get(url + "/api/v1/pods") as r:
+            assert r.status == 503
+            body = await r.json()
+    assert body["kind"] == "Status" and body["reason"] == "ServiceUnavailable"
+
+
+@pytest.mark.asyncio
+async def test_header_timeout_is_504_status() -> None:
+    async def stall(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_head(reader)
+        await wait_closed(reader)
+
+    up = await RawUpstream(stall).start()
+    try:
+        settings = RelaySettings(header_timeout=0.3)
+        async with fast_proxy(up.url, settings=settings) as (_, url), client() as c:
+            async with c.get(url + "/api/v1/pods") as r:
+                assert r.status == 504
+                body = await r.json()
+            closed = await asyncio.wait_for(up.closed.get(), 2)  # the stalled one is dropped
+            assert closed > 0
+    finally:
+        await up.close()
+    assert body["kind"] == "Status" and body["reason"] == "Timeout"
+
+
+@pytest.mark.asyncio
+async def test_hop_by_hop_and_private_headers_are_removed_both_ways() -> None:
+    async def handler(request: web.BaseRequest) -> web.StreamResponse:
+        return web.Response(body=b"{}", headers={
+            "Connection": "X-Up-Private", "X-Up-Private": "1", "Keep-Alive": "timeout=5",
+            "Proxy-Thing": "1", "Warning": '299 - "kept"', "Audit-Id": "abc",
+        })
+
+    up = await AiohttpUpstream(handler).start()
+    try:
+        async with fast_proxy(up.url) as (_, url), client() as c:
+            headers = {"Connection": "X-Private", "X-Private": "1", "Keep-Alive": "300",
+                       "TE": "trailers", "Proxy-Authorization": "x", "Opgate-Instance": "a/b/c",
+                       "Impersonate-User": "admin", "X-Kept": "yes"}
+            async with c.get(url + "/api/v1/pods", headers=headers) as r:
+                assert r.status == 200
+                got = r.headers
+    finally:
+        await up.close()
+    seen = up.seen[0].headers
+    for name in ("X-Private", "Keep-Alive", "TE", "Proxy-Authorization", "Opgate-Instance",
+                 "Impersonate-User"):
+        assert name not in seen, name
+    assert seen["X-Kept"] == "yes"
+    for name in ("X-Up-Private", "Keep-Alive", "Proxy-Thing"):
+        assert name not in got, name
+    assert got["Warning"] == '299 - "kept"' and got["Audit-Id"] == "abc"
+
+
+@pytest.mark.asyncio
+async def test_token_added_only_when_the_client_sent_none() -> None:
+    up = await AiohttpUpstream(ok_handler).start()
+    try:
+        async with fast_proxy(up.url, token="opgate-token") as (_, url), client() as c:
+            async with c.get(url + "/api/v1/pods") as r:
+                assert r.status == 200
+            async with c.get(url + "/api/v1/pods", headers={"Authorization": "Bearer mine"}) as r:
+                assert r.status == 200
+    finally:
+        await up.close()
+    assert up.seen[0].headers.getall("Authorization") == ["Bearer opgate-token"]
+    assert up.seen[1].headers.getall("Authorization") == ["Bearer mine"]
+
+
+@pytest.mark.asyncio
+async def test_keep_alive_reuses_upstream_connections() -> None:
+    up = await AiohttpUpstream(ok_handler).start()
+    conn = aiohttp.TCPConnector(limit=1)
+    try:
+        async with fast_proxy(up.url) as (relay, url), aiohttp.ClientSession(connector=conn) as c:
+            for _ in range(50):
+                async with c.get(url + "/api/v1/namespaces/a/pods/b") as r:
+                    assert await r.read() == b'{"kind":"Fine"}'
+            assert relay.pool.opened <= 2
+    finally:
+        await up.close()
+
+
+class _Deny:
+    name, needs_body, fail_open = "deny", False, False
+
+    async def entry(self, ctx: RequestContext) -> object:
+        from proxy.engine.context import Deny
+        from proxy.engine.status import forbidden
+
+        ctx.response_headers.append(("X-Opgate", "seen"))
+        return Deny(forbidden("no")) if ctx.info.verb == "delete" else None
+
+
+@pytest.mark.asyncio
+async def test_chain_deny_and_response_headers() -> None:
+    up = await AiohttpUpstream(ok_handler).start()
+    try:
+        async with fast_proxy(up.url, middlewares=(_Deny(),)) as (_, url), client() as c:
+            async with c.get(url + "/api/v1/namespaces/a/pods/b") as r:
+                assert r.status == 200 and r.headers["X-Opgate"] == "seen"
+            async with c.delete(url + "/api/v1/namespaces/a/pods/b") as r:
+                assert r.status == 403 and r.headers["X-Opgate"] == "seen"
+                assert (await r.json())["reason"] == "Forbidden"
+    finally:
+        await up.close()
+    assert len(up.seen) == 1
+
+
+@pytest.mark.asyncio
+async def test_upgrade_is_refused_with_501() -> None:
+    up = await AiohttpUpstream(ok_handler).start()
+    try:
+        async with fast_proxy(up.url) as (_, url):
+            raw = await raw_exchange(url, b"POST /api/v1/namespaces/a/pods/b/exec HTTP/1.1\r\n"
+                                          b"Host: x\r\nConnection: Upgrade\r\n"
+                                          b"Upgrade: SPDY/3.1\r\n\r\n")
+    finally:
+        await up.close()
+    assert raw.startswith(b"HTTP/1.1 501 ")
+    assert not up.seen
+
+
+@pytest.mark.asyncio
+async def test_slow_client_pauses_the_upstream() -> None:
+    block = os.urandom(64 * 1024)
+    written = [0]
+
+    async def flood(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_head(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % (800 * len(block)))
+        for _ in range(800):  # 50 MiB
+            writer.write(block)
+            await writer.drain()
+            written[0] += len(block)
+        await wait_closed(reader)
+
+    up = await RawUpstream(flood).start()
+    try:
+        async with fast_proxy(up.url) as (_, url):
+            host, port = url.removeprefix("http://").split(":")
+            reader, writer = await asyncio.open_connection(host, int(port), limit=2**16)
+            writer.write(b"GET /api/v1/pods HTTP/1.1\r\nHost: x\r\n\r\n")
+            await asyncio.sleep(1.0)  # read nothing: the relay must stop reading upstream
+            assert written[0] < 16 * 1024 * 1024
+            total = 0
+            while total < 800 * len(block):
+                chunk = await asyncio.wait_for(reader.read(2**20), 5)
+                assert chunk
+                total += len(chunk)
+            writer.close()
+    finally:
+        await up.close()
+    assert total >= 800 * len(block)
