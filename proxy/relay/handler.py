@@ -20,7 +20,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 import aiohttp
 from aiohttp import web
@@ -33,6 +33,7 @@ from proxy.engine.context import RequestContext
 from proxy.engine.requestinfo import parse_request_info
 from proxy.engine.status import StatusError, internal_error
 from proxy.relay import errors, tunnel
+from proxy.relay.aftercare import Aftercare
 from proxy.relay.errors import read_body
 from proxy.relay.headers import for_upstream, is_upgrade_request, response_headers
 from proxy.relay.response import BufferedRelayResponse, RelayResponse, pump, send_status
@@ -43,7 +44,6 @@ __all__ = ["PolicyStoreLike", "Relay", "RelaySettings"]
 
 log = logging.getLogger("opgate.relay")
 
-EXIT_HOOK_TIMEOUT = 10.0  # bound for exit hooks that run after the client went away
 CLIENT_GONE = 499  # status recorded for a call whose client left before any response
 
 
@@ -117,8 +117,7 @@ class Relay:
             sock_read=settings.watch_idle_timeout or None,
         )
         self._header_timeout = settings.header_timeout or None
-        self._background: set[asyncio.Task[None]] = set()
-        self._upstream_hist: dict[str, Any] = {}
+        self._after = Aftercare(chain)
 
     async def start(self) -> None:
         if self._session is None:
@@ -127,8 +126,7 @@ class Relay:
             )
 
     async def close(self) -> None:
-        if self._background:
-            await asyncio.wait(self._background, timeout=EXIT_HOOK_TIMEOUT)
+        await self._after.drain()
         if self._session is not None:
             await self._session.close()
             self._session = None
@@ -161,7 +159,7 @@ class Relay:
             ctx.error = ctx.error or "client went away"
             ctx.finished = time.monotonic()
             if self._has_after_hooks:
-                self._exit_later(ctx)
+                self._after.exit_later(ctx)
             raise
         finally:
             telemetry.INFLIGHT.dec()
@@ -288,22 +286,8 @@ class Relay:
         return resp
 
     def observe_upstream(self, verb: str, seconds: float) -> None:
-        """Record the time until the upstream's response headers (one histogram child per verb)."""
-        child = self._upstream_hist.get(verb)
-        if child is None:
-            child = self._upstream_hist[verb] = telemetry.UPSTREAM_DURATION.labels(verb)
-        child.observe(seconds)
-
-    def _exit_later(self, ctx: RequestContext) -> None:
-        task = asyncio.get_running_loop().create_task(self._bounded_exit(ctx))
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-
-    async def _bounded_exit(self, ctx: RequestContext) -> None:
-        try:
-            await asyncio.wait_for(self._chain.exit(ctx), EXIT_HOOK_TIMEOUT)
-        except Exception:
-            log.exception("exit hooks failed for a cancelled call (trace %s)", ctx.trace_id)
+        """Record the time until the upstream's response headers (the tunnel uses it too)."""
+        self._after.observe_upstream(verb, seconds)
 
     # --- used by the tunnel and the admin listener -------------------------------------
 

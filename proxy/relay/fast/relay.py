@@ -19,7 +19,6 @@ import logging
 import os
 import time
 from functools import partial
-from typing import Any
 from urllib.parse import unquote
 
 import httptools
@@ -31,11 +30,12 @@ from proxy.engine.context import RequestContext
 from proxy.engine.requestinfo import parse_request_info
 from proxy.engine.status import StatusError, internal_error
 from proxy.relay import errors
+from proxy.relay.aftercare import Aftercare
 from proxy.relay.fast.exchange import Exchange
 from proxy.relay.fast.server import Request, serve
 from proxy.relay.fast.upstream import UpstreamConnection, UpstreamPool
 from proxy.relay.fast.wire import connection_tokens, request_head, status_line
-from proxy.relay.handler import CLIENT_GONE, EXIT_HOOK_TIMEOUT, PolicyStoreLike, RelaySettings
+from proxy.relay.handler import CLIENT_GONE, PolicyStoreLike, RelaySettings
 from proxy.relay.handler import _body_predicate as body_predicate
 from proxy.relay.session import Endpoint, TokenSource, make_ssl_context
 from proxy.relay.upstream import UpstreamConfig
@@ -83,15 +83,13 @@ class FastRelay:
             getattr(m, "exit", None) or getattr(m, "retry", None) for m in chain.middlewares
         )
         self._wants_body = body_predicate(chain) if chain.needs_body else None
-        self._background: set[asyncio.Task[None]] = set()
-        self._upstream_hist: dict[str, Any] = {}
+        self._after = Aftercare(chain)
 
     async def serve(self, *, host: str, port: int, reuse_port: bool = False) -> asyncio.Server:
         return await serve(self.handle, host=host, port=port, reuse_port=reuse_port)
 
     async def close(self) -> None:
-        if self._background:
-            await asyncio.wait(self._background, timeout=EXIT_HOOK_TIMEOUT)
+        await self._after.drain()
         self.pool.close()
 
     # --- one call ----------------------------------------------------------------------
@@ -126,7 +124,7 @@ class FastRelay:
             ctx.error = ctx.error or "client went away"
             ctx.finished = time.monotonic()
             if self._has_after_hooks:
-                self._exit_later(ctx)
+                self._after.exit_later(ctx)
             raise
         finally:
             telemetry.INFLIGHT.dec()
@@ -246,7 +244,7 @@ class FastRelay:
                     raise errors.upstream_failed(e, ctx, self._base) from e
                 ctx.status_code = exchange.status
                 ctx.upstream_seconds = time.monotonic() - started
-                self._observe_upstream(ctx.info.verb, ctx.upstream_seconds)
+                self._after.observe_upstream(ctx.info.verb, ctx.upstream_seconds)
                 complete = await exchange.done
             except BaseException:
                 conn.close()
@@ -261,22 +259,6 @@ class FastRelay:
                 client.abort()
             return
 
-    def _observe_upstream(self, verb: str, seconds: float) -> None:
-        child = self._upstream_hist.get(verb)
-        if child is None:
-            child = self._upstream_hist[verb] = telemetry.UPSTREAM_DURATION.labels(verb)
-        child.observe(seconds)
-
-    def _exit_later(self, ctx: RequestContext) -> None:
-        task = asyncio.get_running_loop().create_task(self._bounded_exit(ctx))
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-
-    async def _bounded_exit(self, ctx: RequestContext) -> None:
-        try:
-            await asyncio.wait_for(self._chain.exit(ctx), EXIT_HOOK_TIMEOUT)
-        except Exception:
-            log.exception("exit hooks failed for a cancelled call (trace %s)", ctx.trace_id)
 
 
 def _write_chunk(conn: UpstreamConnection, chunk: bytes) -> None:
