@@ -1,13 +1,15 @@
-"""What every relay does around a finished call, in one place: time the upstream, and run the
-exit hooks of a call whose client went away, in the background and bounded, so metrics still
-count it (the handler itself was cancelled with the client).
+"""What every relay does around a call, in one place: keep the in-flight and open-watch gauges,
+time the upstream, and run the exit hooks of a call whose client went away, in the background
+and bounded, so metrics still count it (the handler itself was cancelled with the client).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+import time
+from collections.abc import Awaitable
+from typing import Any, TypeVar
 
 from proxy.engine import telemetry
 from proxy.engine.chain import Chain
@@ -16,13 +18,43 @@ from proxy.engine.context import RequestContext
 log = logging.getLogger("opgate.relay")
 
 EXIT_HOOK_TIMEOUT = 10.0  # bound for exit hooks that run after the client went away
+CLIENT_GONE = 499  # status recorded for a call whose client left before any response
+
+T = TypeVar("T")
 
 
 class Aftercare:
     def __init__(self, chain: Chain) -> None:
         self._chain = chain
+        self.has_hooks = any(
+            getattr(m, "exit", None) or getattr(m, "retry", None) for m in chain.middlewares
+        )
         self._background: set[asyncio.Task[None]] = set()
         self._upstream_hist: dict[str, Any] = {}
+
+    async def track(self, ctx: RequestContext, call: Awaitable[T]) -> T:
+        """Await ``call`` counted in the gauges; if it is cancelled (the client went away),
+        record that and run the exit hooks in the background. Sets ``ctx.finished``; the caller
+        runs the exit hooks of a call that completed."""
+        watch = ctx.info.verb == "watch"
+        telemetry.INFLIGHT.inc()
+        if watch:
+            telemetry.WATCHES_OPEN.inc()
+        try:
+            result = await call
+        except BaseException:  # cancelled: the client has gone
+            ctx.status_code = ctx.status_code or CLIENT_GONE
+            ctx.error = ctx.error or "client went away"
+            ctx.finished = time.monotonic()
+            if self.has_hooks:
+                self.exit_later(ctx)
+            raise
+        finally:
+            telemetry.INFLIGHT.dec()
+            if watch:
+                telemetry.WATCHES_OPEN.dec()
+        ctx.finished = time.monotonic()
+        return result
 
     def observe_upstream(self, verb: str, seconds: float) -> None:
         """Record the time until the upstream's response headers (one histogram child per verb)."""

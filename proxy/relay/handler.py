@@ -27,13 +27,12 @@ from aiohttp import web
 from multidict import CIMultiDict
 from yarl import URL
 
-from proxy.engine import telemetry
 from proxy.engine.chain import Chain
 from proxy.engine.context import RequestContext
 from proxy.engine.requestinfo import parse_request_info
 from proxy.engine.status import StatusError, internal_error
 from proxy.relay import errors, tunnel
-from proxy.relay.aftercare import Aftercare
+from proxy.relay.aftercare import CLIENT_GONE, Aftercare
 from proxy.relay.errors import read_body
 from proxy.relay.headers import for_upstream, is_upgrade_request, response_headers
 from proxy.relay.response import BufferedRelayResponse, RelayResponse, pump, send_status
@@ -44,7 +43,6 @@ __all__ = ["PolicyStoreLike", "Relay", "RelaySettings"]
 
 log = logging.getLogger("opgate.relay")
 
-CLIENT_GONE = 499  # status recorded for a call whose client left before any response
 
 
 class PolicyStoreLike(Protocol):
@@ -104,9 +102,6 @@ class Relay:
         self._endpoint = Endpoint.from_config(upstream, make_ssl_context(upstream))
         self._token = TokenSource(token=upstream.token, token_file=upstream.token_file)
         self._session: aiohttp.ClientSession | None = None
-        self._has_after_hooks = any(
-            getattr(m, "exit", None) or getattr(m, "retry", None) for m in chain.middlewares
-        )
         self._wants_body = _body_predicate(chain) if chain.needs_body else None
         self._timeout = aiohttp.ClientTimeout(
             total=settings.request_timeout or None, sock_connect=settings.connect_timeout or None
@@ -148,25 +143,8 @@ class Relay:
             policies=self._policies.current,  # type: ignore[arg-type]
             trace_id=f"{_trace_prefix}{next(_trace_counter):x}",
         )
-        watch = ctx.info.verb == "watch"
-        telemetry.INFLIGHT.inc()
-        if watch:
-            telemetry.WATCHES_OPEN.inc()
-        try:
-            resp = await self._serve(request, ctx)
-        except BaseException:  # cancelled: the client has gone
-            ctx.status_code = ctx.status_code or CLIENT_GONE
-            ctx.error = ctx.error or "client went away"
-            ctx.finished = time.monotonic()
-            if self._has_after_hooks:
-                self._after.exit_later(ctx)
-            raise
-        finally:
-            telemetry.INFLIGHT.dec()
-            if watch:
-                telemetry.WATCHES_OPEN.dec()
-        ctx.finished = time.monotonic()
-        if self._has_after_hooks:
+        resp = await self._after.track(ctx, self._serve(request, ctx))
+        if self._after.has_hooks:
             # shielded: a client that leaves now must not cut the hooks short
             await asyncio.shield(self._chain.exit(ctx))
         return resp

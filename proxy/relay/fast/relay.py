@@ -24,7 +24,6 @@ from urllib.parse import unquote
 import httptools
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from proxy.engine import telemetry
 from proxy.engine.chain import Chain
 from proxy.engine.context import RequestContext
 from proxy.engine.requestinfo import parse_request_info
@@ -35,7 +34,7 @@ from proxy.relay.fast.exchange import Exchange
 from proxy.relay.fast.server import Request, serve
 from proxy.relay.fast.upstream import UpstreamConnection, UpstreamPool
 from proxy.relay.fast.wire import connection_tokens, request_head, status_line
-from proxy.relay.handler import CLIENT_GONE, PolicyStoreLike, RelaySettings
+from proxy.relay.handler import PolicyStoreLike, RelaySettings
 from proxy.relay.handler import _body_predicate as body_predicate
 from proxy.relay.session import Endpoint, TokenSource, make_ssl_context
 from proxy.relay.upstream import UpstreamConfig
@@ -79,9 +78,6 @@ class FastRelay:
         self._chain = chain
         self._policies = policies
         self._token = TokenSource(token=upstream.token, token_file=upstream.token_file)
-        self._has_after_hooks = any(
-            getattr(m, "exit", None) or getattr(m, "retry", None) for m in chain.middlewares
-        )
         self._wants_body = body_predicate(chain) if chain.needs_body else None
         self._after = Aftercare(chain)
 
@@ -113,25 +109,8 @@ class FastRelay:
             policies=self._policies.current,  # type: ignore[arg-type]
             trace_id=f"{_trace_prefix}{next(_trace_counter):x}",
         )
-        watch = ctx.info.verb == "watch"
-        telemetry.INFLIGHT.inc()
-        if watch:
-            telemetry.WATCHES_OPEN.inc()
-        try:
-            await self._serve(req, ctx)
-        except asyncio.CancelledError:  # the client has gone
-            ctx.status_code = ctx.status_code or CLIENT_GONE
-            ctx.error = ctx.error or "client went away"
-            ctx.finished = time.monotonic()
-            if self._has_after_hooks:
-                self._after.exit_later(ctx)
-            raise
-        finally:
-            telemetry.INFLIGHT.dec()
-            if watch:
-                telemetry.WATCHES_OPEN.dec()
-        ctx.finished = time.monotonic()
-        if self._has_after_hooks:
+        await self._after.track(ctx, self._serve(req, ctx))
+        if self._after.has_hooks:
             req.cancellable = False
             await self._chain.exit(ctx)
 
