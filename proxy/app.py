@@ -34,7 +34,7 @@ from proxy.engine.schema import SectionParser
 from proxy.middlewares import faults, identity, ratelimit
 from proxy.middlewares.accesslog import AccessLog, AccessWriter
 from proxy.middlewares.metrics import Metrics
-from proxy.relay import Relay, RelaySettings, resolve_upstream, serve_api
+from proxy.relay import FastRelay, Relay, RelaySettings, resolve_upstream, serve_api
 from proxy.relay.authn import UpstreamAuthenticator
 from proxy.relay.informer import InformerPool
 from proxy.relay.upstream import UpstreamConfigError
@@ -138,7 +138,8 @@ async def _serve(settings: Settings, *, reuse_port: bool, parent_fd: int | None)
     # who calls, then what may be injected, then how fast; metrics and the log see the outcome
     chain = Chain([identity.IdentityCheck(authenticator=authn), faults.Faults(),
                    ratelimit.RateLimit(store=buckets, overrides=informers), *after])
-    relay = Relay(upstream=upstream, chain=chain, policies=store, settings=RelaySettings(
+    relay_class = FastRelay if settings.runtime.relay == "fast" else Relay
+    relay = relay_class(upstream=upstream, chain=chain, policies=store, settings=RelaySettings(
         connect_timeout=up.connect_timeout, header_timeout=up.header_timeout,
         request_timeout=up.request_timeout, watch_idle_timeout=up.watch_idle_timeout))
     await relay.start()
@@ -173,10 +174,11 @@ async def _serve(settings: Settings, *, reuse_port: bool, parent_fd: int | None)
             listen=settings.listen.admin_listen)
         if settings.policies.paths:
             tasks.append(asyncio.create_task(watch_policies(store), name="policy-watch"))
-        log.info("serving the Kubernetes API on %s -> %s; admin on %s; policies %s; loop %s",
-                 listener.address, upstream.url, bound_address(admin),
+        log.info("serving the Kubernetes API on %s -> %s; admin on %s; policies %s; loop %s; "
+                 "relay %s", listener.address, upstream.url, bound_address(admin),
                  ", ".join(settings.policies.paths) or "(none)",
-                 type(asyncio.get_running_loop()).__module__.split(".")[0])
+                 type(asyncio.get_running_loop()).__module__.split(".")[0],
+                 settings.runtime.relay)
         await _until_signalled(parent_fd)
         log.info("shutting down")
     finally:

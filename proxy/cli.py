@@ -26,6 +26,7 @@ from proxy.settings import (
 
 _TRUE = {"1", "true", "yes", "on"}
 LOOPS = ("auto", "asyncio", "uvloop")
+RELAYS = ("fast", "aiohttp")
 
 
 def worker_count(text: str) -> int:
@@ -45,6 +46,13 @@ def loop_name(text: str) -> str:
     name = text.strip().lower()
     if name not in LOOPS:
         raise argparse.ArgumentTypeError(f"expected one of {', '.join(LOOPS)}, got {text!r}")
+    return name
+
+
+def relay_name(text: str) -> str:
+    name = text.strip().lower()
+    if name not in RELAYS:
+        raise argparse.ArgumentTypeError(f"expected one of {', '.join(RELAYS)}, got {text!r}")
     return name
 
 
@@ -141,6 +149,8 @@ def build_parser() -> argparse.ArgumentParser:
          "auto: one per CPU; more than 1 needs --redis-url and a TCP --listen")
     _add(g, "--loop", kind=loop_name, default="auto", metavar="|".join(LOOPS),
          help="event loop: auto is uvloop when it is installed, else asyncio")
+    _add(g, "--relay", kind=relay_name, default="fast", metavar="|".join(RELAYS),
+         help="relay core: fast (asyncio protocols + httptools) or aiohttp (client + server)")
     g = serve.add_argument_group("logging")
     _add(g, "--log-level", default="info", metavar="LEVEL",
          help="debug, info, warning or error")
@@ -177,7 +187,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
                                     replicas=args.replicas,
                                     redis_password_file=args.redis_password_file),
         log=LogSettings(level=args.log_level, access_log=not args.no_access_log),
-        runtime=RuntimeSettings(workers=args.workers, loop=args.loop),
+        runtime=RuntimeSettings(workers=args.workers, loop=args.loop, relay=args.relay),
     )
 
 

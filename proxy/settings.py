@@ -55,6 +55,7 @@ class LogSettings:
 class RuntimeSettings:
     workers: int = 1  # > 1: a supervisor process and this many worker processes
     loop: str = "auto"  # auto (uvloop when importable) | asyncio | uvloop
+    relay: str = "fast"  # fast (asyncio protocols + httptools) | aiohttp
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,8 +1,10 @@
 """The API listener: TCP (v4/v6), a Unix socket, or TLS with a certificate reloaded in place.
 
-It uses aiohttp's low-level ``web.Server`` (no router, no access log: the audit and metrics
-middlewares see every call) with ``handler_cancellation=True``, so a client that disconnects
-cancels its handler at once and the relay closes the upstream stream. With TLS, the certificate
+For the fast relay it is the relay's own :class:`~proxy.relay.fast.server.FastServer` (asyncio
+protocols, httptools). For the aiohttp relay it is aiohttp's low-level ``web.Server`` (no
+router, no access log: the audit and metrics middlewares see every call) with
+``handler_cancellation=True``. Either way a client that disconnects cancels its handler at once
+and the relay closes the upstream stream. With TLS, the certificate
 and key files are polled every few seconds and loaded into the same ``SSLContext`` when they
 change (cert-manager renewals, Secret updates); new handshakes get the new pair, open
 connections keep theirs, and a bad pair keeps the old one and is logged.
@@ -15,9 +17,11 @@ import contextlib
 import logging
 import os
 import ssl
+from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
+from proxy.relay.fast import FastRelay
 from proxy.relay.handler import Relay
 from proxy.relay.session import MAX_HEADER_LINE
 
@@ -50,21 +54,21 @@ class Listener:
 
     def __init__(
         self,
-        runner: web.ServerRunner,
+        stop: Callable[[], Awaitable[None]],
         address: str,
         *,
         unix_path: str | None,
         reloader: _CertReloader | None,
     ) -> None:
         self.address = address
-        self._runner = runner
+        self._stop = stop
         self._unix_path = unix_path
         self._reloader = reloader
 
     async def close(self) -> None:
         if self._reloader is not None:
             await self._reloader.stop()
-        await self._runner.cleanup()
+        await self._stop()
         if self._unix_path is not None:
             with contextlib.suppress(OSError):
                 os.unlink(self._unix_path)
@@ -114,8 +118,12 @@ def server_tls_context(cert: str, key: str) -> ssl.SSLContext:
     return ctx
 
 
+def _address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 async def serve_api(
-    relay: Relay,
+    relay: Relay | FastRelay,
     *,
     listen: str = "127.0.0.1:8001",
     tls_cert: str | None = None,
@@ -123,11 +131,44 @@ async def serve_api(
     reuse_port: bool = False,
     shutdown_timeout: float = 10.0,
 ) -> Listener:
-    """Start serving ``relay.handle``; the relay must be started (``await relay.start()``)."""
+    """Start serving ``relay.handle``; the relay must be started (``await relay.start()``).
+
+    On close, the server stops accepting, and calls in flight get ``shutdown_timeout`` seconds
+    to finish (the fast relay ends long-running calls such as watches at once: clients resume
+    them from their last resourceVersion)."""
     where = parse_listen(listen)
     if bool(tls_cert) != bool(tls_key):
         raise ValueError("TLS needs both a certificate and a key file")
     ctx = server_tls_context(tls_cert, tls_key) if tls_cert and tls_key else None
+    if isinstance(relay, FastRelay):
+        fast = relay.server()
+        if isinstance(where, str):
+            await fast.listen_unix(where, tls=ctx)
+            address = f"unix:{where}"
+        else:
+            bound = await fast.listen_tcp(where[0], where[1], tls=ctx, reuse_port=reuse_port)
+            address = _address(*bound[0])
+
+        async def stop_fast() -> None:
+            await fast.close(shutdown_timeout)
+
+        stop: Callable[[], Awaitable[None]] = stop_fast
+    else:
+        stop, address = await _serve_aiohttp(relay, where, ctx, reuse_port, shutdown_timeout)
+    reloader = _CertReloader(ctx, tls_cert, tls_key) if ctx and tls_cert and tls_key else None
+    log.info("API listener on %s%s", address, " (TLS)" if ctx else "")
+    return Listener(
+        stop, address, unix_path=where if isinstance(where, str) else None, reloader=reloader
+    )
+
+
+async def _serve_aiohttp(
+    relay: Relay,
+    where: tuple[str, int] | str,
+    ctx: ssl.SSLContext | None,
+    reuse_port: bool,
+    shutdown_timeout: float,
+) -> tuple[Callable[[], Awaitable[None]], str]:
     server = web.Server(
         relay.handle,
         handler_cancellation=True,
@@ -154,10 +195,5 @@ async def serve_api(
     if isinstance(where, str):
         address = f"unix:{where}"
     else:
-        host, port = runner.addresses[0][:2]
-        address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-    reloader = _CertReloader(ctx, tls_cert, tls_key) if ctx and tls_cert and tls_key else None
-    log.info("API listener on %s%s", address, " (TLS)" if ctx else "")
-    return Listener(
-        runner, address, unix_path=where if isinstance(where, str) else None, reloader=reloader
-    )
+        address = _address(*runner.addresses[0][:2])
+    return runner.cleanup, address

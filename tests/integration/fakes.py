@@ -20,7 +20,7 @@ from typing import Any
 from aiohttp import web
 
 from proxy.engine.chain import Chain
-from proxy.relay import Listener, Relay, RelaySettings, UpstreamConfig, serve_api
+from proxy.relay import FastRelay, Listener, Relay, RelaySettings, UpstreamConfig, serve_api
 
 try:
     from proxy.engine.policies import EMPTY as EMPTY_POLICIES
@@ -142,9 +142,13 @@ async def wait_closed(reader: asyncio.StreamReader) -> None:
         pass
 
 
+RELAYS = ("fast", "aiohttp")
+default_relay = "fast"  # set per test by the ``each_relay`` fixture (tests/integration/conftest.py)
+
+
 @dataclass
 class Proxy:
-    relay: Relay
+    relay: Relay | FastRelay
     listener: Listener
     url: str
 
@@ -159,9 +163,11 @@ async def running_proxy(
     listen: str = "127.0.0.1:0",
     tls_cert: str | None = None,
     tls_key: str | None = None,
+    relay_kind: str | None = None,
     **upstream: Any,
 ) -> AsyncIterator[Proxy]:
-    relay = Relay(
+    relay_class = FastRelay if (relay_kind or default_relay) == "fast" else Relay
+    relay = relay_class(
         upstream=UpstreamConfig(url=upstream_url, **upstream),
         chain=Chain(middlewares),
         policies=policies or Policies(),

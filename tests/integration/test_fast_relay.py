@@ -1,7 +1,9 @@
-"""The fast relay (proxy/relay/fast): bodies, framing, watches, disconnects, errors, headers, pool.
+"""The fast relay (proxy/relay/fast): bodies, framing, watches, disconnects, errors, headers, pool,
+and what only its own server has to do (request limits, keep-alive expiry, graceful shutdown).
 
 Each test runs a fake upstream from tests/integration/fakes.py and the fast relay on 127.0.0.1
-in this process; the client is aiohttp, or raw sockets where exact bytes matter.
+in this process; the client is aiohttp, or raw sockets where exact bytes matter. The behaviour
+both relay cores share is tested on both in tests/integration/test_relay_*.py.
 """
 
 from __future__ import annotations
@@ -17,16 +19,16 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from proxy.engine.chain import Chain
 from proxy.engine.context import RequestContext
-from proxy.relay import RelaySettings, UpstreamConfig
-from proxy.relay.fast import FastRelay
+from proxy.relay import RelaySettings, serve_api
+from proxy.relay.fast import FastRelay, server
 from tests.integration.fakes import (
     AiohttpUpstream,
     Policies,
     RawUpstream,
     ok_handler,
     read_head,
+    running_proxy,
     wait_closed,
 )
 
@@ -39,19 +41,12 @@ async def fast_proxy(
     settings: RelaySettings | None = None,
     **upstream: Any,
 ) -> AsyncIterator[tuple[FastRelay, str]]:
-    relay = FastRelay(
-        upstream=UpstreamConfig(url=upstream_url, **upstream),
-        chain=Chain(middlewares),
-        policies=Policies(),
-        settings=settings,
-    )
-    server = await relay.serve(host="127.0.0.1", port=0)
-    port = server.sockets[0].getsockname()[1]
-    try:
-        yield relay, f"http://127.0.0.1:{port}"
-    finally:
-        server.close()
-        await relay.close()
+    async with running_proxy(
+        upstream_url, middlewares=middlewares, settings=settings or RelaySettings(),
+        relay_kind="fast", **upstream,
+    ) as proxy:
+        assert isinstance(proxy.relay, FastRelay)
+        yield proxy.relay, proxy.url
 
 
 def free_port() -> int:
@@ -321,17 +316,116 @@ async def test_chain_deny_and_response_headers() -> None:
 
 
 @pytest.mark.asyncio
-async def test_upgrade_is_refused_with_501() -> None:
+@pytest.mark.parametrize(("head", "code"), [
+    (b"GET /api/v1/pods?labelSelector=" + b"a" * (70 * 1024) + b" HTTP/1.1\r\nHost: x\r\n\r\n",
+     431),
+    (b"GET /api/v1/pods HTTP/1.1\r\nHost: x\r\nX-Big: " + b"b" * (70 * 1024) + b"\r\n\r\n",
+     431),
+    (b"GET /api/v1/pods HTTP/1.1\r\nHost: x\r\n" + b"X-N: 1\r\n" * 600 + b"\r\n", 431),
+    (b"GET /api/v1/pods HTTP/1.1\r\nHost x\r\n\r\n", 400),
+])
+async def test_oversized_or_malformed_heads_get_a_status_and_are_not_relayed(
+    head: bytes, code: int
+) -> None:
+    seen: list[str] = []
+
+    async def measure(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        _, headers = await read_head(reader)
+        seen.append(headers.get("x-big", ""))
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
+        await writer.drain()
+        writer.close()
+
+    up = await RawUpstream(measure).start()
+    try:
+        async with fast_proxy(up.url) as (_, url):
+            raw = await raw_exchange(url, head)
+            # within the limits: a 60 KiB header (big OIDC tokens) is relayed whole
+            big = "t" * (60 * 1024)
+            async with client() as c, c.get(url + "/api/v1/pods", headers={"X-Big": big}) as r:
+                assert r.status == 200
+    finally:
+        await up.close()
+    assert raw.startswith(b"HTTP/1.1 %d " % code)
+    body = raw.split(b"\r\n\r\n", 1)[1]
+    assert b'"kind":"Status"' in body and b'"code":%d' % code in body
+    assert seen == [big]  # only the request within the limits reached the upstream
+
+
+@pytest.mark.asyncio
+async def test_idle_keep_alive_connection_is_closed(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(server, "KEEPALIVE", 0.3)
     up = await AiohttpUpstream(ok_handler).start()
     try:
         async with fast_proxy(up.url) as (_, url):
-            raw = await raw_exchange(url, b"POST /api/v1/namespaces/a/pods/b/exec HTTP/1.1\r\n"
-                                          b"Host: x\r\nConnection: Upgrade\r\n"
-                                          b"Upgrade: SPDY/3.1\r\n\r\n")
+            host, port = url.removeprefix("http://").split(":")
+            reader, writer = await asyncio.open_connection(host, int(port))
+            for _ in range(2):  # requests keep the connection: each one re-arms the timer
+                writer.write(b"GET /api/v1/pods HTTP/1.1\r\nHost: x\r\n\r\n")
+                status, headers = await read_head(reader)
+                await reader.readexactly(int(headers["content-length"]))
+                assert " 200 " in status
+                await asyncio.sleep(0.2)
+            started = asyncio.get_running_loop().time()
+            assert await asyncio.wait_for(reader.read(), 3) == b""  # closed by the relay
+            assert asyncio.get_running_loop().time() - started < 1.5
+            writer.close()
     finally:
         await up.close()
-    assert raw.startswith(b"HTTP/1.1 501 ")
-    assert not up.seen
+
+
+@pytest.mark.asyncio
+async def test_shutdown_finishes_calls_in_flight_and_ends_watches_at_once() -> None:
+    release = asyncio.Event()
+
+    async def handler(request: web.BaseRequest) -> web.StreamResponse:
+        if request.query.get("watch"):
+            resp = web.StreamResponse()
+            await resp.prepare(request)
+            await resp.write(b'{"type":"ADDED"}\n')
+            await asyncio.sleep(30)
+            return resp
+        await release.wait()
+        return await ok_handler(request)
+
+    up = await AiohttpUpstream(handler).start()
+    relay = FastRelay(upstream=UpstreamConfigForTest(up.url), chain=_empty_chain(),
+                      policies=Policies())
+    listener = await serve_api(relay, listen="127.0.0.1:0", shutdown_timeout=5.0)
+    url = f"http://{listener.address}"
+    try:
+        async with client() as c:
+            watch = await c.get(url + "/api/v1/pods?watch=true")
+            assert await watch.content.readline() == b'{"type":"ADDED"}\n'
+            slow = asyncio.create_task(c.get(url + "/api/v1/pods"))
+            await asyncio.sleep(0.2)
+            loop = asyncio.get_running_loop()
+            started = loop.time()
+            closing = asyncio.create_task(listener.close())
+            with pytest.raises(aiohttp.ClientPayloadError):
+                await asyncio.wait_for(watch.content.read(), 2)  # cut at once, not after 5 s
+            assert loop.time() - started < 1.5
+            release.set()
+            r = await asyncio.wait_for(slow, 5)  # the ordinary call still completes
+            assert r.status == 200 and await r.read()
+            await asyncio.wait_for(closing, 6)
+            with pytest.raises(aiohttp.ClientConnectionError):
+                await c.get(url + "/api/v1/pods")  # no longer accepting
+    finally:
+        await relay.close()
+        await up.close()
+
+
+def UpstreamConfigForTest(url: str) -> Any:
+    from proxy.relay import UpstreamConfig
+
+    return UpstreamConfig(url=url)
+
+
+def _empty_chain() -> Any:
+    from proxy.engine.chain import Chain
+
+    return Chain([])
 
 
 @pytest.mark.asyncio

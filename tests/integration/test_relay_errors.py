@@ -28,6 +28,8 @@ from tests.integration.fakes import (
     wait_closed,
 )
 
+pytestmark = pytest.mark.usefixtures("each_relay")  # every test on both relay cores
+
 
 def assert_status(body: bytes, code: int, reason: str) -> dict[str, Any]:
     status = json.loads(body)

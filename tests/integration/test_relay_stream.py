@@ -33,6 +33,8 @@ from tests.integration.fakes import (
     wait_closed,
 )
 
+pytestmark = pytest.mark.usefixtures("each_relay")  # every test on both relay cores
+
 MB = 1024 * 1024
 
 

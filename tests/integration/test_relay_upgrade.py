@@ -21,6 +21,8 @@ from tests.integration.fakes import (
     wait_closed,
 )
 
+pytestmark = pytest.mark.usefixtures("each_relay")  # every test on both relay cores
+
 PROTOCOLS = {
     "SPDY/3.1": (
         b"POST /api/v1/namespaces/a/pods/p/exec?command=sh&stdin=true&stdout=true HTTP/1.1\r\n"

@@ -15,7 +15,7 @@ SERVE_FLAGS = [
     "--upstream-ca", "--upstream-insecure", "--token-file", "--policies", "--redis-url",
     "--connect-timeout", "--header-timeout", "--request-timeout", "--watch-idle-timeout",
     "--redis-timeout", "--redis-password-file", "--replicas", "--log-level", "--no-access-log",
-    "--workers", "--loop",
+    "--workers", "--loop", "--relay",
 ]
 
 
@@ -40,6 +40,7 @@ def test_defaults_are_secure() -> None:
     ("OPGATE_NO_ACCESS_LOG", "1", lambda s: not s.log.access_log),
     ("OPGATE_WORKERS", "3", lambda s: s.runtime.workers),
     ("OPGATE_LOOP", "asyncio", lambda s: s.runtime.loop),
+    ("OPGATE_RELAY", "aiohttp", lambda s: s.runtime.relay),
 ])
 def test_environment_variables(monkeypatch: pytest.MonkeyPatch, var: str, value: str,
                                read: object) -> None:
@@ -61,8 +62,9 @@ def test_environment_variables(monkeypatch: pytest.MonkeyPatch, var: str, value:
 def test_one_worker_on_the_best_loop_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("OPGATE_WORKERS", raising=False)
     monkeypatch.delenv("OPGATE_LOOP", raising=False)
+    monkeypatch.delenv("OPGATE_RELAY", raising=False)
     s = settings_from(build_parser().parse_args(["serve"]))
-    assert (s.runtime.workers, s.runtime.loop) == (1, "auto")
+    assert (s.runtime.workers, s.runtime.loop, s.runtime.relay) == (1, "auto", "fast")
 
 
 def test_workers_auto_is_one_per_cpu() -> None:
@@ -70,7 +72,8 @@ def test_workers_auto_is_one_per_cpu() -> None:
     assert s.runtime.workers == (os.cpu_count() or 1)
 
 
-@pytest.mark.parametrize("argv", [["--workers", "0"], ["--workers", "many"], ["--loop", "trio"]])
+@pytest.mark.parametrize("argv", [["--workers", "0"], ["--workers", "many"], ["--loop", "trio"],
+                                  ["--relay", "nginx"]])
 def test_bad_process_flags_are_usage_errors(argv: list[str]) -> None:
     with pytest.raises(SystemExit) as exit_:
         build_parser().parse_args(["serve", *argv])

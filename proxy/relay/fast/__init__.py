@@ -1,13 +1,11 @@
-"""A lean relay core for ordinary (non-upgrade) calls: asyncio protocols and httptools.
+"""The default relay core: asyncio protocols and httptools, no HTTP framework on the hot path.
 
-A prototype for issue #5 (CPU per relayed call): the same engine contract as the aiohttp relay
-(:mod:`proxy.relay.handler`) without aiohttp's client and server machinery on the hot path.
-Upgrades are refused with 501 and stay with the aiohttp relay.
-
-Not used by ``opgate serve`` yet. Measured ~3x less CPU per small GET than the aiohttp relay
-(``bench/fast_compare.py``). Before it can serve: the request and idle timeouts, header size
-limits, the upgrade tunnel (or a hand-off), the Unix-socket and TLS listeners, the readiness
-probe, and a ``--relay`` switch (see the note on issue #5).
+The same engine contract as the aiohttp relay (:mod:`proxy.relay.handler`, ``--relay aiohttp``)
+with a fraction of its machinery per call: a request head is parsed into byte pairs
+(:mod:`.server`), the chain runs, the upstream head is written from those pairs (:mod:`.wire`)
+on a pooled keep-alive connection (:mod:`.upstream`), and the response flows back by protocol
+callbacks (:mod:`.exchange`) with backpressure both ways. Upgrades are tunnelled raw after the
+upstream's ``101``. ``bench/fast_compare.py`` measures the two cores side by side.
 """
 
 from proxy.relay.fast.relay import FastRelay

@@ -6,6 +6,13 @@ sent chunked to an HTTP/1.1 client (each upstream read is one chunk, so a watch 
 soon as it arrives) and close-delimited to an HTTP/1.0 one. For ordinary calls the head is held
 back and leaves with the first body bytes (one segment); a long-running call's head leaves at
 once, as clients wait for it before the first event.
+
+After an upgrade's ``101`` (``on_switch``) the head leaves at once with the upstream's
+``Connection``/``Upgrade`` headers, and every later byte is relayed raw until either side closes.
+
+Timers: ``arm`` bounds the wait for the upstream's head (504), ``limit`` the whole call (504
+before the head, the response cut short after it), ``idle`` the silence of a long-running
+response (a watch then ends cleanly, as the apiserver's own timeout ends it).
 """
 
 from __future__ import annotations
@@ -14,7 +21,7 @@ import asyncio
 from collections.abc import Iterable
 
 from proxy.relay.fast.server import ClientConnection
-from proxy.relay.fast.wire import Headers, response_head
+from proxy.relay.fast.wire import Headers, response_head, switch_head
 
 __all__ = ["Exchange"]
 
@@ -30,15 +37,19 @@ class Exchange:
         "_extra",
         "_head_only",
         "_http11",
+        "_idle",
+        "_last",
         "_pending",
         "_timer",
         "client",
         "close_client",
         "done",
         "error",
+        "expired",
         "head",
         "sent",
         "status",
+        "switched",
     )
 
     def __init__(
@@ -66,7 +77,12 @@ class Exchange:
         self._chunked = False
         self._pending = b""
         self._timer: asyncio.TimerHandle | None = None
+        self._idle = 0.0
+        self._last = 0.0
+        self.expired = False  # a timer ended it: the upstream connection is not reusable
+        self.switched = False
 
+    # --- timers ------------------------------------------------------------------------
     def arm(self, seconds: float) -> None:
         """Fail ``head`` with ``TimeoutError`` unless the upstream's head arrives in time."""
         if seconds:
@@ -74,7 +90,47 @@ class Exchange:
 
     def _timed_out(self) -> None:
         if not self.head.done():
+            self.expired = True
             self.head.set_exception(TimeoutError("no response head in time"))
+
+    def limit(self, seconds: float) -> asyncio.TimerHandle | None:
+        """End the call after ``seconds``: 504 before the head, cut short after it."""
+        if not seconds:
+            return None
+        return asyncio.get_running_loop().call_later(seconds, self._overran, seconds)
+
+    def _overran(self, seconds: float) -> None:
+        if self.done.done():
+            return
+        self.expired = True
+        self.on_lost(TimeoutError(f"request timed out after {seconds:g}s"))
+
+    def idle(self, seconds: float) -> asyncio.TimerHandle | None:
+        """End a long-running response cleanly after ``seconds`` without a byte."""
+        if not seconds:
+            return None
+        loop = asyncio.get_running_loop()
+        self._idle, self._last = seconds, loop.time()
+        return loop.call_later(seconds, self._idle_check)
+
+    def _idle_check(self) -> None:
+        if self.done.done():
+            return
+        loop = asyncio.get_running_loop()
+        left = self._last + self._idle - loop.time()
+        if left > 0:
+            loop.call_later(left, self._idle_check)
+            return
+        self.expired = True
+        if not self.head.done():
+            self.head.set_exception(TimeoutError(f"no response in {self._idle:g}s"))
+            return
+        timeout = TimeoutError(f"watch idle for {self._idle:g}s")
+        if self._chunked or self.close_client:  # an end the client reads as complete
+            self.error = timeout
+            self.on_complete()
+        else:  # a length-framed body cannot end early: cut it short
+            self.on_lost(timeout)
 
     # --- called by the upstream connection -----------------------------------------
     def on_head(
@@ -106,9 +162,22 @@ class Exchange:
             self.client.write(head)
         self.head.set_result(None)
 
+    def on_switch(self, reason: bytes, headers: Headers) -> None:
+        if self.head.done():
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+        self.status = 101
+        self.switched = True
+        self.close_client = True
+        self.client.write(switch_head(reason=reason, headers=headers, extra=self._extra))
+        self.head.set_result(None)
+
     def on_body(self, chunk: bytes) -> None:
         if not self.head.done() or self.done.done():
             return
+        if self._idle:
+            self._last = asyncio.get_running_loop().time()
         self.sent += len(chunk)
         if self._chunked:
             chunk = b"%x\r\n%b\r\n" % (len(chunk), chunk)
@@ -131,6 +200,9 @@ class Exchange:
             self._timer.cancel()
         if not self.head.done():
             self.head.set_exception(exc)
+        elif self.switched:  # either side closing ends a tunnel
+            if not self.done.done():
+                self.done.set_result(True)
         elif not self.done.done():
             self.error = exc
             if self._pending:  # the head was held back: send it, then cut the body short

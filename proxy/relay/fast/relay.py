@@ -6,14 +6,16 @@ chunk: bodies flow by protocol callbacks (client → upstream through ``Request.
 upstream → client through :class:`~proxy.relay.fast.exchange.Exchange`), with backpressure by
 ``pause_reading`` on the feeding transport whenever the other one's write buffer is full.
 
-Not served here (answered ``501``, connection closed): upgrades (exec, attach, port-forward),
-which stay with the aiohttp relay. A stale pooled connection that fails before any response
-byte is retried once on a fresh one when the request body can be sent again.
+Upgrades (exec, attach, port-forward) get an upstream connection of their own; after the
+upstream's ``101`` both connections are spliced into a raw byte tunnel (any other answer is
+relayed as a normal response and the client connection closed after it). A stale pooled
+connection that fails before any response byte is retried once on a fresh one when the request
+body can be sent again. Timeouts as :class:`~proxy.relay.handler.RelaySettings` describes them:
+connect, response head, the whole call (not for long-running calls), a watch's silence.
 """
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import logging
 import os
@@ -21,6 +23,7 @@ import time
 from functools import partial
 from urllib.parse import unquote
 
+import aiohttp
 import httptools
 from multidict import CIMultiDict, CIMultiDictProxy
 
@@ -31,12 +34,12 @@ from proxy.engine.status import StatusError, internal_error
 from proxy.relay import errors
 from proxy.relay.aftercare import Aftercare
 from proxy.relay.fast.exchange import Exchange
-from proxy.relay.fast.server import Request, serve
+from proxy.relay.fast.server import FastServer, Request
 from proxy.relay.fast.upstream import UpstreamConnection, UpstreamPool
 from proxy.relay.fast.wire import connection_tokens, request_head, status_line
 from proxy.relay.handler import PolicyStoreLike, RelaySettings
 from proxy.relay.handler import _body_predicate as body_predicate
-from proxy.relay.session import Endpoint, TokenSource, make_ssl_context
+from proxy.relay.session import Endpoint, TokenSource, make_session, make_ssl_context, probe
 from proxy.relay.upstream import UpstreamConfig
 
 __all__ = ["FastRelay"]
@@ -47,11 +50,6 @@ _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 _LAST_CHUNK = b"0\r\n\r\n"
 _trace_prefix = os.urandom(4).hex() + "-f"
 _trace_counter = itertools.count(1)
-
-
-def not_in_fast_path() -> StatusError:
-    return StatusError(501, "opgate: upgrade requests are not served by the fast path",
-                       "NotImplemented")
 
 
 class FastRelay:
@@ -67,6 +65,8 @@ class FastRelay:
     ) -> None:
         settings = settings or RelaySettings()
         endpoint = Endpoint.from_config(upstream, make_ssl_context(upstream))
+        self.upstream = upstream
+        self.endpoint = endpoint
         self.settings = settings
         self.pool = UpstreamPool(
             host=endpoint.host, port=endpoint.port, tls=endpoint.tls,
@@ -80,13 +80,30 @@ class FastRelay:
         self._token = TokenSource(token=upstream.token, token_file=upstream.token_file)
         self._wants_body = body_predicate(chain) if chain.needs_body else None
         self._after = Aftercare(chain)
+        self._probe_session: aiohttp.ClientSession | None = None
 
-    async def serve(self, *, host: str, port: int, reuse_port: bool = False) -> asyncio.Server:
-        return await serve(self.handle, host=host, port=port, reuse_port=reuse_port)
+    async def start(self) -> None:
+        """Nothing to start (connections open on demand); the same interface as ``Relay``."""
+
+    def server(self) -> FastServer:
+        """A server for this relay's calls (:func:`proxy.relay.listen.serve_api` listens)."""
+        return FastServer(self.handle)
 
     async def close(self) -> None:
         await self._after.drain()
         self.pool.close()
+        if self._probe_session is not None:
+            await self._probe_session.close()
+            self._probe_session = None
+
+    async def upstream_ready(self) -> tuple[bool, str]:
+        """Whether the apiserver answers (``/readyz``, then ``/version``), as ``Relay`` asks it:
+        over a small session of its own, opened at the first probe."""
+        if self._probe_session is None:
+            self._probe_session = make_session(
+                self.endpoint, connect_timeout=self.settings.connect_timeout
+            )
+        return await probe(self._probe_session, self.endpoint, self._token.authorization())
 
     # --- one call ----------------------------------------------------------------------
     async def handle(self, req: Request) -> None:
@@ -116,9 +133,6 @@ class FastRelay:
 
     async def _serve(self, req: Request, ctx: RequestContext) -> None:
         try:
-            if req.upgrade:
-                self._answer(req, ctx, not_in_fast_path(), close=True)
-                return
             if req.has_body and self._wants_body is not None and self._wants_body(ctx):
                 if req.expect_continue:
                     req.conn.write(_CONTINUE)
@@ -129,11 +143,15 @@ class FastRelay:
                 ctx.body = body
             denied = await self._chain.entry(ctx)
             if denied is not None:
-                self._answer(req, ctx, denied)
+                self._answer(req, ctx, denied, close=req.upgrade)
                 return
-            await self._relay(req, ctx)
+            req.long_running = ctx.info.is_long_running
+            if req.upgrade:
+                await self._tunnel(req, ctx)
+            else:
+                await self._relay(req, ctx)
         except errors.Answer as answer:
-            self._answer(req, ctx, answer.status, close=answer.close)
+            self._answer(req, ctx, answer.status, close=answer.close or req.upgrade)
         except Exception as e:
             log.exception("fast relay failed (%s %s, trace %s)", ctx.method, ctx.path, ctx.trace_id)
             ctx.error = f"internal error: {type(e).__name__}"
@@ -160,7 +178,7 @@ class FastRelay:
         lines.append(b"Content-Length: %d\r\n\r\n" % len(body))
         req.conn.write(b"".join(lines) + body)
 
-    def _head(self, req: Request, ctx: RequestContext) -> bytes:
+    def _head(self, req: Request, ctx: RequestContext, *, upgrade: bool = False) -> bytes:
         if ctx.body is not None:
             framing = b"Content-Length: %d\r\n" % len(ctx.body)
         elif req.chunked:
@@ -179,6 +197,7 @@ class FastRelay:
             headers=req.headers, named=connection_tokens(req.headers),
             drop=ctx.drop_request_headers, allow_impersonation=allowed,
             authorization=auth.encode("latin-1") if auth else None, framing=framing,
+            upgrade=upgrade,
         )
         if impersonating:
             log.info("%s client impersonation headers (trace %s)",
@@ -191,6 +210,7 @@ class FastRelay:
         streaming = req.has_body and ctx.body is None
         long_running = ctx.info.is_long_running
         head_only = req.method == b"HEAD"
+        settings = self.settings
         for attempt in (0, 1):
             try:
                 conn, reused = await self.pool.acquire()
@@ -211,7 +231,9 @@ class FastRelay:
                     req.attach(partial(_write_chunk, conn), partial(_end_body, conn, _LAST_CHUNK))
                 else:
                     req.attach(conn.write, partial(_end_body, conn, b""))
-            exchange.arm(self.settings.header_timeout)
+            exchange.arm(settings.header_timeout)
+            timer = (exchange.idle(settings.watch_idle_timeout) if long_running
+                     else exchange.limit(settings.request_timeout))
             try:
                 try:
                     await exchange.head
@@ -230,14 +252,57 @@ class FastRelay:
                 raise
             finally:
                 ctx.bytes_out = exchange.sent
+                if timer is not None:
+                    timer.cancel()
+            if exchange.expired:
+                conn.close()
             if exchange.close_client:
                 req.keep_alive = False
+            if exchange.error is not None:
+                errors.stream_broke(exchange.error, ctx, idle=complete)
             if not complete:
-                assert exchange.error is not None
-                errors.stream_broke(exchange.error, ctx, idle=False)
                 client.abort()
             return
 
+    async def _tunnel(self, req: Request, ctx: RequestContext) -> None:
+        """An upgrade: its own upstream connection, and after a ``101`` a raw byte tunnel."""
+        client = req.conn
+        if req.has_body and ctx.body is None:  # unusual for an upgrade, but relay it (bounded)
+            body = await req.read_all(self.settings.max_body_bytes)
+            if body is None:
+                raise errors.Answer(errors.too_large(self.settings.max_body_bytes), close=True)
+            ctx.body = body
+        data = self._head(req, ctx, upgrade=True)
+        try:
+            conn = await self.pool.connect()
+        except (OSError, TimeoutError) as e:
+            raise errors.upstream_failed(e, ctx, self._base) from e
+        exchange = Exchange(client, extra=ctx.response_headers, defer_head=False,
+                            head_only=False, http11=req.http11, keep_alive=False)
+        started = time.monotonic()
+        client.flow = conn
+        conn.flow = client
+        try:
+            conn.send(exchange, data, upgrade=True)
+            exchange.arm(self.settings.header_timeout)
+            try:
+                await exchange.head
+            except (OSError, TimeoutError, httptools.HttpParserError) as e:
+                raise errors.upstream_failed(e, ctx, self._base) from e
+            ctx.status_code = exchange.status
+            ctx.upstream_seconds = time.monotonic() - started
+            self._after.observe_upstream(ctx.info.verb, ctx.upstream_seconds)
+            if exchange.switched:
+                gone = ConnectionResetError("the client closed the tunnel")
+                client.attach_raw(conn.write, partial(exchange.on_lost, gone))
+            complete = await exchange.done
+        finally:
+            ctx.bytes_out = exchange.sent
+            conn.close()
+        req.keep_alive = False
+        if not complete and exchange.error is not None:
+            errors.stream_broke(exchange.error, ctx, idle=False)
+            client.abort()
 
 
 def _write_chunk(conn: UpstreamConnection, chunk: bytes) -> None:

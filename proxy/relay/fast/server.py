@@ -9,12 +9,22 @@ which pause and resume whatever feeds this connection (``flow``: the upstream tr
 
 A client that disconnects cancels its running handler at once (the relay then closes the
 upstream connection). Requests that arrive while one is being answered wait their turn (no
-concurrent pipelining). ``Upgrade`` requests are marked and left to the handler to refuse.
+concurrent pipelining). After an ``Upgrade`` request the parser is done with the connection:
+every further byte is raw, buffered until the relay attaches a sink to the tunnel
+(:meth:`ClientConnection.attach_raw`).
+
+Limits, as the aiohttp listener has them: a request line or header of at most ``MAX_LINE``
+bytes and at most ``MAX_HEADERS`` headers (else ``431``), malformed HTTP gets ``400``; both
+close the connection. A connection idle for ``KEEPALIVE`` seconds between requests is closed.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+import ssl
+import stat
 from collections import deque
 from collections.abc import Callable, Coroutine
 from typing import Any, Protocol, cast
@@ -23,16 +33,42 @@ import httptools
 
 from proxy.relay.fast.wire import Headers
 
-__all__ = ["ClientConnection", "Flow", "Handler", "Request", "serve"]
+__all__ = ["ClientConnection", "FastServer", "Flow", "Handler", "Request"]
 
 BODY_HIGH_WATER = 256 * 1024  # request body buffered before the upstream is ready
 WRITE_HIGH_WATER = 64 * 1024  # client write buffer above which upstream reading pauses
 MAX_QUEUED = 4
+MAX_LINE = 64 * 1024  # long label selectors, big OIDC tokens (as the aiohttp listener)
+MAX_HEADERS = 512
+KEEPALIVE = 75.0  # seconds an idle keep-alive connection stays open (aiohttp's default)
 
 
 class Flow(Protocol):
     def pause_reading(self) -> None: ...
     def resume_reading(self) -> None: ...
+
+
+class _TooLarge(Exception):
+    pass
+
+
+def _status(code: int, phrase: str, reason: str, message: str) -> bytes:
+    body = (
+        '{"kind":"Status","apiVersion":"v1","metadata":{},"status":"Failure",'
+        f'"message":"{message}","reason":"{reason}","code":{code}}}\n'
+    ).encode()
+    return (
+        f"HTTP/1.1 {code} {phrase}\r\nContent-Type: application/json\r\n"
+        f"Connection: close\r\nContent-Length: {len(body)}\r\n\r\n"
+    ).encode() + body
+
+
+_BAD_REQUEST = _status(400, "Bad Request", "BadRequest", "opgate: malformed HTTP request")
+_TOO_LARGE = _status(
+    431, "Request Header Fields Too Large", "RequestHeaderFieldsTooLarge",
+    f"opgate: request line or header longer than {MAX_LINE} bytes or more than "
+    f"{MAX_HEADERS} headers",
+)
 
 
 class Request:
@@ -55,6 +91,7 @@ class Request:
         "headers",
         "http11",
         "keep_alive",
+        "long_running",
         "method",
         "task",
         "upgrade",
@@ -69,6 +106,7 @@ class Request:
         self.http11 = True
         self.keep_alive = True
         self.upgrade = False
+        self.long_running = False  # set by the relay: shutdown does not wait for these
         self.expect_continue = False
         self.chunked = False
         self.has_body = False
@@ -132,8 +170,9 @@ Handler = Callable[[Request], Coroutine[Any, Any, None]]
 class ClientConnection(asyncio.Protocol):
     """One client connection: parse requests, run the handler for each, in order."""
 
-    def __init__(self, handler: Handler) -> None:
+    def __init__(self, handler: Handler, server: FastServer | None = None) -> None:
         self._handler = handler
+        self._server = server
         self._parser = httptools.HttpRequestParser(self)
         self.transport: asyncio.Transport | None = None
         self.flow: Flow | None = None  # what feeds this connection's writes (upstream)
@@ -143,24 +182,54 @@ class ClientConnection(asyncio.Protocol):
         self._queue: deque[Request] = deque()
         self._url = b""
         self._headers: Headers = []
+        self._head_size = 0
         self._read_paused = False
+        self._raw: list[bytes] | None = None  # after an upgrade: bytes not yet tunnelled
+        self._raw_sink: Callable[[bytes], None] | None = None
+        self._raw_closed: Callable[[], None] | None = None
+        self._idle: asyncio.TimerHandle | None = None
         self._loop = asyncio.get_event_loop()
+
+    @property
+    def busy(self) -> bool:
+        return self._current is not None
+
+    @property
+    def current(self) -> Request | None:
+        return self._current
 
     # --- asyncio.Protocol ----------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's is no asyncio.Transport
         self.transport.set_write_buffer_limits(high=WRITE_HIGH_WATER)
+        if self._server is not None:
+            self._server.connections.add(self)
+        self._arm_idle()
 
     def data_received(self, data: bytes) -> None:
+        if self._raw is not None:
+            self._raw_received(data)
+            return
         try:
             self._parser.feed_data(data)
-        except httptools.HttpParserUpgrade:
-            pass  # the handler refuses upgrades and closes the connection
-        except httptools.HttpParserError:
-            self._bad_request()
+        except httptools.HttpParserUpgrade as e:
+            self._raw = []
+            offset = e.args[0] if e.args else len(data)
+            if offset < len(data):
+                self._raw_received(data[offset:])
+        except httptools.HttpParserError as e:
+            self._refuse(_TOO_LARGE if isinstance(e.__context__, _TooLarge) else _BAD_REQUEST)
+
+    def eof_received(self) -> bool | None:
+        return None  # close: a half-closed client gets no further answers
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        self._cancel_idle()
+        if self._server is not None:
+            self._server.connections.discard(self)
+        if self._raw_closed is not None:  # a tunnel's client side ended: a normal end
+            self._raw_closed()
         current = self._current
         if current is not None and current.task is not None and current.cancellable:
             current.task.cancel()
@@ -176,13 +245,19 @@ class ClientConnection(asyncio.Protocol):
 
     # --- httptools callbacks -------------------------------------------------------
     def on_message_begin(self) -> None:
+        self._cancel_idle()
         self._url = b""
         self._headers = []
+        self._head_size = 0
 
     def on_url(self, url: bytes) -> None:
         self._url += url
+        if len(self._url) > MAX_LINE:
+            raise _TooLarge
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        if len(name) + len(value) > MAX_LINE or len(self._headers) >= MAX_HEADERS:
+            raise _TooLarge
         self._headers.append((name, value))
 
     def on_headers_complete(self) -> None:
@@ -229,22 +304,58 @@ class ClientConnection(asyncio.Protocol):
         failed = task.cancelled() or task.exception() is not None  # (retrieves it)
         if self.closed or req is None:
             return
-        if failed or not (req.keep_alive and req.body_done):
+        if failed or self._raw is not None or not (req.keep_alive and req.body_done):
+            self.close()
+            return
+        if self._server is not None and self._server.closing:
             self.close()
             return
         if self._queue:
             self._start(self._queue.popleft())
+        else:
+            self._arm_idle()
         self.resume_reading()
 
-    def _bad_request(self) -> None:
+    def _refuse(self, answer: bytes) -> None:
         if self.transport is not None and not self.closed:
-            body = b'{"kind":"Status","apiVersion":"v1","status":"Failure","reason":"BadRequest",' \
-                   b'"message":"opgate: malformed HTTP request","code":400}\n'
-            self.transport.write(
-                b"HTTP/1.1 400 Bad Request\r\nContent-Type: application/json\r\n"
-                b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
-            )
+            self.transport.write(answer)
             self.close()
+
+    def _arm_idle(self) -> None:
+        self._idle = self._loop.call_later(KEEPALIVE, self._idle_expired)
+
+    def _cancel_idle(self) -> None:
+        if self._idle is not None:
+            self._idle.cancel()
+            self._idle = None
+
+    def _idle_expired(self) -> None:
+        self._idle = None
+        if self._current is None and self._parsing is None:
+            self.close()
+
+    # --- the tunnel after an upgrade -----------------------------------------------
+    def _raw_received(self, data: bytes) -> None:
+        if self._current is not None:
+            self._current.bytes_in += len(data)
+        if self._raw_sink is not None:
+            self._raw_sink(data)
+            return
+        assert self._raw is not None
+        self._raw.append(data)
+        if sum(map(len, self._raw)) > BODY_HIGH_WATER:
+            self.pause_reading()
+
+    def attach_raw(self, sink: Callable[[bytes], None], closed: Callable[[], None]) -> None:
+        """Send every byte after the upgrade request (buffered and further) to ``sink``;
+        ``closed`` when the client closes (instead of cancelling the call)."""
+        if self._current is not None:
+            self._current.cancellable = False
+        pending, self._raw = self._raw or [], []
+        self._raw_sink, self._raw_closed = sink, closed
+        for chunk in pending:
+            sink(chunk)
+        self.resume_reading()
 
     # --- used by the relay ---------------------------------------------------------
     def write(self, data: bytes) -> None:
@@ -253,6 +364,7 @@ class ClientConnection(asyncio.Protocol):
 
     def close(self) -> None:
         """Close after what was written is flushed."""
+        self._cancel_idle()
         if self.transport is not None:
             self.transport.close()
 
@@ -273,11 +385,59 @@ class ClientConnection(asyncio.Protocol):
             self.transport.resume_reading()
 
 
-async def serve(
-    handler: Handler, *, host: str, port: int, reuse_port: bool = False
-) -> asyncio.Server:
-    """Listen on ``host:port`` (TCP), one :class:`ClientConnection` per accepted connection."""
-    loop = asyncio.get_running_loop()
-    return await loop.create_server(
-        lambda: ClientConnection(handler), host, port, reuse_port=reuse_port or None, backlog=1024
-    )
+class FastServer:
+    """The listening socket and its connections; stops the way the aiohttp listener does."""
+
+    def __init__(self, handler: Handler) -> None:
+        self._handler = handler
+        self.connections: set[ClientConnection] = set()
+        self.closing = False
+        self._server: asyncio.AbstractServer | None = None
+
+    def _protocol(self) -> ClientConnection:
+        return ClientConnection(self._handler, self)
+
+    async def listen_tcp(
+        self, host: str, port: int, *, tls: ssl.SSLContext | None, reuse_port: bool
+    ) -> list[tuple[str, int]]:
+        loop = asyncio.get_running_loop()
+        server = await loop.create_server(
+            self._protocol, host, port, ssl=tls, reuse_port=reuse_port or None, backlog=1024
+        )
+        self._server = server
+        return [s.getsockname()[:2] for s in server.sockets]
+
+    async def listen_unix(self, path: str, *, tls: ssl.SSLContext | None) -> None:
+        loop = asyncio.get_running_loop()
+        with contextlib.suppress(FileNotFoundError):
+            if stat.S_ISSOCK(os.stat(path).st_mode):
+                os.unlink(path)  # a stale socket of an earlier run
+        self._server = await loop.create_unix_server(self._protocol, path, ssl=tls, backlog=1024)
+
+    async def close(self, grace: float) -> None:
+        """Stop accepting, close idle connections and long-running calls, give the others
+        ``grace`` seconds to finish, then cut what is left."""
+        self.closing = True
+        if self._server is not None:
+            self._server.close()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace
+        while True:
+            for conn in list(self.connections):
+                current = conn.current
+                if current is None:
+                    conn.close()
+                elif current.long_running:
+                    conn.abort()
+            busy = [c for c in self.connections if c.busy]
+            if not busy or loop.time() >= deadline:
+                break
+            await asyncio.sleep(0.05)
+        for conn in list(self.connections):
+            conn.abort()
+            current = conn.current
+            if current is not None and current.task is not None and current.cancellable:
+                current.task.cancel()
+        if self._server is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._server.wait_closed(), 1.0)

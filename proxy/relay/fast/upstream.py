@@ -9,6 +9,10 @@ resume whatever feeds its request body (``flow``: the client transport).
 The pool is LIFO (the warmest connection first), unbounded in size like the aiohttp relay's
 (``limit=0``), keeps at most ``max_idle`` idle connections, and drops idle ones older than
 ``keepalive`` seconds when it meets them.
+
+An upgrade request (exec, attach, port-forward) goes over a connection of its own
+(:meth:`UpstreamPool.connect`): on ``101`` the exchange is told (``on_switch``) and every further
+byte the upstream sends is handed to ``on_body`` untouched; such a connection is never pooled.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ class Exchange(Protocol):
     def on_head(
         self, status: int, reason: bytes, headers: Headers, *, length: bytes | None, chunked: bool
     ) -> None: ...
+    def on_switch(self, reason: bytes, headers: Headers) -> None: ...
     def on_body(self, chunk: bytes) -> None: ...
     def on_complete(self) -> None: ...
     def on_lost(self, exc: BaseException) -> None: ...
@@ -56,12 +61,20 @@ class UpstreamConnection(asyncio.Protocol):
         self._until_close = False  # a body framed by the end of the connection
         self._keep = True
         self.body_pending = False  # a streamed request body is still being sent
+        self.upgrade = False  # the request asks for an upgrade
+        self.switched = False  # the upstream answered 101: raw bytes from here on
 
     def send(
-        self, exchange: Exchange, data: bytes, *, head_only: bool = False, streaming: bool = False
+        self,
+        exchange: Exchange,
+        data: bytes,
+        *,
+        head_only: bool = False,
+        streaming: bool = False,
+        upgrade: bool = False,
     ) -> None:
         self.exchange, self.head_only, self.received = exchange, head_only, False
-        self.body_pending, self._until_close = streaming, False
+        self.body_pending, self._until_close, self.upgrade = streaming, False, upgrade
         assert self.transport is not None
         self.transport.write(data)
 
@@ -89,12 +102,20 @@ class UpstreamConnection(asyncio.Protocol):
         self.transport.set_write_buffer_limits(high=WRITE_HIGH_WATER)
 
     def data_received(self, data: bytes) -> None:
-        if self.exchange is None:  # nothing asked: a stray byte makes the connection unusable
+        exchange = self.exchange
+        if exchange is None:  # nothing asked: a stray byte makes the connection unusable
             self.close()
+            return
+        if self.switched:
+            exchange.on_body(data)
             return
         self.received = True
         try:
             self._parser.feed_data(data)
+        except httptools.HttpParserUpgrade as e:
+            offset = e.args[0] if e.args else len(data)
+            if self.switched and offset < len(data) and self.exchange is not None:
+                self.exchange.on_body(data[offset:])
         except httptools.HttpParserError as e:
             exchange = self.exchange
             self.close()
@@ -107,7 +128,7 @@ class UpstreamConnection(asyncio.Protocol):
         exchange, self.exchange = self.exchange, None
         if exchange is None:
             return
-        if self._until_close and exc is None:
+        if (self._until_close or self.switched) and exc is None:
             exchange.on_complete()
         else:
             exchange.on_lost(exc or ConnectionResetError("the upstream closed the connection"))
@@ -133,9 +154,14 @@ class UpstreamConnection(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         status = self._parser.get_status_code()
+        if status == 101 and self.upgrade:
+            self.switched = True
+            if self.exchange is not None:
+                self.exchange.on_switch(self._reason, self._headers)
+            return
         if 100 <= status < 200:
             return  # interim (100 Continue): the real response follows
-        self._keep = self._parser.should_keep_alive()
+        self._keep = self._parser.should_keep_alive() and not self.upgrade
         length: bytes | None = None
         chunked = False
         for name, value in self._headers:
@@ -162,7 +188,7 @@ class UpstreamConnection(asyncio.Protocol):
 
     def on_message_complete(self) -> None:
         if 100 <= self._parser.get_status_code() < 200:
-            return
+            return  # interim, or a 101 whose tunnel goes on
         exchange, self.exchange = self.exchange, None
         self.flow = None
         if self._keep and not (self._until_close or self.closed or self.body_pending):
@@ -209,6 +235,11 @@ class UpstreamPool:
                 conn.close()
                 continue
             return conn, True
+        return await self.connect(), False
+
+    async def connect(self) -> UpstreamConnection:
+        """A new connection (for the pool, or for an upgrade's tunnel)."""
+        loop = asyncio.get_running_loop()
         tls = self._tls
         async with asyncio.timeout(self._connect_timeout):
             _, conn = await loop.create_connection(
@@ -217,7 +248,7 @@ class UpstreamPool:
             )
         self.opened += 1
         self._all.add(conn)
-        return conn, False
+        return conn
 
     def release(self, conn: UpstreamConnection) -> None:
         if len(self._idle) >= self._max_idle:

@@ -19,6 +19,7 @@ __all__ = [
     "request_head",
     "response_head",
     "status_line",
+    "switch_head",
 ]
 
 Headers = list[tuple[bytes, bytes]]
@@ -69,17 +70,22 @@ def request_head(
     allow_impersonation: bool,
     authorization: bytes | None,
     framing: bytes,
+    upgrade: bool = False,
 ) -> tuple[bytes, bool]:
     """The upstream request head, and whether the client sent any ``Impersonate-*`` header.
 
     ``named`` are the client's ``Connection`` tokens, ``drop`` the lower-case ``str`` names the
-    middlewares removed, ``framing`` the ``Content-Length``/``Transfer-Encoding`` line(s).
+    middlewares removed, ``framing`` the ``Content-Length``/``Transfer-Encoding`` line(s). With
+    ``upgrade`` the client's ``Upgrade`` header is kept and ``Connection: Upgrade`` sent.
     """
     parts = [method, b" ", target, b" HTTP/1.1\r\nHost: ", host, b"\r\n"]
     dropped = {d.encode("latin-1") for d in drop} if drop else _NOTHING
     impersonating = False
     for name, value in headers:
         low = name.lower()
+        if upgrade and low == b"upgrade":
+            parts += (name, b": ", value, b"\r\n")
+            continue
         if low in _REQUEST_DROP or low.startswith(_DROP_PREFIXES) or low == b"content-length":
             continue
         if low.startswith(_IMPERSONATE):
@@ -93,6 +99,8 @@ def request_head(
         parts += (name, b": ", value, b"\r\n")
     if authorization is not None:
         parts += (b"Authorization: ", authorization, b"\r\n")
+    if upgrade:
+        parts.append(b"Connection: Upgrade\r\n")
     parts += (framing, b"\r\n")
     return b"".join(parts), impersonating
 
@@ -118,4 +126,22 @@ def response_head(
     for name_s, value_s in extra:
         parts += (name_s.encode("latin-1"), b": ", value_s.encode("latin-1"), b"\r\n")
     parts += (framing, b"\r\n")
+    return b"".join(parts)
+
+
+def switch_head(*, reason: bytes, headers: Headers, extra: Iterable[tuple[str, str]]) -> bytes:
+    """The client's ``101`` head: the upstream's headers with its ``Upgrade``, ``Connection:
+    Upgrade``, and ``extra``; no framing (the connection is a tunnel from here on)."""
+    named = connection_tokens(headers) - {b"upgrade"}
+    parts = [status_line(101, reason)]
+    for name, value in headers:
+        low = name.lower()
+        if low == b"connection" or (low in _HOP and low != b"upgrade"):
+            continue
+        if low.startswith(b"proxy-") or (named and low in named):
+            continue
+        parts += (name, b": ", value, b"\r\n")
+    for name_s, value_s in extra:
+        parts += (name_s.encode("latin-1"), b": ", value_s.encode("latin-1"), b"\r\n")
+    parts.append(b"Connection: Upgrade\r\n\r\n")
     return b"".join(parts)
