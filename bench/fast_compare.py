@@ -138,19 +138,13 @@ async def _serve(args: argparse.Namespace) -> None:
     upstream = UpstreamConfig(url=args.upstream, ca_file=args.ca, token="bench-token")
     stop = asyncio.Event()
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
-    if args.relay == "fast":
-        fast = FastRelay(upstream=upstream, chain=chain, policies=Policies())
-        server = await fast.serve(host="127.0.0.1", port=args.port)
-        await stop.wait()
-        server.close()
-        await fast.close()
-    else:
-        relay = Relay(upstream=upstream, chain=chain, policies=Policies())
-        await relay.start()
-        listener = await serve_api(relay, listen=f"127.0.0.1:{args.port}")
-        await stop.wait()
-        await listener.close()
-        await relay.close()
+    relay_class = FastRelay if args.relay == "fast" else Relay
+    relay = relay_class(upstream=upstream, chain=chain, policies=Policies())
+    await relay.start()
+    listener = await serve_api(relay, listen=f"127.0.0.1:{args.port}")
+    await stop.wait()
+    await listener.close()
+    await relay.close()
 
 
 def serve_main(argv: list[str]) -> None:
