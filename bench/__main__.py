@@ -18,6 +18,7 @@ from pathlib import Path
 from types import FrameType
 
 from bench import report
+from bench.paths import AIOHTTP, NAMES
 from bench.plan import MEASURES, Plan
 from bench.procstat import machine
 from bench.run import run
@@ -38,6 +39,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", action="store_true",
                    help="also sample opgate with py-spy under the small-GET load (TLS, full "
                    "chain) and list its top functions in the report")
+    p.add_argument("--with-aiohttp", action="store_true",
+                   help="also measure opgate-aiohttp: the full chain on --relay aiohttp, next "
+                   "to opgate-full on the default relay")
     p.add_argument("--out", type=Path, default=RESULTS, metavar="DIR",
                    help="where REPORT.md and latest.json go (default: bench/results)")
     return p
@@ -58,6 +62,16 @@ def _kubectl_version() -> str:
         return "?"
 
 
+def _default_relay() -> str:
+    """The relay ``opgate serve`` uses when ``--relay`` is not given (its CLI default)."""
+    try:
+        from proxy.cli import build_parser
+
+        return str(getattr(build_parser().parse_args(["serve"]), "relay", "aiohttp"))
+    except (Exception, SystemExit):
+        return "?"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     only = tuple(n.strip() for item in args.only for n in item.split(",") if n.strip())
@@ -72,9 +86,12 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     plan = Plan.quick_plan() if args.quick else Plan.full_plan()
+    fields = {f: getattr(plan, f) for f in plan.__dataclass_fields__}
     if only:
-        plan = Plan(**{**{f: getattr(plan, f) for f in plan.__dataclass_fields__},
-                       "measures": only})
+        fields["measures"] = only
+    if args.with_aiohttp:
+        fields["paths"] = (*NAMES, AIOHTTP)
+    plan = Plan(**fields)
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 20000)), hard))
     signal.signal(signal.SIGTERM, _on_sigterm)
@@ -87,7 +104,8 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     results.update(
         date=started.strftime("%Y-%m-%d %H:%M UTC"), mode="quick" if args.quick else "full",
-        measures=list(plan.measures), machine=machine(), kubectl_version=_kubectl_version(),
+        measures=list(plan.measures), machine={**machine(), "opgate_relay": _default_relay()},
+        kubectl_version=_kubectl_version(),
         plan={f: getattr(plan, f) for f in plan.__dataclass_fields__})
     text = report.write(results, args.out)
     print(text)

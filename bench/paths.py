@@ -1,44 +1,70 @@
 """The paths a request can take to one upstream, each a running server the bench measures.
 
 ``direct`` (no proxy), ``opgate`` (no policies, no access log: the relay alone), ``opgate-full``
-(every middleware that exists: rate limits in Redis with leasing under a generous rule that
-rejects nothing, metrics, and the access log written to a file as a real deployment writes it
-to stdout), ``kubectl-proxy`` (the real binary, pointed at the upstream by a kubeconfig) and
-``nginx-proxy`` (nginx as a streaming reverse proxy with a keep-alive pool: the practical
-limit). Every proxy listens on plain HTTP on loopback, as kubectl proxy does, and injects the
-bearer token, so clients send none; ``direct`` clients send it themselves.
+(every middleware that exists: identity verifying the caller's JWT, cached after the first
+verification; fault injection with a rule the bench never triggers; rate limits in Redis with
+leasing under a generous rule that rejects nothing; metrics; and the access log written to a
+file as a real deployment writes it to stdout), ``kubectl-proxy`` (the real binary, pointed at
+the upstream by a kubeconfig) and ``nginx-proxy`` (nginx as a streaming reverse proxy with a
+keep-alive pool: the practical limit). ``opgate-aiohttp`` (optional, ``--with-aiohttp``) is the
+full chain on ``--relay aiohttp`` instead of the default relay, to compare the two relay cores.
+
+Every proxy listens on plain HTTP on loopback, as kubectl proxy does. Every client of every
+path sends the same ``Authorization: Bearer <caller token>`` (:mod:`bench.caller`): the full
+chain needs it to know its caller, and so no path gets a cheaper request than another. Each
+proxy forwards the client's token and adds its own (``--token-file``, the kubeconfig's user,
+nginx's ``map``) only to a request that has none, as opgate and client-go do.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from bench import procstat
+from bench.caller import NAME as CALLER_NAME
+from bench.caller import NAMESPACE as CALLER_NAMESPACE
 from bench.procs import Procs, free_port, wait_http, wait_port
 from bench.upstreams import Upstream
 
 REPO = Path(__file__).resolve().parent.parent
 NAMES = ("direct", "opgate", "opgate-full", "kubectl-proxy", "nginx-proxy")
+AIOHTTP = "opgate-aiohttp"  # the full chain on --relay aiohttp (--with-aiohttp)
+FULL_CHAIN = ("opgate-full", AIOHTTP)
 STATIC_TOKEN = "opgate-bench-token"
 
 POLICY = """\
 apiVersion: opgate.dev/v1alpha1
 kind: Policy
-metadata: {{name: bench}}
+metadata: {name: bench}
 spec:
   mode: enforce
+  identity:
+    # the caller's JWT is verified against the upstream's JWKS once, then cached
+    issuers: [{kubernetes: {}}]
+    allow:
+      - serviceAccount: @CALLER@
+    rules:
+      - {name: reads, verbs: [get, list, watch]}
+  faults:
+    # matched against every call, never fires here (the bench never deletes widgets)
+    - name: never-in-bench
+      match: {verbs: [delete], resources: [widgets]}
+      respond: {code: 503}
   rateLimits:
     # generous: nothing is ever rejected, but every read is decided (Redis + leasing)
     - name: reads
-      match: {{verbs: [get, list, watch], resources: [configmaps]}}
-      key: "{{user}}/{{resource}}"
+      match: {verbs: [get, list, watch], resources: [configmaps]}
+      key: "{user}/{resource}"
       qps: 1000000
       burst: 1000000
       lease: true
-{extra}"""
+@EXTRA@""".replace("@CALLER@", f"{CALLER_NAMESPACE}/{CALLER_NAME}")
 
 PROBE_RULE = """\
     - name: probe
@@ -59,10 +85,14 @@ class Target:
     upstream: Upstream
     admin: str | None = None  # opgate's admin listener
     policy_file: Path | None = None
+    relay: str | None = None  # opgate's --relay (None: its default)
+    workers: int = 1  # opgate's worker processes (--workers)
 
     @property
     def headers(self) -> dict[str, str]:
-        """What a client of this path sends: only ``direct`` carries the token itself."""
+        """What a client of this path sends: the caller's token, the same on every path."""
+        if self.upstream.caller is not None:
+            return self.upstream.caller.headers
         token = self.upstream.token or STATIC_TOKEN
         return {"Authorization": f"Bearer {token}"} if self.pid is None else {}
 
@@ -70,12 +100,16 @@ class Target:
     def ca_file(self) -> str | None:
         return self.upstream.ca_file if self.pid is None else None
 
+    @property
+    def full_chain(self) -> bool:
+        return self.policy_file is not None
+
 
 def write_policy(path: Path, *, probe: bool) -> None:
     """The full chain's policy; ``probe`` adds a rule the reload measure watches for. Written
     to a temp file and renamed, as an editor or the kubelet would, so a reader never sees half."""
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(POLICY.format(extra=PROBE_RULE if probe else ""))
+    tmp.write_text(POLICY.replace("@EXTRA@", PROBE_RULE if probe else ""))
     os.replace(tmp, path)
 
 
@@ -88,15 +122,20 @@ def _token_file(work: Path, token: str) -> Path:
 
 def start_opgate(
     procs: Procs, work: Path, *, upstream: Upstream, full: bool, redis_url: str | None,
-    name: str, wrapper: tuple[str, ...] = (),
+    name: str, wrapper: tuple[str, ...] = (), relay: str | None = None, workers: str = "1",
 ) -> Target:
-    """opgate on a free port; ``wrapper`` runs it under another command (py-spy)."""
+    """opgate on a free port; ``wrapper`` runs it under another command (py-spy); ``relay``
+    ``None`` keeps opgate's default relay; ``workers`` is passed to ``--workers``."""
     port, admin = free_port(), free_port()
     argv = [*wrapper, sys.executable, "-m", "proxy", "serve", "--upstream", upstream.url,
             "--listen", f"127.0.0.1:{port}", "--admin-listen", f"127.0.0.1:{admin}",
             "--token-file", str(_token_file(work, upstream.token or STATIC_TOKEN))]
     if upstream.ca_file:
         argv += ["--upstream-ca", upstream.ca_file]
+    if relay is not None:
+        argv += ["--relay", relay]
+    if workers != "1":
+        argv += ["--workers", workers]
     policy = None
     if full:
         policies = work / "policies"
@@ -109,11 +148,15 @@ def start_opgate(
     else:
         argv += ["--no-access-log"]
     proc = procs.start(name, argv, cwd=REPO)
-    # through the proxy to the upstream (opgate's /readyz stays 503 without --policies)
-    wait_http(f"http://127.0.0.1:{port}/version", proc=proc, timeout=60)
+    # the admin listener opens once every worker answers; then through the proxy to the
+    # upstream with the caller's token (opgate's /readyz stays 503 without --policies)
+    wait_http(f"http://127.0.0.1:{admin}/healthz", proc=proc, timeout=90)
+    target = Target(name, f"http://127.0.0.1:{port}", proc.pid, upstream,
+                    admin=f"http://127.0.0.1:{admin}", policy_file=policy, relay=relay)
+    wait_http(target.url + "/version", proc=proc, timeout=60, headers=target.headers)
     assert proc.pid is not None
-    return Target(name, f"http://127.0.0.1:{port}", proc.pid, upstream,
-                  admin=f"http://127.0.0.1:{admin}", policy_file=policy)
+    return replace(target, workers=max(1, len(procstat.descendants(proc.pid)) - 1)
+                   if workers != "1" else 1)
 
 
 def start_kubectl_proxy(procs: Procs, work: Path, *, upstream: Upstream, kubectl: Path,
@@ -162,12 +205,17 @@ http {{
   fastcgi_temp_path {work}/tmp/fcgi; uwsgi_temp_path {work}/tmp/uwsgi;
   scgi_temp_path {work}/tmp/scgi;
   keepalive_requests 100000000; keepalive_timeout 600s;
+  # the client's token when it sent one, else the proxy's own (as opgate and client-go do)
+  map $http_authorization $upstream_authorization {{
+    "" "Bearer {token}";
+    default $http_authorization;
+  }}
   upstream up {{ server {host_port}; keepalive 64; keepalive_requests 100000000; }}
   server {{
     listen 127.0.0.1:{port} backlog=4096;
     location / {{
       proxy_pass {scheme}://up; proxy_http_version 1.1; proxy_set_header Connection "";
-      proxy_set_header Authorization "Bearer {token}";
+      proxy_set_header Authorization $upstream_authorization;
       proxy_buffering off; proxy_request_buffering off; proxy_read_timeout 3600s;
     {tls}  }}
   }}
@@ -186,6 +234,13 @@ def start_nginx_proxy(procs: Procs, work: Path, *, upstream: Upstream, name: str
     return Target(name, f"http://127.0.0.1:{port}", proc.pid, upstream)
 
 
+def _path_dir(work: Path, label: str) -> Path:
+    d = work / label
+    d.mkdir(parents=True, exist_ok=True)
+    os.chmod(d, 0o755)
+    return d
+
+
 def start_paths(
     procs: Procs, work: Path, *, upstream: Upstream, kubectl: Path | None, redis_url: str | None,
     names: tuple[str, ...] = NAMES,
@@ -193,15 +248,14 @@ def start_paths(
     """Start every path of ``names`` in front of ``upstream`` (each in its own work dir)."""
     targets: list[Target] = []
     for name in names:
-        d = work / f"{upstream.name}-{name}"
-        d.mkdir(parents=True, exist_ok=True)
-        os.chmod(d, 0o755)
         label = f"{upstream.name}-{name}"
+        d = _path_dir(work, label)
         if name == "direct":
             targets.append(Target(name, upstream.url, None, upstream))
-        elif name in ("opgate", "opgate-full"):
-            targets.append(start_opgate(procs, d, upstream=upstream, full=name == "opgate-full",
-                                        redis_url=redis_url, name=label))
+        elif name in ("opgate", *FULL_CHAIN):
+            targets.append(start_opgate(procs, d, upstream=upstream, full=name in FULL_CHAIN,
+                                        redis_url=redis_url, name=label,
+                                        relay="aiohttp" if name == AIOHTTP else None))
         elif name == "kubectl-proxy" and kubectl is not None:
             targets.append(start_kubectl_proxy(procs, d, upstream=upstream, kubectl=kubectl,
                                                name=label))
@@ -212,3 +266,27 @@ def start_paths(
 
 def names_started(names: tuple[str, ...], kubectl: Path | None) -> list[str]:
     return [n for n in names if n != "kubectl-proxy" or kubectl is not None]
+
+
+@contextlib.contextmanager
+def with_workers(procs: Procs, work: Path, targets: Sequence[Target], *,
+                 redis_url: str | None) -> Iterator[list[Target]]:
+    """``targets`` with each full-chain opgate replaced by a copy on ``--workers auto`` (one
+    worker per CPU on one SO_REUSEPORT port; needs Redis, which the full chain has), under the
+    same name; the copies are stopped on exit. Without Redis the targets are kept as they are."""
+    started: list[Target] = []
+    out: list[Target] = []
+    try:
+        for t in targets:
+            if t.full_chain and redis_url:
+                label = f"{t.upstream.name}-{t.name}-workers"
+                copy = start_opgate(procs, _path_dir(work, label), upstream=t.upstream,
+                                    full=True, redis_url=redis_url, name=label, relay=t.relay,
+                                    workers="auto")
+                started.append(copy)
+                out.append(replace(copy, name=t.name))
+            else:
+                out.append(t)
+        yield out
+    finally:
+        procs.stop_pids({t.pid for t in started if t.pid is not None})

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import procstat
-from bench.paths import Target
+from bench.paths import NAMES, Target
 from bench.procs import Procs
 from bench.procstat import Layout
 
@@ -38,6 +38,7 @@ class Plan:
     apiserver_list_mb: int
     reload_repeats: int
     measures: tuple[str, ...] = MEASURES
+    paths: tuple[str, ...] = NAMES  # + "opgate-aiohttp" with --with-aiohttp
 
     @classmethod
     def quick_plan(cls) -> Plan:

@@ -25,9 +25,10 @@ def wait_port(port: int, *, proc: Proc, timeout: float = 30.0) -> None:
     _wait(lambda: _connects(port), proc=proc, timeout=timeout, what=f"port {port}")
 
 
-def wait_http(url: str, *, proc: Proc, timeout: float = 30.0) -> None:
-    """Until a GET of ``url`` answers 200 (plain HTTP, loopback)."""
-    _wait(lambda: _http_ok(url), proc=proc, timeout=timeout, what=url)
+def wait_http(url: str, *, proc: Proc, timeout: float = 30.0,
+              headers: Mapping[str, str] | None = None) -> None:
+    """Until a GET of ``url`` (with ``headers``) answers 200 (plain HTTP, loopback)."""
+    _wait(lambda: _http_ok(url, headers or {}), proc=proc, timeout=timeout, what=url)
 
 
 def _connects(port: int) -> bool:
@@ -38,9 +39,10 @@ def _connects(port: int) -> bool:
         return False
 
 
-def _http_ok(url: str) -> bool:
+def _http_ok(url: str, headers: Mapping[str, str]) -> bool:
     try:
-        with urllib.request.urlopen(url, timeout=2) as resp:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=dict(headers)),
+                                    timeout=2) as resp:
             return bool(resp.status == 200)
     except (OSError, ValueError):
         return False

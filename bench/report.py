@@ -12,6 +12,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from bench.paths import AIOHTTP
 from bench.targets import KUBECTL, checks
 
 TIER_TITLES = {
@@ -54,12 +55,19 @@ def _small_get(sg: dict[str, Any], label: str) -> list[str]:
         return []
     out = [f"**Small GET, {label}** (wrk, closed loop; ~1 KB ConfigMap; CPU of the proxy process "
            "tree per request)", ""]
+    multi = [f"`{n}` ({r['workers']} workers)" for n, r in rows.items() if r.get("workers")]
+    if multi:
+        out += [f"Here {', '.join(multi)} run{'s' if len(multi) == 1 else ''} as `opgate serve "
+                "--workers auto`: one worker process per CPU on one SO_REUSEPORT port, under a "
+                "supervisor (CPU summed over all of them); every other path is the same single "
+                "process as in the pinned rounds.", ""]
     body = [[n, _fmt(r.get("rps")), _fmt(r.get("p50_ms")), _fmt(r.get("p99_ms")),
              _fmt(r.get("cpu_us"), 1), *_vs(rows, n, "rps"),
-             _ratio(r.get("cpu_us"), rows.get(KUBECTL, {}).get("cpu_us"))]
+             _ratio(r.get("cpu_us"), rows.get(KUBECTL, {}).get("cpu_us")),
+             _fmt(int(r.get("errors", 0)))]
             for n, r in rows.items()]
     return out + _table(["path", "req/s", "p50 ms", "p99 ms", "CPU µs/req", "req/s vs direct",
-                         "req/s vs kubectl", "CPU vs kubectl"], body)
+                         "req/s vs kubectl", "CPU vs kubectl", "errors (median)"], body)
 
 
 def _tier(name: str, tier: dict[str, Any]) -> list[str]:
@@ -68,12 +76,16 @@ def _tier(name: str, tier: dict[str, Any]) -> list[str]:
         out += _small_get(tier["small_get"], "pinned") + _small_get(tier["small_get"], "unpinned")
     if "latency" in tier:
         rows = tier["latency"]
-        out += ["**Latency at 50 req/s, open loop** (median over rounds of each round's "
-                "percentile; added = path minus direct in the same round)", ""]
-        out += _table(["path", "p50 ms", "p99 ms", "added p50 ms", "added p99 ms", "samples"],
+        out += ["**Latency at 50 req/s** (a fixed schedule from a lean blocking client on one "
+                "keep-alive connection; median over rounds of each round's percentile; added = "
+                "path minus direct in the same round; CPU = the proxy's CPU per call at this rate, "
+                "its idle timers included)", ""]
+        out += _table(["path", "p50 ms", "p99 ms", "added p50 ms", "added p99 ms",
+                       "CPU µs/call", "samples", "errors"],
                       [[n, _fmt(r["p50_ms"], 3), _fmt(r["p99_ms"], 3),
                         _fmt(r.get("added_p50_ms"), 3), _fmt(r.get("added_p99_ms"), 3),
-                        str(r["samples"])] for n, r in rows.items()])
+                        _fmt(r.get("cpu_us"), 0), str(r["samples"]), str(r.get("errors", 0))]
+                       for n, r in rows.items()])
     for size, rows in tier.get("list", {}).items():
         out += [f"**LIST {size} MB** (curl to /dev/null; RSS growth = peak during the transfer "
                 "minus RSS before it)", ""]
@@ -100,12 +112,36 @@ def _tier(name: str, tier: dict[str, Any]) -> list[str]:
         out += ["**Idle RSS** (started, 50 requests served)", ""]
         out += _table(["path", "RSS MB"], [[n, _fmt(r["rss_mb"], 1)]
                                            for n, r in tier["idle"].items()])
+    out += _identity(tier)
     redis = tier.get("small_get", {}).get("pinned", {}).get("opgate-full", {})
     if "redis_calls_per_req" in redis:
         out += [f"Redis calls per admitted request (full chain, leasing on): "
                 f"**{redis['redis_calls_per_req']:.4f}**; redis-server CPU "
                 f"{_fmt(redis.get('redis_cpu_us'), 2)} µs per request.", ""]
     return out
+
+
+def _counts(d: dict[str, Any]) -> str:
+    return ", ".join(f"{k} {v:,}" for k, v in d.items()) or "none"
+
+
+def _identity(tier: dict[str, Any]) -> list[str]:
+    checks = dict(tier.get("identity", {}))
+    for name, check in tier.get("small_get", {}).get("identity_workers", {}).items():
+        checks[f"{name} (--workers auto copy)"] = check
+    if not checks:
+        return []
+    out = ["**Identity on the full chain** (probe GETs before the measures: the caller's token, "
+           "no token, the caller's claims signed by an unpublished key; then opgate's /metrics "
+           "after the tier: calls by decision/code, identity denials by reason)", ""]
+    rows = []
+    for name, c in checks.items():
+        p = c.get("probes", {})
+        rows.append([name, str(p.get("caller_token")), str(p.get("no_token")),
+                     str(p.get("foreign_key")), _counts(c.get("calls", {})),
+                     _counts(c.get("identity_denials", {}))])
+    return out + _table(["path", "caller token", "no token", "foreign key", "calls (decision/code)",
+                         "identity denials"], rows)
 
 
 def _profile(prof: dict[str, Any]) -> list[str]:
@@ -135,10 +171,17 @@ def markdown(results: dict[str, Any]) -> str:
            f"Machine: {m.get('nproc')} x {m.get('cpu')}, Linux {m.get('kernel')}, Python "
            f"{m.get('python')}, aiohttp {m.get('aiohttp')}, {m.get('nginx')}, {m.get('wrk')}, "
            f"{m.get('redis')}, kubectl {results.get('kubectl_version', '?')}.", "",
-           f"Placement: {results.get('layout')} (plus one unpinned round of small GETs).", "",
+           f"Placement: {results.get('layout')} (plus one unpinned round of small GETs, in which "
+           "the full chain runs as `--workers auto`).", "",
            "Paths: `direct` (no proxy), `opgate` (no policies, no access log), `opgate-full` "
-           "(rate limits in Redis with leasing, metrics, access log to a file), "
-           "`kubectl-proxy`, `nginx-proxy` (the practical limit).", ""]
+           "(identity verifying the caller's service-account JWT, cached; a fault rule that "
+           "never fires; rate limits in Redis with leasing; metrics; access log to a file), "
+           "`kubectl-proxy`, `nginx-proxy` (the practical limit)"
+           + (", `opgate-aiohttp` (the full chain on `--relay aiohttp`)"
+              if AIOHTTP in results.get("plan", {}).get("paths", ()) else "") + ". "
+           f"opgate paths run opgate's default relay (`--relay {m.get('opgate_relay', '?')}`) "
+           "unless named otherwise. Every client of every path sends the same "
+           "`Authorization: Bearer <caller JWT>`.", ""]
     if results.get("note"):
         out += [f"> {results['note']}", ""]
     out += ["## Targets (full chain)", ""]

@@ -20,9 +20,12 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from bench import measures, streams
+from bench import authcheck, measures, streams
+from bench.caller import NAME as CALLER_NAME
+from bench.caller import NAMESPACE as CALLER_NAMESPACE
+from bench.caller import Caller, foreign_like
 from bench.measures import Result, _log
-from bench.paths import NAMES, Target, start_paths
+from bench.paths import Target, start_paths
 from bench.plan import Bench, Plan
 from bench.procs import Procs, free_port, wait_port
 from bench.procstat import Layout
@@ -60,6 +63,11 @@ def _timed(name: str, fn: Callable[[], Result], into: Result) -> None:
 def run_tier(bench: Bench, targets: Sequence[Target], *, static: bool) -> Result:
     want = bench.plan.measures
     out: Result = {"paths": [t.name for t in targets]}
+    full = [t for t in targets if t.full_chain]
+    checks = {t.name: {"probes": authcheck.probe(t)} for t in full}
+    for name, check in checks.items():
+        if not authcheck.expected(check["probes"]):
+            _log(f"identity probes of {name} did not answer as expected: {check['probes']}")
     if "idle" in want:
         _timed("idle", lambda: measures.idle(bench, targets), out)
     if "small-get" in want:
@@ -73,13 +81,17 @@ def run_tier(bench: Bench, targets: Sequence[Target], *, static: bool) -> Result
         _timed("watch", lambda: streams.watch(bench, targets), out)
     if static and "open-watches" in want:
         _timed("open_watches", lambda: streams.open_watch_memory(bench, targets), out)
+    for t in full:  # how opgate decided every call of the tier (reload runs after: not in it)
+        checks[t.name].update(authcheck.scrape(t))
+    if checks:
+        out["identity"] = checks
     return out
 
 
 @contextlib.contextmanager
 def tier_paths(bench: Bench, upstream: Upstream, kubectl: Path | None) -> Iterator[list[Target]]:
     targets = start_paths(bench.procs, bench.work, upstream=upstream, kubectl=kubectl,
-                          redis_url=bench.redis_url, names=NAMES)
+                          redis_url=bench.redis_url, names=bench.plan.paths)
     try:
         yield targets
     finally:
@@ -126,10 +138,17 @@ def apiserver_tier(bench: Bench, results: Result) -> None:
                 "apiVersion": "v1", "kind": "ConfigMap",
                 "metadata": {"name": f"big-{i:03d}"}, "data": {"v": chunk}}).ok()
         assert cluster.call("GET", SMALL).ok()
+        # the caller: a real ServiceAccount that may read configmaps, with a TokenRequest token
+        # (its issuer's JWKS is the apiserver's own); the proxies' own token is the admin's
+        cluster.create_service_account_with_rbac(
+            CALLER_NAMESPACE, CALLER_NAME, cluster_wide=True,
+            rules=[{"apiGroups": [""], "resources": ["configmaps"],
+                    "verbs": ["get", "list", "watch"]}])
+        token = cluster.token_request(CALLER_NAMESPACE, CALLER_NAME, expiration_seconds=6 * 3600)
         pid = cluster.apiserver_pid
         assert pid is not None
         upstream = Upstream("apiserver", cluster.url, cluster.ca_file, pid,
-                            token=cluster.admin_token)
+                            token=cluster.admin_token, caller=Caller(token, foreign_like(token)))
         bench.pinning = False
         with tier_paths(bench, upstream, _kubectl()) as targets:
             results.setdefault("tiers", {})["apiserver"] = run_tier(bench, targets, static=False)

@@ -89,7 +89,8 @@ async def _until_changed(t: Target, *, digest: str, header_wanted: bool
         async def probe_effect() -> None:
             nonlocal seen_effect
             while time.perf_counter() - start < GIVE_UP:
-                _, limit = await get_status(session, t.url + PROBE, "RateLimit-Limit")
+                _, limit = await get_status(session, t.url + PROBE, "RateLimit-Limit",
+                                            t.headers)
                 if (limit is not None) == header_wanted:
                     seen_effect = (time.perf_counter() - start) * 1e3
                     return

@@ -18,6 +18,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench.caller import Caller, write_issuer
 from bench.procs import Procs, free_port, wait_http, wait_port
 from proxy.envtest import pki
 
@@ -36,7 +37,8 @@ class Upstream:
     url: str
     ca_file: str | None
     pid: int  # the process (tree) that serves it, for reference only
-    token: str | None = None  # bearer token the upstream requires (the real apiserver)
+    token: str | None = None  # the proxies' own token (--token-file; the real apiserver's admin)
+    caller: Caller | None = None  # who the clients are: every client sends its token
 
     @property
     def tls(self) -> bool:
@@ -88,11 +90,13 @@ def write_data(root: Path, *, big: bool) -> dict[str, Path]:
 
 def nginx_upstream_conf(
     work: Path, *, files: dict[str, Path], http_port: int, tls_port: int, watch_port: int,
-    cert: Path, key: Path,
+    cert: Path, key: Path, issuer: dict[str, Path] | None = None,
 ) -> str:
     lists = "".join(
         f"    location = {path} {{ alias {files[f'list{mb}']}; }}\n"
         for mb, path in LISTS.items() if f"list{mb}" in files)
+    lists += "".join(f"    location = {path} {{ alias {file}; }}\n"
+                     for path, file in (issuer or {}).items())
     return f"""\
 worker_processes 1;
 daemon off;
@@ -136,13 +140,15 @@ class StaticUpstreams:
     nginx_pid: int
     watch_pid: int
     ca_file: Path
+    caller: Caller
 
 
 def start_static(procs: Procs, work: Path, *, big: bool) -> StaticUpstreams:
     """Generate data and certificates, start the watch server and nginx; wait until both answer."""
     os.chmod(work, 0o755)  # nginx workers run as nobody when the bench runs as root
     files = write_data(work / "data", big=big)
-    for f in (work / "data", *files.values()):
+    caller, issuer = write_issuer(work / "data")
+    for f in (work / "data", *files.values(), *issuer.values()):
         os.chmod(f, 0o755 if f.is_dir() else 0o644)
     pki_files = pki.write_pki(work / "pki")
     watch_port, http_port, tls_port = free_port(), free_port(), free_port()
@@ -152,7 +158,8 @@ def start_static(procs: Procs, work: Path, *, big: bool) -> StaticUpstreams:
     conf = work / "nginx-upstream.conf"
     conf.write_text(nginx_upstream_conf(work, files=files, http_port=http_port,
                                         tls_port=tls_port, watch_port=watch_port,
-                                        cert=pki_files.serving_cert, key=pki_files.serving_key))
+                                        cert=pki_files.serving_cert, key=pki_files.serving_key,
+                                        issuer=issuer))
     (work / "tmp-up").mkdir(exist_ok=True)
     nginx = procs.start("nginx-upstream", ["nginx", "-p", str(work), "-c", str(conf)])
     wait_http(f"http://127.0.0.1:{http_port}/readyz", proc=nginx)
@@ -160,6 +167,6 @@ def start_static(procs: Procs, work: Path, *, big: bool) -> StaticUpstreams:
     assert nginx.pid is not None and watch.pid is not None
     ca = str(pki_files.ca_cert)
     return StaticUpstreams(
-        http=Upstream("http", f"http://127.0.0.1:{http_port}", None, nginx.pid),
-        tls=Upstream("tls", f"https://127.0.0.1:{tls_port}", ca, nginx.pid),
-        nginx_pid=nginx.pid, watch_pid=watch.pid, ca_file=pki_files.ca_cert)
+        http=Upstream("http", f"http://127.0.0.1:{http_port}", None, nginx.pid, caller=caller),
+        tls=Upstream("tls", f"https://127.0.0.1:{tls_port}", ca, nginx.pid, caller=caller),
+        nginx_pid=nginx.pid, watch_pid=watch.pid, ca_file=pki_files.ca_cert, caller=caller)
