@@ -10,9 +10,8 @@ once, as clients wait for it before the first event.
 After an upgrade's ``101`` (``on_switch``) the head leaves at once with the upstream's
 ``Connection``/``Upgrade`` headers, and every later byte is relayed raw until either side closes.
 
-Timers: ``arm`` bounds the wait for the upstream's head (504), ``limit`` the whole call (504
-before the head, the response cut short after it), ``idle`` the silence of a long-running
-response (a watch then ends cleanly, as the apiserver's own timeout ends it).
+Timers: :meth:`Exchange.limits` bounds the wait for the upstream's head, the whole call and the
+silence of a long-running response, with one timer handle per call.
 """
 
 from __future__ import annotations
@@ -35,12 +34,16 @@ class Exchange:
         "_chunked",
         "_defer",
         "_extra",
+        "_head_by",
         "_head_only",
         "_http11",
         "_idle",
         "_last",
+        "_loop",
         "_pending",
         "_timer",
+        "_total",
+        "_total_by",
         "client",
         "close_client",
         "done",
@@ -62,7 +65,7 @@ class Exchange:
         http11: bool,
         keep_alive: bool,
     ) -> None:
-        loop = asyncio.get_running_loop()
+        loop = self._loop = client.loop
         self.client = client
         self.head: asyncio.Future[None] = loop.create_future()
         self.done: asyncio.Future[bool] = loop.create_future()
@@ -77,60 +80,60 @@ class Exchange:
         self._chunked = False
         self._pending = b""
         self._timer: asyncio.TimerHandle | None = None
-        self._idle = 0.0
-        self._last = 0.0
+        self._head_by = self._total_by = self._total = self._idle = self._last = 0.0
         self.expired = False  # a timer ended it: the upstream connection is not reusable
         self.switched = False
 
-    # --- timers ------------------------------------------------------------------------
-    def arm(self, seconds: float) -> None:
-        """Fail ``head`` with ``TimeoutError`` unless the upstream's head arrives in time."""
-        if seconds:
-            self._timer = asyncio.get_running_loop().call_later(seconds, self._timed_out)
+    # --- timers (one handle per call, whatever the limits) ------------------------------
+    def limits(self, *, head: float, total: float = 0.0, idle: float = 0.0) -> None:
+        """Seconds (0: none) for the upstream's head (then 504), for the whole call (504 before
+        the head, cut short after it) and for a long-running response's silence (it then ends
+        cleanly, as the apiserver's own timeout ends a watch)."""
+        now = self._last = self._loop.time()
+        self._head_by = now + head if head else 0.0
+        self._total, self._total_by = total, (now + total if total else 0.0)
+        self._idle = idle
+        self._schedule()
 
-    def _timed_out(self) -> None:
+    def cancel_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _schedule(self) -> None:
+        waiting = not self.head.done()
+        due = [d for d in (self._head_by if waiting else 0.0, self._total_by,
+                           0.0 if waiting or not self._idle else self._last + self._idle) if d]
+        self._timer = self._loop.call_at(min(due), self._tick) if due else None
+
+    def _tick(self) -> None:
+        self._timer = None
+        if self.done.done():
+            return
+        now = self._loop.time()
         if not self.head.done():
+            if self._total_by and now >= self._total_by:
+                why = f"request timed out after {self._total:g}s"
+            elif self._head_by and now >= self._head_by:
+                why = "no response head in time"
+            else:
+                self._schedule()
+                return
             self.expired = True
-            self.head.set_exception(TimeoutError("no response head in time"))
-
-    def limit(self, seconds: float) -> asyncio.TimerHandle | None:
-        """End the call after ``seconds``: 504 before the head, cut short after it."""
-        if not seconds:
-            return None
-        return asyncio.get_running_loop().call_later(seconds, self._overran, seconds)
-
-    def _overran(self, seconds: float) -> None:
-        if self.done.done():
-            return
-        self.expired = True
-        self.on_lost(TimeoutError(f"request timed out after {seconds:g}s"))
-
-    def idle(self, seconds: float) -> asyncio.TimerHandle | None:
-        """End a long-running response cleanly after ``seconds`` without a byte."""
-        if not seconds:
-            return None
-        loop = asyncio.get_running_loop()
-        self._idle, self._last = seconds, loop.time()
-        return loop.call_later(seconds, self._idle_check)
-
-    def _idle_check(self) -> None:
-        if self.done.done():
-            return
-        loop = asyncio.get_running_loop()
-        left = self._last + self._idle - loop.time()
-        if left > 0:
-            loop.call_later(left, self._idle_check)
-            return
-        self.expired = True
-        if not self.head.done():
-            self.head.set_exception(TimeoutError(f"no response in {self._idle:g}s"))
-            return
-        timeout = TimeoutError(f"watch idle for {self._idle:g}s")
-        if self._chunked or self.close_client:  # an end the client reads as complete
-            self.error = timeout
-            self.on_complete()
-        else:  # a length-framed body cannot end early: cut it short
-            self.on_lost(timeout)
+            self.head.set_exception(TimeoutError(why))
+        elif self._total_by and now >= self._total_by:
+            self.expired = True
+            self.on_lost(TimeoutError(f"request timed out after {self._total:g}s"))
+        elif self._idle and now >= self._last + self._idle:
+            self.expired = True
+            timeout = TimeoutError(f"watch idle for {self._idle:g}s")
+            if self._chunked or self.close_client:  # an end the client reads as complete
+                self.error = timeout
+                self.on_complete()
+            else:  # a length-framed body cannot end early: cut it short
+                self.on_lost(timeout)
+        else:
+            self._schedule()
 
     # --- called by the upstream connection -----------------------------------------
     def on_head(
@@ -138,8 +141,8 @@ class Exchange:
     ) -> None:
         if self.head.done():  # timed out or cancelled meanwhile
             return
-        if self._timer is not None:
-            self._timer.cancel()
+        if self._idle or not self._total_by:  # the head's deadline is over
+            self.cancel_timer()
         self.status = status
         if length is not None:
             framing = b"Content-Length: " + length + b"\r\n"
@@ -161,12 +164,13 @@ class Exchange:
         else:
             self.client.write(head)
         self.head.set_result(None)
+        if self._idle:
+            self._schedule()  # from now on: the silence of the body
 
     def on_switch(self, reason: bytes, headers: Headers) -> None:
         if self.head.done():
             return
-        if self._timer is not None:
-            self._timer.cancel()
+        self.cancel_timer()
         self.status = 101
         self.switched = True
         self.close_client = True
@@ -177,7 +181,7 @@ class Exchange:
         if not self.head.done() or self.done.done():
             return
         if self._idle:
-            self._last = asyncio.get_running_loop().time()
+            self._last = self._loop.time()
         self.sent += len(chunk)
         if self._chunked:
             chunk = b"%x\r\n%b\r\n" % (len(chunk), chunk)
@@ -196,8 +200,7 @@ class Exchange:
         self.done.set_result(True)
 
     def on_lost(self, exc: BaseException) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
+        self.cancel_timer()
         if not self.head.done():
             self.head.set_exception(exc)
         elif self.switched:  # either side closing ends a tunnel

@@ -25,7 +25,6 @@ from urllib.parse import unquote
 
 import aiohttp
 import httptools
-from multidict import CIMultiDict, CIMultiDictProxy
 
 from proxy.engine.chain import Chain
 from proxy.engine.context import RequestContext
@@ -36,7 +35,7 @@ from proxy.relay.aftercare import Aftercare
 from proxy.relay.fast.exchange import Exchange
 from proxy.relay.fast.server import FastServer, Request
 from proxy.relay.fast.upstream import UpstreamConnection, UpstreamPool
-from proxy.relay.fast.wire import connection_tokens, request_head, status_line
+from proxy.relay.fast.wire import WireHeaders, connection_tokens, request_head, status_line
 from proxy.relay.handler import PolicyStoreLike, RelaySettings
 from proxy.relay.handler import _body_predicate as body_predicate
 from proxy.relay.session import Endpoint, TokenSource, make_session, make_ssl_context, probe
@@ -120,9 +119,7 @@ class FastRelay:
             method=method,
             path=path,
             query=query,
-            headers=CIMultiDictProxy(CIMultiDict(
-                [(n.decode("latin-1"), v.decode("latin-1")) for n, v in req.headers]
-            )),
+            headers=WireHeaders(req.headers),
             policies=self._policies.current,  # type: ignore[arg-type]
             trace_id=f"{_trace_prefix}{next(_trace_counter):x}",
         )
@@ -231,9 +228,10 @@ class FastRelay:
                     req.attach(partial(_write_chunk, conn), partial(_end_body, conn, _LAST_CHUNK))
                 else:
                     req.attach(conn.write, partial(_end_body, conn, b""))
-            exchange.arm(settings.header_timeout)
-            timer = (exchange.idle(settings.watch_idle_timeout) if long_running
-                     else exchange.limit(settings.request_timeout))
+            if long_running:
+                exchange.limits(head=settings.header_timeout, idle=settings.watch_idle_timeout)
+            else:
+                exchange.limits(head=settings.header_timeout, total=settings.request_timeout)
             try:
                 try:
                     await exchange.head
@@ -252,8 +250,7 @@ class FastRelay:
                 raise
             finally:
                 ctx.bytes_out = exchange.sent
-                if timer is not None:
-                    timer.cancel()
+                exchange.cancel_timer()
             if exchange.expired:
                 conn.close()
             if exchange.close_client:
@@ -284,7 +281,7 @@ class FastRelay:
         conn.flow = client
         try:
             conn.send(exchange, data, upgrade=True)
-            exchange.arm(self.settings.header_timeout)
+            exchange.limits(head=self.settings.header_timeout)
             try:
                 await exchange.head
             except (OSError, TimeoutError, httptools.HttpParserError) as e:
@@ -298,6 +295,7 @@ class FastRelay:
             complete = await exchange.done
         finally:
             ctx.bytes_out = exchange.sent
+            exchange.cancel_timer()
             conn.close()
         req.keep_alive = False
         if not complete and exchange.error is not None:

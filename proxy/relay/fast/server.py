@@ -188,7 +188,7 @@ class ClientConnection(asyncio.Protocol):
         self._raw_sink: Callable[[bytes], None] | None = None
         self._raw_closed: Callable[[], None] | None = None
         self._idle: asyncio.TimerHandle | None = None
-        self._loop = asyncio.get_event_loop()
+        self.loop = self._loop = asyncio.get_event_loop()
 
     @property
     def busy(self) -> bool:

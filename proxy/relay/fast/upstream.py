@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import ssl
+import time
 from typing import Protocol, cast
 
 import httptools
@@ -224,8 +225,7 @@ class UpstreamPool:
 
     async def acquire(self) -> tuple[UpstreamConnection, bool]:
         """A connection and whether it was reused from the pool."""
-        loop = asyncio.get_running_loop()
-        now = loop.time()
+        now = time.monotonic()
         idle = self._idle
         while idle:
             conn = idle.pop()
@@ -254,7 +254,7 @@ class UpstreamPool:
         if len(self._idle) >= self._max_idle:
             conn.close()
             return
-        conn.idle_since = asyncio.get_running_loop().time()
+        conn.idle_since = time.monotonic()
         self._idle.append(conn)
 
     def discard(self, conn: UpstreamConnection) -> None:

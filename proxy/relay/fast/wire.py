@@ -10,11 +10,12 @@ relay and appended by the callers.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Iterator, Mapping
 from http import HTTPStatus
 
 __all__ = [
     "Headers",
+    "WireHeaders",
     "connection_tokens",
     "request_head",
     "response_head",
@@ -33,6 +34,53 @@ _DROP_PREFIXES = (b"proxy-", b"opgate-")
 _IMPERSONATE = b"impersonate-"
 _NOTHING: frozenset[bytes] = frozenset()
 _LINES: dict[int, bytes] = {}
+
+
+class WireHeaders(Mapping[str, str]):
+    """The request's header pairs as the case-insensitive ``Mapping[str, str]`` middlewares read
+    (``ctx.headers``), without building a dict per call: a lookup scans the few pairs (the first
+    of repeated names wins, as ``CIMultiDict.get``)."""
+
+    __slots__ = ("_pairs",)
+
+    def __init__(self, pairs: Headers) -> None:
+        self._pairs = pairs
+
+    def _find(self, key: str) -> str | None:
+        want = key.lower().encode("latin-1")
+        size = len(want)
+        for name, value in self._pairs:
+            if len(name) == size and name.lower() == want:
+                return value.decode("latin-1")
+        return None
+
+    def get(self, key: str, default: str | None = None) -> str | None:  # type: ignore[override]
+        value = self._find(key)
+        return default if value is None else value
+
+    def __getitem__(self, key: str) -> str:
+        value = self._find(key)
+        if value is None:
+            raise KeyError(key)
+        return value
+
+    def __contains__(self, key: object) -> bool:
+        return isinstance(key, str) and self._find(key) is not None
+
+    def __iter__(self) -> Iterator[str]:
+        seen: set[bytes] = set()
+        for name, _ in self._pairs:
+            low = name.lower()
+            if low not in seen:
+                seen.add(low)
+                yield name.decode("latin-1")
+
+    def __len__(self) -> int:
+        return len({name.lower() for name, _ in self._pairs})
+
+    def getall(self, key: str) -> list[str]:
+        want = key.lower().encode("latin-1")
+        return [v.decode("latin-1") for n, v in self._pairs if n.lower() == want]
 
 
 def status_line(code: int, reason: bytes = b"") -> bytes:
@@ -114,15 +162,20 @@ def response_head(
     framing: bytes,
 ) -> bytes:
     """The client response head: the upstream's end-to-end headers, ``extra``, ``framing``."""
-    named = connection_tokens(headers)
     parts = [status_line(status, reason)]
+    named: frozenset[bytes] = _NOTHING
     for name, value in headers:
         low = name.lower()
         if low in _HOP or low.startswith(b"proxy-") or low == b"content-length":
-            continue
-        if named and low in named:
+            if low == b"connection":
+                named = connection_tokens(headers)
             continue
         parts += (name, b": ", value, b"\r\n")
+    if named:  # rare: names the upstream listed in Connection are hop-by-hop too
+        parts = [parts[0]] + [
+            p for i in range(1, len(parts), 4) if parts[i].lower() not in named
+            for p in parts[i : i + 4]
+        ]
     for name_s, value_s in extra:
         parts += (name_s.encode("latin-1"), b": ", value_s.encode("latin-1"), b"\r\n")
     parts += (framing, b"\r\n")

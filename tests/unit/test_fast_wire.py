@@ -1,0 +1,57 @@
+"""The fast relay's header handling on byte pairs (proxy/relay/fast/wire.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from proxy.relay.fast.wire import WireHeaders, request_head, response_head, switch_head
+
+
+def test_wire_headers_read_like_a_case_insensitive_mapping() -> None:
+    h = WireHeaders([(b"Authorization", b"Bearer x"), (b"X-A", b"1"), (b"x-a", b"2")])
+    assert h.get("authorization") == "Bearer x"
+    assert h["x-A"] == "1"  # the first of repeated names, as CIMultiDict.get
+    assert h.getall("X-A") == ["1", "2"]
+    assert "X-a" in h and "Opgate-Instance" not in h and 3 not in h
+    assert h.get("missing") is None and h.get("missing", "d") == "d"
+    with pytest.raises(KeyError):
+        h["missing"]
+    assert list(h) == ["Authorization", "X-A"] and len(h) == 2
+    assert dict(h) == {"Authorization": "Bearer x", "X-A": "1"}
+
+
+def test_response_head_drops_hop_by_hop_and_connection_named_headers() -> None:
+    head = response_head(
+        status=200, reason=b"OK",
+        headers=[(b"Connection", b"close, X-Hop"), (b"X-Hop", b"1"), (b"Content-Type", b"a/b"),
+                 (b"Keep-Alive", b"5"), (b"Proxy-Foo", b"p"), (b"Content-Length", b"9"),
+                 (b"Warning", b'299 - "w"')],
+        extra=[("Retry-After", "1")], framing=b"Content-Length: 3\r\n",
+    )
+    assert head == (b"HTTP/1.1 200 OK\r\nContent-Type: a/b\r\nWarning: 299 - \"w\"\r\n"
+                    b"Retry-After: 1\r\nContent-Length: 3\r\n\r\n")
+
+
+def test_request_head_for_an_upgrade_keeps_upgrade_and_strips_the_rest() -> None:
+    head, impersonating = request_head(
+        method=b"POST", target=b"/api/v1/namespaces/a/pods/b/exec?command=sh", host=b"up:6443",
+        headers=[(b"Host", b"x"), (b"Connection", b"Upgrade"), (b"Upgrade", b"SPDY/3.1"),
+                 (b"X-Stream-Protocol-Version", b"v4.channel.k8s.io"),
+                 (b"Impersonate-User", b"admin"), (b"Opgate-Instance", b"w")],
+        named=frozenset({b"upgrade"}), drop=(), allow_impersonation=False,
+        authorization=b"Bearer t", framing=b"", upgrade=True,
+    )
+    assert impersonating
+    assert head == (b"POST /api/v1/namespaces/a/pods/b/exec?command=sh HTTP/1.1\r\n"
+                    b"Host: up:6443\r\nUpgrade: SPDY/3.1\r\n"
+                    b"X-Stream-Protocol-Version: v4.channel.k8s.io\r\n"
+                    b"Authorization: Bearer t\r\nConnection: Upgrade\r\n\r\n")
+
+
+def test_switch_head_keeps_the_upgrade() -> None:
+    head = switch_head(reason=b"Switching Protocols",
+                       headers=[(b"Connection", b"Upgrade"), (b"Upgrade", b"SPDY/3.1"),
+                                (b"X-Stream-Protocol-Version", b"v4.channel.k8s.io")],
+                       extra=[])
+    assert head == (b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: SPDY/3.1\r\n"
+                    b"X-Stream-Protocol-Version: v4.channel.k8s.io\r\nConnection: Upgrade\r\n\r\n")
