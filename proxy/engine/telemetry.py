@@ -9,33 +9,233 @@ With ``--workers N`` every worker writes its values to files in ``PROMETHEUS_MUL
 ``/metrics`` adds them up: counters and histograms sum over all workers, dead ones included;
 each gauge's ``multiprocess_mode`` says how it combines the live workers' values. In a single
 process the mode is ignored.
+
+The metrics updated on every call (requests, durations, in-flight, watches, rate-limit
+decisions) are :class:`Deferred`: their children add up in plain floats, without
+prometheus_client's lock (nor, in multiprocess mode, its ``getpid`` and mmap write per update),
+and hand the sums to the real prometheus_client children in :func:`flush`. ``flush`` runs before
+anything reads ``REGISTRY`` (a collector registered first does it) and, in multiprocess mode,
+once per event-loop iteration that updated one (the supervisor reads the files, not this
+process), so what ``/metrics`` shows is exactly what it would be with an update per call.
+Updates come from the event loop's thread only (as every hot-path update does).
 """
 
 from __future__ import annotations
 
+import asyncio
+import os
+from bisect import bisect_left
+from collections.abc import Iterable
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.metrics import MetricWrapperBase
+
+# prometheus_client picks its value class from this variable when it is imported, so it is
+# read here the same way: in multiprocess mode the files must follow the updates promptly.
+_MULTIPROCESS = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+                     or os.environ.get("prometheus_multiproc_dir"))
+
+_dirty: list[_Child] = []
+_flush_scheduled = False
+
+
+def flush() -> None:
+    """Hand every pending sum to its prometheus_client child."""
+    global _flush_scheduled
+    _flush_scheduled = False
+    while _dirty:
+        pending = _dirty[:]
+        _dirty.clear()
+        for child in pending:
+            child.flush()
+
+
+def _schedule() -> None:
+    global _flush_scheduled
+    if _flush_scheduled:
+        return
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:  # no loop in this thread: nothing would run a deferred flush
+        flush()
+        return
+    _flush_scheduled = True
+    loop.call_soon(flush)
+
+
+class _Child:
+    """One labelled series: pending updates, and the prometheus_client child they go to."""
+
+    __slots__ = ("_queued", "_target")
+
+    def __init__(self, target: Any) -> None:
+        self._target = target
+        self._queued = False
+
+    def _mark(self) -> None:
+        self._queued = True
+        _dirty.append(self)
+        if _MULTIPROCESS:
+            _schedule()
+
+    def flush(self) -> None:
+        raise NotImplementedError
+
+
+class CounterChild(_Child):
+    __slots__ = ("_pending",)
+
+    def __init__(self, target: Any) -> None:
+        super().__init__(target)
+        self._pending = 0.0
+
+    def inc(self, amount: float = 1) -> None:
+        if amount < 0:
+            raise ValueError("Counters can only be incremented by non-negative amounts.")
+        self._pending += amount
+        if not self._queued:
+            self._mark()
+
+    def flush(self) -> None:
+        self._queued = False
+        amount, self._pending = self._pending, 0.0
+        if amount:
+            self._target.inc(amount)
+
+
+class GaugeChild(_Child):
+    __slots__ = ("_pending",)
+
+    def __init__(self, target: Any) -> None:
+        super().__init__(target)
+        self._pending = 0.0
+
+    def inc(self, amount: float = 1) -> None:
+        self._pending += amount
+        if not self._queued:
+            self._mark()
+
+    def dec(self, amount: float = 1) -> None:
+        self._pending -= amount
+        if not self._queued:
+            self._mark()
+
+    def set(self, value: float) -> None:
+        self._pending = 0.0
+        self._target.set(value)
+
+    def flush(self) -> None:
+        self._queued = False
+        amount, self._pending = self._pending, 0.0
+        if amount:
+            self._target.inc(amount)
+
+
+class HistogramChild(_Child):
+    __slots__ = ("_bounds", "_counts", "_sum")
+
+    def __init__(self, target: Any) -> None:
+        super().__init__(target)
+        self._bounds: list[float] = list(target._upper_bounds)
+        self._counts = [0] * len(self._bounds)
+        self._sum = 0.0
+
+    def observe(self, amount: float) -> None:
+        self._sum += amount
+        if amount == amount:  # NaN falls in no bucket, as in prometheus_client
+            self._counts[bisect_left(self._bounds, amount)] += 1
+        if not self._queued:
+            self._mark()
+
+    def flush(self) -> None:
+        self._queued = False
+        counts, target = self._counts, self._target
+        total, self._sum = self._sum, 0.0
+        target._sum.inc(total)
+        for i, n in enumerate(counts):
+            if n:
+                counts[i] = 0
+                target._buckets[i].inc(n)
+
+
+_CHILD_TYPES: dict[type[MetricWrapperBase], type[_Child]] = {
+    Counter: CounterChild, Gauge: GaugeChild, Histogram: HistogramChild}
+
+
+class Deferred:
+    """A prometheus_client metric whose updates are summed here and flushed (module docstring).
+
+    ``labels`` takes the label values positionally or by name, as prometheus_client does; a
+    metric without labels is updated directly (``INFLIGHT.inc()``).
+    """
+
+    __slots__ = ("_children", "_kind", "_self", "metric")
+
+    def __init__(self, metric: MetricWrapperBase) -> None:
+        self.metric = metric
+        self._kind = _CHILD_TYPES[type(metric)]
+        self._children: dict[tuple[str, ...], Any] = {}
+        self._self: Any = None if metric._labelnames else self._kind(metric)
+
+    def labels(self, *values: object, **named: object) -> Any:
+        if named:
+            names = self.metric._labelnames
+            if values or sorted(named) != sorted(names):
+                self.metric.labels(*values, **named)  # raises prometheus_client's own error
+            values = tuple(named[n] for n in names)
+        key = tuple(str(v) for v in values)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = self._kind(self.metric.labels(*key))
+        return child
+
+    def inc(self, amount: float = 1) -> None:
+        self._self.inc(amount)
+
+    def dec(self, amount: float = 1) -> None:
+        self._self.dec(amount)
+
+    def observe(self, amount: float) -> None:
+        self._self.observe(amount)
+
+    def set(self, value: float) -> None:
+        self._self.set(value)
+
+
+class _Flusher:
+    """Registered first in ``REGISTRY``: whatever collects it sees every pending update."""
+
+    def describe(self) -> Iterable[Any]:
+        return ()
+
+    def collect(self) -> Iterable[Any]:
+        flush()
+        return ()
+
 
 REGISTRY = CollectorRegistry(auto_describe=True)
+REGISTRY.register(_Flusher())
 
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5,
                     10, 30, 60)
 
-REQUESTS = Counter(
+REQUESTS = Deferred(Counter(
     "opgate_requests_total", "API calls handled, by outcome.",
     ["verb", "group", "resource", "code", "decision"], registry=REGISTRY,
-)
-REQUEST_DURATION = Histogram(
+))
+REQUEST_DURATION = Deferred(Histogram(
     "opgate_request_duration_seconds", "Time from accept to the last byte, non-long-running calls.",
     ["verb"], buckets=_LATENCY_BUCKETS, registry=REGISTRY,
-)
-UPSTREAM_DURATION = Histogram(
+))
+UPSTREAM_DURATION = Deferred(Histogram(
     "opgate_upstream_duration_seconds", "Time until the apiserver's response headers arrived.",
     ["verb"], buckets=_LATENCY_BUCKETS, registry=REGISTRY,
-)
-INFLIGHT = Gauge("opgate_inflight_requests", "Calls being handled now.", registry=REGISTRY,
-                 multiprocess_mode="livesum")
-WATCHES_OPEN = Gauge("opgate_watches_open", "Watch streams open now.", registry=REGISTRY,
-                     multiprocess_mode="livesum")
+))
+INFLIGHT = Deferred(Gauge("opgate_inflight_requests", "Calls being handled now.",
+                          registry=REGISTRY, multiprocess_mode="livesum"))
+WATCHES_OPEN = Deferred(Gauge("opgate_watches_open", "Watch streams open now.", registry=REGISTRY,
+                              multiprocess_mode="livesum"))
 UPSTREAM_ERRORS = Counter(
     "opgate_upstream_errors_total", "Calls that failed to reach the apiserver.", ["kind"],
     registry=REGISTRY,
@@ -44,10 +244,10 @@ MIDDLEWARE_ERRORS = Counter(
     "opgate_middleware_errors_total", "Exceptions raised by middleware hooks.",
     ["middleware", "hook"], registry=REGISTRY,
 )
-RATELIMIT_DECISIONS = Counter(
+RATELIMIT_DECISIONS = Deferred(Counter(
     "opgate_ratelimit_decisions_total", "Rate-limit decisions.", ["policy", "result"],
     registry=REGISTRY,
-)
+))
 QUOTA_DENIALS = Counter(
     "opgate_quota_denials_total", "Creates denied by a quota.", ["resource"], registry=REGISTRY,
 )

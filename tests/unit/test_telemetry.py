@@ -1,0 +1,126 @@
+"""Deferred metrics: what a scrape shows is exactly what per-update prometheus_client shows."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import pytest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from proxy.engine import telemetry
+from proxy.engine.telemetry import Deferred
+
+BUCKETS = (0.001, 0.01, 0.1, 1.0)
+
+
+def samples(registry: CollectorRegistry, prefix: str) -> dict[tuple[str, tuple[tuple[str, str],
+                                                                             ...]], float]:
+    """Every sample but ``*_created``, the metric name's prefix cut off."""
+    found = {}
+    for metric in registry.collect():
+        for s in metric.samples:
+            if s.name.endswith("_created") or not s.name.startswith(prefix):
+                continue
+            found[(s.name.removeprefix(prefix), tuple(sorted(s.labels.items())))] = s.value
+    return found
+
+
+def pair(kind: type, *labels: str, **kw: object) -> tuple[CollectorRegistry, object, Deferred]:
+    """A plain metric and a deferred one of the same kind, in one registry."""
+    registry = CollectorRegistry()
+    direct = kind("direct_m", "d", list(labels), registry=registry, **kw)
+    deferred = Deferred(kind("deferred_m", "d", list(labels), registry=registry, **kw))
+    return registry, direct, deferred
+
+
+def same(registry: CollectorRegistry) -> None:
+    telemetry.flush()
+    direct, deferred = samples(registry, "direct_m"), samples(registry, "deferred_m")
+    assert direct and direct == deferred
+
+
+def test_counter_children_add_up_like_prometheus_client() -> None:
+    registry, direct, deferred = pair(Counter, "verb", "code")
+    for verb, code, amount in [("get", "200", 1), ("get", "200", 2.5), ("list", "429", 1),
+                               ("get", "200", 1)]:
+        direct.labels(verb, code).inc(amount)  # type: ignore[attr-defined]
+        deferred.labels(verb, code).inc(amount)
+    direct.labels(verb="watch", code="200").inc()  # type: ignore[attr-defined]
+    deferred.labels(verb="watch", code="200").inc()
+    assert deferred.labels("get", 200) is deferred.labels("get", "200")  # str() like prometheus
+    same(registry)
+
+
+def test_counter_refuses_what_prometheus_client_refuses() -> None:
+    _, _, deferred = pair(Counter, "verb")
+    with pytest.raises(ValueError, match="non-negative"):
+        deferred.labels("get").inc(-1)
+    with pytest.raises(ValueError):
+        deferred.labels(nope="get")
+    with pytest.raises(ValueError):
+        deferred.labels("get", "extra")
+
+
+@pytest.mark.parametrize("values", [
+    [0.0005, 0.001, 0.0011, 0.01, 0.5, 1.0, 1.5, math.inf, 0.0],  # bounds fall in their own bucket
+    [2.0, 2.0, 3.0],
+    [-1.0, 0.05],
+])
+def test_histogram_buckets_and_sum_like_prometheus_client(values: list[float]) -> None:
+    registry, direct, deferred = pair(Histogram, "verb", buckets=BUCKETS)
+    for value in values:
+        direct.labels("get").observe(value)  # type: ignore[attr-defined]
+        deferred.labels("get").observe(value)
+    same(registry)
+    for value in values:  # a second batch adds to the first
+        direct.labels("get").observe(value)  # type: ignore[attr-defined]
+        deferred.labels("get").observe(value)
+    same(registry)
+
+
+def test_gauge_inc_dec_set_like_prometheus_client() -> None:
+    registry, direct, deferred = pair(Gauge)
+    for op, amount in [("inc", 1), ("inc", 2), ("dec", 1), ("set", 7), ("inc", 1), ("dec", 3)]:
+        getattr(direct, op)(amount)
+        getattr(deferred, op)(amount)
+        same(registry)
+    registry, direct, deferred = pair(Gauge)
+    deferred.inc()
+    deferred.set(4)  # a set replaces the updates before it, flushed or not
+    direct.set(4)  # type: ignore[attr-defined]
+    same(registry)
+
+
+def test_registry_readers_see_pending_updates_without_a_flush() -> None:
+    labels = {"verb": "get", "group": "", "resource": "t-pending", "code": "200",
+              "decision": "allowed"}
+    before = telemetry.REGISTRY.get_sample_value("opgate_requests_total", labels) or 0.0
+    child = telemetry.REQUESTS.labels(*labels.values())
+    child.inc()
+    child.inc()
+    assert telemetry.REGISTRY.get_sample_value("opgate_requests_total", labels) == before + 2
+    telemetry.INFLIGHT.inc()
+    assert telemetry.REGISTRY.get_sample_value("opgate_inflight_requests") == 1
+    telemetry.INFLIGHT.dec()
+    assert telemetry.REGISTRY.get_sample_value("opgate_inflight_requests") == 0
+
+
+def test_multiprocess_mode_hands_updates_over_after_each_loop_iteration(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With --workers the supervisor reads the files, not this process: no scrape flushes them."""
+    monkeypatch.setattr(telemetry, "_MULTIPROCESS", True)
+    _, _, deferred = pair(Counter, "verb")
+    target = deferred.labels("get")._target
+
+    async def go() -> tuple[float, float]:
+        deferred.labels("get").inc()
+        deferred.labels("get").inc()
+        pending = target._value.get()
+        await asyncio.sleep(0)
+        return pending, target._value.get()
+
+    assert asyncio.run(go()) == (0.0, 2.0)
+    deferred.labels("get").inc()  # no running loop: handed over at once
+    assert target._value.get() == 3.0
