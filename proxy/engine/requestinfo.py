@@ -12,11 +12,18 @@ or watch.
 It knows no transport: give it the decoded URL path (aiohttp's ``request.path``) and the raw query
 string (``request.raw_query_string``). The query is only looked at for a GET/HEAD on a collection,
 the one case where it changes the verb or the name.
+
+A :class:`RequestInfo` is immutable and depends on nothing but (method, path, query), so
+:func:`parse_request_info` answers repeated calls (an operator asks for the same objects over
+and over) from a bounded cache, the very same object each time. Its ``shape`` is what a policy
+rule can match on besides the user (verbs, group, resource, subresource, namespace): calls that
+differ only by object name share it, which is what the middlewares key their per-call
+decisions on.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from proxy.engine.selectors import list_or_watch
 
@@ -25,6 +32,7 @@ __all__ = [
     "LONG_RUNNING_SUBRESOURCES",
     "LONG_RUNNING_VERBS",
     "RequestInfo",
+    "Shape",
     "parse_request_info",
 ]
 
@@ -50,6 +58,12 @@ LONG_RUNNING_SUBRESOURCES = frozenset({"attach", "exec", "proxy", "log", "portfo
 # 1.35 (AuthorizePodWebsocketUpgradeCreatePermission) the apiserver demands "create" for both.
 CONNECT_SUBRESOURCES = frozenset({"exec", "attach", "portforward"})
 
+CACHE_SIZE = 4096  # distinct (method, path, query) kept; the cache starts over when full
+
+# (policy_verb, verb, api_group, resource, subresource, namespace, is_resource_request,
+#  is_long_running): everything a rule's match can look at except the user and the name
+Shape = tuple[str, str, str, str, str, str, bool, bool]
+
 
 @dataclass(frozen=True, slots=True)
 class RequestInfo:
@@ -66,19 +80,16 @@ class RequestInfo:
     subresource: str = ""
     name: str = ""
     parts: tuple[str, ...] = ()
+    # derived from the fields above once, when built (see the properties below)
+    shape: Shape = field(init=False, repr=False, compare=False)
 
-    @property
-    def is_long_running(self) -> bool:
-        """True where the apiserver lifts its request timeout and in-flight limit."""
+    def __post_init__(self) -> None:
         if self.verb in LONG_RUNNING_VERBS:
-            return True
-        if self.is_resource_request:
-            return self.subresource in LONG_RUNNING_SUBRESOURCES
-        return self.path.startswith("/debug/pprof/")
-
-    @property
-    def policy_verb(self) -> str:
-        """The verb to authorize: ``verb``, except pod exec/attach/portforward are always create."""
+            long_running = True
+        elif self.is_resource_request:
+            long_running = self.subresource in LONG_RUNNING_SUBRESOURCES
+        else:
+            long_running = self.path.startswith("/debug/pprof/")
         if (
             self.verb == "get"
             and self.subresource in CONNECT_SUBRESOURCES
@@ -86,12 +97,44 @@ class RequestInfo:
             and self.api_group == ""
             and self.is_resource_request
         ):
-            return "create"
-        return self.verb
+            policy_verb = "create"
+        else:
+            policy_verb = self.verb
+        object.__setattr__(self, "shape", (
+            policy_verb, self.verb, self.api_group, self.resource, self.subresource,
+            self.namespace, self.is_resource_request, long_running))
+
+    @property
+    def is_long_running(self) -> bool:
+        """True where the apiserver lifts its request timeout and in-flight limit."""
+        return self.shape[7]
+
+    @property
+    def policy_verb(self) -> str:
+        """The verb to authorize: ``verb``, except pod exec/attach/portforward are always create."""
+        return self.shape[0]
+
+
+_cache: dict[tuple[str, str, str], RequestInfo] = {}
 
 
 def parse_request_info(method: str, path: str, query: str = "") -> RequestInfo:
     """Classify one request; ``query`` is the raw query string without its ``?``.
+
+    Answered from the cache when the same (method, path, query) was classified before.
+    """
+    key = (method, path, query)
+    info = _cache.get(key)
+    if info is None:
+        info = _parse(method, path, query)
+        if len(_cache) >= CACHE_SIZE:
+            _cache.clear()
+        _cache[key] = info
+    return info
+
+
+def _parse(method: str, path: str, query: str) -> RequestInfo:
+    """The classification itself (see :func:`parse_request_info`).
 
     A path with a verb prefix but nothing after it (``/api/v1/watch``) is one the apiserver
     answers with a 500; it comes back here as the partial info the apiserver had at that point

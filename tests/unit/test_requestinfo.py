@@ -378,3 +378,50 @@ def test_request_info_is_frozen_and_slotted() -> None:
         info.verb = "watch"  # type: ignore[misc]
     assert not hasattr(info, "__dict__")
     assert hash(info) == hash(parse_request_info("GET", "/api/v1/pods"))
+
+
+# --- the cache and the shape ------------------------------------------------------------------
+
+
+def test_repeated_calls_get_the_same_info_and_distinct_ones_their_own() -> None:
+    first = parse_request_info("GET", "/api/v1/namespaces/a/configmaps/x", "")
+    assert parse_request_info("GET", "/api/v1/namespaces/a/configmaps/x", "") is first
+    assert parse_request_info("GET", "/api/v1/namespaces/a/configmaps", "watch=1").verb == "watch"
+    assert parse_request_info("GET", "/api/v1/namespaces/a/configmaps", "").verb == "list"
+    assert parse_request_info("HEAD", "/api/v1/namespaces/a/configmaps/x", "") is not first
+
+
+def test_the_cache_stays_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    from proxy.engine import requestinfo
+
+    monkeypatch.setattr(requestinfo, "CACHE_SIZE", 8)
+    infos = [parse_request_info("GET", f"/api/v1/namespaces/a/configmaps/c{i}") for i in range(50)]
+    assert len(requestinfo._cache) <= 8
+    again = [parse_request_info("GET", f"/api/v1/namespaces/a/configmaps/c{i}") for i in range(50)]
+    assert again == infos  # equal, whether or not still cached
+
+
+@pytest.mark.parametrize(("method", "path", "query"), [
+    ("GET", f"{POD}/exec", ""),
+    ("GET", f"{POD}/log", ""),
+    ("GET", "/api/v1/pods", "watch=1"),
+    ("GET", "/debug/pprof/profile", ""),
+    ("GET", "/healthz", ""),
+    ("DELETE", f"{APPS}/deployments", ""),
+    ("PUT", f"{CRD}/namespaces/n/widgets/w/status", ""),
+])
+def test_shape_is_what_rules_match_on(method: str, path: str, query: str) -> None:
+    info = parse_request_info(method, path, query)
+    assert info.shape == (info.policy_verb, info.verb, info.api_group, info.resource,
+                          info.subresource, info.namespace, info.is_resource_request,
+                          info.is_long_running)
+    built = dataclasses.replace(info)  # built directly, not parsed: derived all the same
+    assert built == info and built.shape == info.shape
+    assert "shape" not in repr(info)
+
+
+def test_calls_that_differ_by_name_share_a_shape() -> None:
+    a = parse_request_info("GET", "/api/v1/namespaces/a/configmaps/x")
+    b = parse_request_info("GET", "/api/v1/namespaces/a/configmaps/y")
+    assert a != b and a.shape == b.shape
+    assert parse_request_info("GET", "/api/v1/namespaces/b/configmaps/x").shape != a.shape
