@@ -6,6 +6,7 @@ A middleware is a plain object (mitmproxy's addon style)::
         name = "ratelimit"        # bounded label for logs and metrics
         needs_body = False        # True: the relay reads the (bounded) body into ctx.body
         fail_open = False         # a crash in this middleware lets the call go on (else 500)
+        sections = ("rateLimits",)  # optional: entry acts only on policy sets with one of these
 
         def wants_body(self, ctx: RequestContext) -> bool: ...  # optional: this call's body?
         async def entry(self, ctx: RequestContext) -> Decision | None: ...  # before relaying
@@ -15,7 +16,10 @@ A middleware is a plain object (mitmproxy's addon style)::
 ``needs_body`` says a middleware may want request bodies at all; the optional ``wants_body``
 narrows it per call (the relay reads a body, bounded, only when one of them wants it, so every
 other body streams). Every hook is optional; the chain looks them up by name once, when it is
-built, so the hot path only loops over the hooks that exist. An ``entry`` hook returns
+built, so the hot path only loops over the hooks that exist; a middleware that declares
+``sections`` promises that its ``entry`` does nothing (returns ``None``) under a policy set
+without any of them, so the chain skips that hook for such a set (worked out once per set).
+An ``entry`` hook returns
 ``None`` (go on), a :class:`Deny` (the first one ends the chain) or a :class:`Delay` (sleep, then
 go on). Middlewares never touch sockets; the relay never knows which middlewares exist.
 """
@@ -53,7 +57,8 @@ def is_retryable(code: int) -> bool:
 class Chain:
     """An ordered, immutable list of middlewares, with their hooks resolved once."""
 
-    __slots__ = ("_entry", "_exit", "_retry", "middlewares", "needs_body")
+    __slots__ = ("_active", "_active_for", "_entry", "_exit", "_retry", "_sections",
+                 "middlewares", "needs_body")
 
     def __init__(self, middlewares: Sequence[object] = ()) -> None:
         self.middlewares = tuple(middlewares)
@@ -61,6 +66,21 @@ class Chain:
         self._entry = self._hooks("entry")
         self._exit = self._hooks("exit")
         self._retry = self._hooks("retry")
+        self._sections: tuple[tuple[str, ...] | None, ...] = tuple(
+            None if getattr(m, "sections", None) is None else tuple(m.sections)  # type: ignore[attr-defined]
+            for m in self.middlewares if getattr(m, "entry", None) is not None)
+        self._active_for: object = None
+        self._active = self._entry
+
+    def _entry_hooks(self, policies: object) -> tuple[tuple[str, bool, EntryHook], ...]:
+        """The entry hooks that can act under ``policies`` (remembered for the last set)."""
+        if policies is not self._active_for:
+            section = getattr(policies, "section", None)
+            self._active = tuple(
+                hook for hook, sections in zip(self._entry, self._sections, strict=True)
+                if sections is None or section is None or any(section(s) for s in sections))
+            self._active_for = policies  # held: identity stays meaningful
+        return self._active  # type: ignore[return-value]
 
     def _hooks(self, hook: str) -> tuple[tuple[str, bool, Callable[..., Awaitable[object]]], ...]:
         found = []
@@ -72,7 +92,7 @@ class Chain:
 
     async def entry(self, ctx: RequestContext) -> StatusError | None:
         """Run the entry hooks; return the Status to answer with, or ``None`` to relay."""
-        for name, fail_open, hook in self._entry:
+        for name, fail_open, hook in self._entry_hooks(ctx.policies):
             try:
                 decision = await hook(ctx)
             except asyncio.CancelledError:

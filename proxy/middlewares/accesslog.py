@@ -5,9 +5,10 @@ and out, the custom-resource instance the controller named (``Opgate-Instance``)
 when a middleware verified one. Never a token nor any other header value.
 
 This runs on every call, so it is built for the hot path: the line is assembled from strings
-escaped by the C JSON encoder (no dict, no ``json.dumps``), the time prefix is formatted once per
-second, and an :class:`AccessWriter` batches lines into one ``write`` every few milliseconds
-instead of a flushed write per call. Without a writer, lines go to the ``opgate.access`` logger.
+escaped by the C JSON encoder (no dict, no ``json.dumps``), the fields that depend only on the
+call's RequestInfo are escaped once per info, the time prefix is formatted once per second, and
+an :class:`AccessWriter` batches lines into one ``write`` every few milliseconds instead of a
+flushed write per call. Without a writer, lines go to the ``opgate.access`` logger.
 """
 
 from __future__ import annotations
@@ -19,12 +20,14 @@ import time
 from typing import IO
 
 from proxy.engine.context import RequestContext
+from proxy.engine.requestinfo import RequestInfo
 
 log = logging.getLogger("opgate.access")
 
 _esc = json.encoder.encode_basestring  # the C encoder: quotes and escapes one string
 FLUSH_SECONDS = 0.05
 FLUSH_BYTES = 64 * 1024
+MEMO_SIZE = 4096  # calls (RequestInfo) whose escaped fields are remembered
 
 
 class AccessWriter:
@@ -81,6 +84,10 @@ class AccessLog:
         self._writer = writer
         self._second = -1
         self._prefix = ""
+        # per RequestInfo (kept alive here, so its id stays its own): the escaped verb and the
+        # fields that only depend on it; infos are shared by equal calls (parse_request_info)
+        self._parts: dict[int, tuple[RequestInfo, str, str]] = {}
+        self._decisions: dict[str, str] = {}
 
     def _time(self, wall: float) -> str:
         second = int(wall)
@@ -89,35 +96,45 @@ class AccessLog:
             self._prefix = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second))
         return f"{self._prefix}.{int((wall - second) * 1000):03d}Z"
 
-    def line(self, ctx: RequestContext) -> str:
-        info = ctx.info
-        parts = [
-            '{"time":"', self._time(ctx.wall_time), '","trace":"', ctx.trace_id,
-            '","verb":', _esc(info.verb), ',"code":', str(ctx.status_code),
-            ',"decision":', _esc(ctx.decision),
-            ',"duration_ms":', str(round(ctx.duration * 1000, 3)),
-            ',"bytes_in":', str(ctx.bytes_in), ',"bytes_out":', str(ctx.bytes_out),
-        ]
+    def _info_parts(self, info: RequestInfo) -> tuple[str, str]:
+        """``(escaped verb, the resource/path fields)`` of a call, remembered per info."""
+        hit = self._parts.get(id(info))
+        if hit is not None and hit[0] is info:
+            return hit[1], hit[2]
         if info.is_resource_request:
             resource = f"{info.resource}.{info.api_group}" if info.api_group else info.resource
-            parts += (',"resource":', _esc(resource))
+            fields = ',"resource":' + _esc(resource)
             if info.subresource:
-                parts += (',"subresource":', _esc(info.subresource))
+                fields += ',"subresource":' + _esc(info.subresource)
             if info.namespace:
-                parts += (',"namespace":', _esc(info.namespace))
+                fields += ',"namespace":' + _esc(info.namespace)
             if info.name:
-                parts += (',"name":', _esc(info.name))
+                fields += ',"name":' + _esc(info.name)
         else:
-            parts += (',"path":', _esc(info.path))
+            fields = ',"path":' + _esc(info.path)
+        verb = _esc(info.verb)
+        if len(self._parts) >= MEMO_SIZE:
+            self._parts.clear()
+        self._parts[id(info)] = (info, verb, fields)
+        return verb, fields
+
+    def line(self, ctx: RequestContext) -> str:
+        verb, fields = self._info_parts(ctx.info)
+        decision = self._decisions.get(ctx.decision)
+        if decision is None:
+            decision = self._decisions[ctx.decision] = _esc(ctx.decision)
+        line = (f'{{"time":"{self._time(ctx.wall_time)}","trace":"{ctx.trace_id}","verb":{verb}'
+                f',"code":{ctx.status_code},"decision":{decision}'
+                f',"duration_ms":{round(ctx.duration * 1000, 3)!s}'
+                f',"bytes_in":{ctx.bytes_in},"bytes_out":{ctx.bytes_out}{fields}')
         instance = ctx.headers.get("opgate-instance")
         if instance:
-            parts += (',"instance":', _esc(instance[:256]))
+            line += ',"instance":' + _esc(instance[:256])
         if ctx.identity is not None:
-            parts += (',"user":', _esc(ctx.identity.user))
+            line += ',"user":' + _esc(ctx.identity.user)
         if ctx.error:
-            parts += (',"error":', _esc(ctx.error))
-        parts.append("}")
-        return "".join(parts)
+            line += ',"error":' + _esc(ctx.error)
+        return line + "}"
 
     async def exit(self, ctx: RequestContext) -> None:
         if self._writer is not None:

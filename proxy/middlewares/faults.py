@@ -92,34 +92,61 @@ def parse_section(node: Located, errors: list[PolicyError]) -> tuple[Fault, ...]
     return tuple(x for x in faults if x is not None)
 
 
+MEMO_SIZE = 4096  # (call shape, user) pairs whose matching faults are remembered per policy set
+
+
 class Faults:
-    """The middleware. ``rng`` returns a float in [0, 1) (seeded in tests)."""
+    """The middleware. ``rng`` returns a float in [0, 1) (seeded in tests).
+
+    Which faults match depends only on the call's shape and user
+    (:attr:`~proxy.engine.requestinfo.RequestInfo.shape`), so it is worked out once per pair and
+    policy set; a call that no fault matches costs one lookup.
+    """
 
     name = "faults"
     needs_body = False
+    sections = (SECTION,)  # entry does nothing under a policy set without one
     fail_open = True  # a broken fault must never break the operator it is rehearsing with
 
     def __init__(self, *, rng: Callable[[], float] = random.random) -> None:
         self._rng = rng
+        self._memo_for: object = None
+        self._memo: dict[tuple[Any, str], tuple[tuple[Any, Fault], ...]] = {}
+
+    def _matching(self, ctx: RequestContext) -> tuple[tuple[Any, Fault], ...]:
+        """``(policy, fault)`` for every fault that matches the call, in order."""
+        policies = ctx.policies
+        if policies is not self._memo_for:
+            self._memo = {}
+            self._memo_for = policies  # held: identity stays meaningful
+        user = ctx.user
+        key = (ctx.info.shape, user)
+        found = self._memo.get(key)
+        if found is None:
+            info = ctx.info
+            verb = info.policy_verb
+            found = tuple((policy, fault) for policy, faults in policies.section(SECTION)
+                          for fault in faults  # type: ignore[attr-defined]
+                          if fault.match.matches(info, verb, user))
+            if len(self._memo) >= MEMO_SIZE:
+                self._memo.clear()
+            self._memo[key] = found
+        return found
 
     async def entry(self, ctx: RequestContext) -> Decision | None:
-        section = ctx.policies.section(SECTION)
-        if not section:
+        if not ctx.policies.section(SECTION):
             return None
-        info = ctx.info
-        verb = info.policy_verb
-        for policy, faults in section:
-            fault: Any
-            for fault in faults:  # type: ignore[attr-defined]
-                if not fault.match.matches(info, verb, ctx.user):
-                    continue
-                if fault.probability < 1.0 and self._rng() >= fault.probability:
-                    continue
-                if (fault.mode or policy.mode) == "dryrun":
-                    telemetry.DRYRUN_DENIALS.labels("faults").inc()
-                    ctx.warn(f"fault {fault.name} of policy {policy.name} would fire (dryrun)")
-                    continue
-                return await self._fire(ctx, fault, policy.name)
+        matching = self._matching(ctx)
+        if not matching:
+            return None
+        for policy, fault in matching:
+            if fault.probability < 1.0 and self._rng() >= fault.probability:
+                continue
+            if (fault.mode or policy.mode) == "dryrun":
+                telemetry.DRYRUN_DENIALS.labels("faults").inc()
+                ctx.warn(f"fault {fault.name} of policy {policy.name} would fire (dryrun)")
+                continue
+            return await self._fire(ctx, fault, policy.name)
         return None
 
     async def _fire(self, ctx: RequestContext, fault: Fault, policy: str) -> Decision:

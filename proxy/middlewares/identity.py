@@ -6,6 +6,7 @@ until the token expires or 5 minutes, whichever is first), so a known token cost
 and the rule matching. A JWT of an accepted issuer is verified here (asymmetric signatures only,
 ``iss``, ``aud``, ``exp``/``nbf`` with 30 s of leeway) with the keys the :class:`Authenticator`
 fetches; any other token goes to the apiserver (a TokenReview) and the apiserver decides.
+PyJWT (and cryptography) are imported the first time a token that looks like a JWT is verified.
 
 Then each policy with an identity section must pass, in order: the token is accepted (401
 otherwise), the caller is in ``allow`` and the first rule that matches allows the call (403
@@ -14,6 +15,12 @@ naming the rule, or saying no rule matches, and the policy file), and, with
 ``dryrun`` policy never denies: it warns (``Warning`` header), logs and counts. A verified caller
 becomes ``ctx.identity`` (the rate limiter's ``{user}``). The network calls live in
 :mod:`proxy.relay.authn`; this module never touches a socket.
+
+The outcome of those checks depends only on the verified token and the call's
+:attr:`~proxy.engine.requestinfo.RequestInfo.shape`, so a cached token remembers the shapes
+every policy allowed without a word (no denial, no dryrun warning; never with
+``subjectAccessReview``, which is asked per object): the next such call costs a hash of the
+token and two lookups.
 """
 
 from __future__ import annotations
@@ -24,14 +31,12 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
-
-import jwt
 
 from proxy.engine import telemetry
 from proxy.engine.context import Decision, Deny, Identity, RequestContext
-from proxy.engine.requestinfo import RequestInfo
+from proxy.engine.requestinfo import RequestInfo, Shape
 from proxy.engine.status import forbidden, service_unavailable, unauthorized
 from proxy.middlewares.identity_spec import (
     KUBERNETES,
@@ -54,6 +59,7 @@ TOKEN_TTL = 300.0
 NEGATIVE_TTL = 10.0
 SAR_TTL = 10.0
 CACHE_SIZE = 4096
+ALLOWED_SHAPES = 256  # per cached token: the call shapes every policy allowed
 
 
 class Authenticator(Protocol):
@@ -73,6 +79,8 @@ class _Verified:
     issuer_url: str
     audiences: tuple[str, ...]
     expires: float  # monotonic
+    # call shapes that every policy of the current plan allowed (the plan clears the cache)
+    allowed: set[Shape] = field(default_factory=set, compare=False, repr=False)
 
 
 class _Invalid(Exception):
@@ -84,6 +92,7 @@ class _Plan:
     section: tuple[tuple[Any, IdentitySpec], ...]
     oidc: Mapping[str, Issuer]
     kubernetes: Issuer | None
+    memo: bool = True  # whether allowed shapes may be remembered (no subjectAccessReview)
 
 
 def _bearer(headers: Mapping[str, str]) -> str | None:
@@ -108,6 +117,7 @@ class IdentityCheck:
     name = "identity"
     needs_body = False
     fail_open = False
+    sections = (SECTION,)  # entry does nothing under a policy set without one
 
     def __init__(self, *, authenticator: Authenticator, cache_size: int = CACHE_SIZE) -> None:
         self.auth = authenticator
@@ -129,7 +139,8 @@ class IdentityCheck:
                         kubernetes = kubernetes or issuer
                     else:
                         oidc.setdefault(issuer.url, issuer)
-            self._plan = _Plan(section, oidc, kubernetes)
+            memo = not any(spec.subject_access_review for _policy, spec in section)
+            self._plan = _Plan(section, oidc, kubernetes, memo)
             self._plan_for = policies
             self._tokens.clear()  # claim mappings may have changed
         return self._plan
@@ -142,8 +153,12 @@ class IdentityCheck:
         verified: _Verified | None = None
         problem = "no bearer token in the Authorization header"
         if token is not None:
+            hit = self._cached(token)
+            if hit is not None and ctx.info.shape in hit.allowed:
+                ctx.identity = hit.identity
+                return None
             try:
-                verified = await self._verify(token, plan)
+                verified = hit or await self._verify(token, plan)
             except _Invalid as exc:
                 problem = f"invalid bearer token: {str(exc).replace(token, '<token>')}"
             except asyncio.CancelledError:
@@ -153,6 +168,7 @@ class IdentityCheck:
         if verified is not None:
             ctx.identity = verified.identity
         sar: list[tuple[bool, str]] = []  # one SubjectAccessReview per call, if any policy asks
+        silent = True  # no policy denied nor warned
         for policy, spec in plan.section:
             denial = self._check(ctx, spec, policy, verified, problem, token is None)
             if denial is None and spec.subject_access_review and verified is not None:
@@ -169,6 +185,7 @@ class IdentityCheck:
                         f'"{policy.name}", {policy.source}); try again'), "unauthorized")
             if denial is None:
                 continue
+            silent = False
             code, reason, message = denial
             telemetry.IDENTITY_DENIALS.labels(reason).inc()
             if policy.dryrun:
@@ -180,6 +197,9 @@ class IdentityCheck:
             if code == 401:
                 return Deny(unauthorized(f"opgate: Unauthorized: {message}"), "unauthorized")
             return Deny(forbidden(f"opgate: {message}"), "denied")
+        if (silent and plan.memo and verified is not None and plan is self._plan
+                and len(verified.allowed) < ALLOWED_SHAPES):
+            verified.allowed.add(ctx.info.shape)
         return None
 
     def _check(self, ctx: RequestContext, spec: IdentitySpec, policy: Any,
@@ -225,6 +245,17 @@ class IdentityCheck:
 
     # --- verification (cached) --------------------------------------------------------------
 
+    def _cached(self, token: str | None) -> _Verified | None:
+        """The live cache entry of a token the apiserver or a signature accepted, if any."""
+        if token is None:
+            return None
+        key = hashlib.sha256(token.encode()).digest()
+        hit = self._tokens.get(key)
+        if hit is None or hit.identity is None or hit.expires <= time.monotonic():
+            return None
+        self._tokens.move_to_end(key)
+        return hit
+
     async def _verify(self, token: str, plan: _Plan) -> _Verified:
         key = hashlib.sha256(token.encode()).digest()
         hit = self._tokens.get(key)
@@ -253,6 +284,10 @@ class IdentityCheck:
             cache.popitem(last=False)
 
     async def _verify_uncached(self, token: str, plan: _Plan) -> _Verified:
+        if token.count(".") < 2:  # not a JWT (PyJWT would say "Not enough segments")
+            return await self._review(token, {})
+        import jwt
+
         try:
             header = jwt.get_unverified_header(token)
             claims = jwt.decode(token, options={"verify_signature": False})
@@ -270,6 +305,8 @@ class IdentityCheck:
 
     async def _verify_jwt(self, token: str, header: Mapping[str, Any], issuer: Issuer,
                           iss: str) -> _Verified:
+        import jwt
+
         alg = header.get("alg")
         if alg not in ALGORITHMS:
             raise _Invalid(f"signing algorithm {str(alg)[:20]!r} is not accepted")

@@ -29,6 +29,7 @@ import logging
 import math
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from proxy.engine import telemetry
@@ -51,13 +52,29 @@ __all__ = ["SECTION", "InstanceOverrides", "MemoryInstanceOverrides", "RateLimit
 log = logging.getLogger("opgate.ratelimit")
 
 
+MEMO_SIZE = 4096  # (call shape, user) pairs whose matching rules are remembered per policy set
+_SHAPE_ONLY = frozenset({"user", "verb", "group", "resource", "namespace"})
+
+
 def _or_dash(value: str) -> str:
     return value or "-"
+
+
+@dataclass(frozen=True, slots=True)
+class _Matched:
+    """The rules that apply to calls of one (shape, user), split by mode. ``requests``: the
+    enforced rules' buckets, when their keys depend on nothing else (else built per call)."""
+
+    rules: list[BoundRule]
+    enforce: list[BoundRule]
+    dryrun: list[BoundRule]
+    requests: list[BucketRequest] | None
 
 
 class RateLimit:
     name = "ratelimit"
     fail_open = False
+    sections = (SECTION,)  # entry does nothing under a policy set without one
 
     def __init__(
         self, *, store: Store, overrides: InstanceOverrides | None = None,
@@ -70,13 +87,45 @@ class RateLimit:
         self.needs_body = resolve_instance_from_body  # narrowed per call by wants_body
         self._plan_for: object = None
         self._plan = Plan(())
+        self._memo: dict[tuple[Any, str], _Matched | None] = {}
         self._queues: dict[str, deque[asyncio.Future[None]]] = {}
 
     def _plan_of(self, policies: Any) -> Plan:
         if policies is not self._plan_for:
             self._plan = bind_rules(policies.section(SECTION))
+            self._memo = {}
             self._plan_for = policies  # held: identity stays meaningful
         return self._plan
+
+    def _matched(self, ctx: RequestContext) -> _Matched | None:
+        """The rules this call must pass (memoized per shape and user), ``None`` for none."""
+        user = ctx.user
+        key = (ctx.info.shape, user)
+        try:
+            return self._memo[key]
+        except KeyError:
+            pass
+        found = self._plan.matched(ctx.info, user)
+        result = None
+        if found:
+            enforce = [b for b in found if not b.dryrun]
+            requests = None
+            if all(b.rule.key.fields <= _SHAPE_ONLY for b in enforce):
+                values = self._values(ctx)
+                requests = [self._bucket(b, values) for b in enforce]
+            result = _Matched(found, enforce, [b for b in found if b.dryrun], requests)
+        if len(self._memo) >= MEMO_SIZE:
+            self._memo.clear()
+        self._memo[key] = result
+        return result
+
+    @staticmethod
+    def _values(ctx: RequestContext) -> dict[str, str]:
+        info = ctx.info
+        return {"user": _or_dash(ctx.user), "verb": info.policy_verb,
+                "group": _or_dash(info.api_group), "resource": _or_dash(info.resource),
+                "namespace": _or_dash(info.namespace), "name": _or_dash(info.name),
+                "instance": "-"}
 
     def wants_body(self, ctx: RequestContext) -> bool:
         """Whether the relay should read this call's body: a JSON create/update without the
@@ -99,25 +148,27 @@ class RateLimit:
         plan = self._plan_of(ctx.policies)
         if not plan.rules:
             return None
-        matched = plan.matched(ctx.info, ctx.user)
-        if not matched:
+        found = self._matched(ctx)
+        if found is None:
             return None
-        info = ctx.info
-        values = {"user": _or_dash(ctx.user), "verb": info.policy_verb,
-                  "group": _or_dash(info.api_group), "resource": _or_dash(info.resource),
-                  "namespace": _or_dash(info.namespace), "name": _or_dash(info.name),
-                  "instance": "-"}
+        enforce = found.enforce
+        if found.requests is not None and not found.dryrun:  # the common case
+            return await self._enforce(ctx, enforce, found.requests)
+        matched = found.rules
+        values = self._values(ctx)
         if plan.needs_instance and any(b.needs_instance for b in matched):
             instance = self._instance(ctx)
             if instance:
                 values["instance"] = instance
                 ctx.drop_request_headers.add(INSTANCE_HEADER.lower())
-        enforce = [b for b in matched if not b.dryrun]
-        if len(enforce) < len(matched):
-            await self._dryrun(ctx, [b for b in matched if b.dryrun], values)
+        if found.dryrun:
+            await self._dryrun(ctx, found.dryrun, values)
         if not enforce:
             return None
-        return await self._enforce(ctx, enforce, [self._bucket(b, values) for b in enforce])
+        requests = found.requests
+        if requests is None:
+            requests = [self._bucket(b, values) for b in enforce]
+        return await self._enforce(ctx, enforce, requests)
 
     def _bucket(self, b: BoundRule, values: dict[str, str]) -> BucketRequest:
         rule, rate = b.rule, b.rule.qps

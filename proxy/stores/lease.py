@@ -66,15 +66,20 @@ class LeasingStore:
         return r.lease or self.lease_all
 
     async def acquire(self, requests: Sequence[BucketRequest]) -> Verdict:
-        if not any(self._leased(r) for r in requests):
-            return await self.inner.acquire(requests)
+        if not self.lease_all:
+            for r in requests:
+                if r.lease:
+                    break
+            else:
+                return await self.inner.acquire(requests)
         while True:
             now = self._clock()
             if now >= self._next_sweep:
                 self._sweep(now)
-            cached = self._cached_denial(requests, now)
-            if cached is not None:
-                return cached
+            if self._denied:
+                cached = self._cached_denial(requests, now)
+                if cached is not None:
+                    return cached
             local, remote = self._reserve(requests, now)
             if not remote:
                 self.local_hits += 1
@@ -208,8 +213,11 @@ class LeasingStore:
                           reset=max(0.0, lease.reset_at - now))
 
     def _local_verdict(self, requests: Sequence[BucketRequest], now: float) -> Verdict:
-        return Verdict(allowed=True, keys=tuple(self._lease_verdict(r, now) for r in requests),
-                       backend="lease")
+        if len(requests) == 1:
+            keys: tuple[KeyVerdict, ...] = (self._lease_verdict(requests[0], now),)
+        else:
+            keys = tuple([self._lease_verdict(r, now) for r in requests])
+        return Verdict(allowed=True, keys=keys, backend="lease")
 
     def _sweep(self, now: float) -> None:
         """Forget idle leases and lapsed denials so memory follows the set of hot keys."""

@@ -129,3 +129,40 @@ def test_retry_hooks_see_retryable_outcomes(code: int, retry: bool) -> None:
     ctx.status_code = code
     asyncio.run(chain.exit(ctx))
     assert ("a.retry" in calls) is retry is is_retryable(code)
+
+
+class _Sections:
+    """A policy set holding only the named sections."""
+
+    allow_impersonation = False
+
+    def __init__(self, *present: str) -> None:
+        self.present = present
+
+    def section(self, key: str) -> tuple[Any, ...]:
+        return ((object(), ()),) if key in self.present else ()
+
+
+class Scoped(Recorder):
+    sections = ("rateLimits", "quotas")
+
+
+def test_entry_hooks_of_absent_sections_are_skipped() -> None:
+    calls: list[str] = []
+    chain = Chain([Recorder("a", calls), Scoped("scoped", calls), Recorder("b", calls)])
+
+    def run(policies: object) -> list[str]:
+        calls.clear()
+        ctx = make_ctx()
+        ctx.policies = policies  # type: ignore[assignment]
+        assert asyncio.run(chain.entry(ctx)) is None
+        ctx.status_code = 200
+        asyncio.run(chain.exit(ctx))  # exit hooks always run
+        return calls[:]
+
+    without, with_one = _Sections("faults"), _Sections("quotas")
+    assert run(without) == ["a.entry", "b.entry", "a.exit", "scoped.exit", "b.exit"]
+    assert run(with_one) == ["a.entry", "scoped.entry", "b.entry", "a.exit", "scoped.exit",
+                             "b.exit"]
+    assert run(without) == ["a.entry", "b.entry", "a.exit", "scoped.exit", "b.exit"]
+    assert run(with_one)[:3] == ["a.entry", "scoped.entry", "b.entry"]
