@@ -20,10 +20,12 @@ import contextlib
 import logging
 import os
 import time
-
-from watchfiles import Change, awatch
+from typing import TYPE_CHECKING
 
 from proxy.engine.policies import PolicyStore
+
+if TYPE_CHECKING:
+    from watchfiles import Change
 
 log = logging.getLogger("opgate.policies")
 
@@ -100,6 +102,8 @@ async def _poll(store: PolicyStore) -> None:
 
 async def _watch(store: PolicyStore, stop: asyncio.Event, debounce_ms: int,
                  poll_seconds: float) -> None:
+    from watchfiles import awatch  # here: loaded only when there are policy files to watch
+
     next_poll = 0.0  # poll once as soon as the watch is armed: covers changes made before
     warned = False
     while not stop.is_set():
