@@ -11,7 +11,16 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 
-from proxy.stores.base import US, BucketRequest, Verdict, decide, verdict_from
+from proxy.stores.base import (
+    US,
+    BucketRequest,
+    KeyVerdict,
+    Verdict,
+    decide,
+    gcra_step,
+    interval_us,
+    verdict_from,
+)
 
 __all__ = ["MemoryStore"]
 
@@ -40,6 +49,18 @@ class MemoryStore:
         """The synchronous core of :meth:`acquire` (nothing here ever waits)."""
         self.calls += 1
         at = self.now_us() if now is None else float(now)
+        if len(requests) == 1:  # the common case: decide() and verdict_from() for one bucket
+            r = requests[0]
+            ok, tat, granted, remaining, retry, reset = gcra_step(
+                self._tats.get(r.key, 0.0), at, interval=interval_us(r.rate), burst=r.burst,
+                cost=r.cost, extra=r.extra)
+            if ok:
+                self._tats[r.key] = tat
+            if at >= self._next_sweep:
+                self._sweep(at)
+            key = KeyVerdict(allowed=ok, remaining=int(remaining), retry_after=retry / US,
+                             reset=reset / US, granted=int(granted) if ok else 0)
+            return Verdict(allowed=ok, keys=(key,), backend=self.backend)
         allowed, results, pending = decide(self._tats, requests, at)
         if allowed:
             self._tats.update(pending)

@@ -93,6 +93,25 @@ def test_all_or_nothing_and_duplicate_keys() -> None:
     assert not store.acquire_now([req("d", burst=2)]).allowed
 
 
+def test_one_bucket_decides_as_the_general_path() -> None:
+    """A single request takes a shortcut; it must answer what decide() + verdict_from() do."""
+    import random
+
+    from proxy.stores.base import decide, verdict_from
+
+    rnd = random.Random(7)
+    store, tats = MemoryStore(), {}
+    now = 1_000_000.0
+    for _ in range(3000):
+        now += rnd.choice([0, 1, 50, 1000, 20_000, 400_000])
+        r = req(rnd.choice("abc"), rate=rnd.choice([0.5, 3, 10, 1e4]), burst=rnd.randint(1, 6),
+                cost=rnd.randint(1, 2), extra=rnd.choice([0, 0, 3]))
+        allowed, results, pending = decide(tats, [r], now)
+        if allowed:
+            tats.update(pending)
+        assert store.acquire_now([r], now=now) == verdict_from(allowed, results, backend="local")
+
+
 def test_explicit_now_and_sweep() -> None:
     store = MemoryStore(clock=Clock())
     assert run(store.acquire([req("a", burst=1)], now=5 * US)).allowed
