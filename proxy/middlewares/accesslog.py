@@ -119,6 +119,10 @@ class AccessLog:
         return verb, fields
 
     def line(self, ctx: RequestContext) -> str:
+        return self._open_line(ctx) + "}"
+
+    def _open_line(self, ctx: RequestContext) -> str:
+        """The line without its closing brace."""
         verb, fields = self._info_parts(ctx.info)
         decision = self._decisions.get(ctx.decision)
         if decision is None:
@@ -134,10 +138,10 @@ class AccessLog:
             line += ',"user":' + _esc(ctx.identity.user)
         if ctx.error:
             line += ',"error":' + _esc(ctx.error)
-        return line + "}"
+        return line
 
     async def exit(self, ctx: RequestContext) -> None:
         if self._writer is not None:
-            self._writer.write(self.line(ctx) + "\n")
+            self._writer.write(self._open_line(ctx) + "}\n")
         elif log.isEnabledFor(logging.INFO):
             log.info(self.line(ctx))

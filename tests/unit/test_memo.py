@@ -248,3 +248,19 @@ def test_access_log_lines_per_call_with_fields_escaped_once(
                                                                        "configmaps")
         assert line["user"] == "alice" and line["verb"] == "get"
     assert len(log._parts) <= 2
+
+
+def test_access_log_writer_gets_the_line_the_logger_would() -> None:
+    import io
+
+    from proxy.middlewares.accesslog import AccessWriter
+
+    out = io.StringIO()
+    log = AccessLog(writer=AccessWriter(out))
+    ctx = tr.ctx_for(EMPTY, path=f"{CM}/x")
+    ctx.status_code, ctx.error = 503, "upstream refused"
+    ctx.finished = ctx.started + 0.0123
+    asyncio.run(log.exit(ctx))
+    log._writer.close()  # type: ignore[union-attr]
+    assert out.getvalue() == log.line(ctx) + "\n"
+    assert json.loads(out.getvalue())["error"] == "upstream refused"
