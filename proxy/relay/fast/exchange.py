@@ -25,6 +25,7 @@ from proxy.relay.fast.wire import Headers, response_head, switch_head
 __all__ = ["Exchange"]
 
 _LAST_CHUNK = b"0\r\n\r\n"
+_COPY_BELOW = 16 * 1024  # smaller chunks leave in one buffer with their framing (one send)
 
 
 class Exchange:
@@ -182,9 +183,16 @@ class Exchange:
             return
         if self._idle:
             self._last = self._loop.time()
-        self.sent += len(chunk)
+        size = len(chunk)
+        self.sent += size
+        if size > _COPY_BELOW and not self._pending:  # big: frame it without copying it
+            if self._chunked:
+                self.client.writelines((b"%x\r\n" % size, chunk, b"\r\n"))
+            else:
+                self.client.write(chunk)
+            return
         if self._chunked:
-            chunk = b"%x\r\n%b\r\n" % (len(chunk), chunk)
+            chunk = b"%x\r\n%b\r\n" % (size, chunk)
         if self._pending:
             chunk, self._pending = self._pending + chunk, b""
         self.client.write(chunk)

@@ -36,7 +36,7 @@ from proxy.relay.fast.wire import Headers
 __all__ = ["ClientConnection", "FastServer", "Flow", "Handler", "Request"]
 
 BODY_HIGH_WATER = 256 * 1024  # request body buffered before the upstream is ready
-WRITE_HIGH_WATER = 64 * 1024  # client write buffer above which upstream reading pauses
+WRITE_HIGH_WATER = 512 * 1024  # client write buffer above which upstream reading pauses
 MAX_QUEUED = 4
 MAX_LINE = 64 * 1024  # long label selectors, big OIDC tokens (as the aiohttp listener)
 MAX_HEADERS = 512
@@ -361,6 +361,10 @@ class ClientConnection(asyncio.Protocol):
     def write(self, data: bytes) -> None:
         if self.transport is not None and not self.closed:
             self.transport.write(data)
+
+    def writelines(self, parts: tuple[bytes, ...]) -> None:
+        if self.transport is not None and not self.closed:
+            self.transport.writelines(parts)
 
     def close(self) -> None:
         """Close after what was written is flushed."""

@@ -64,6 +64,8 @@ class UpstreamConnection(asyncio.Protocol):
         self.body_pending = False  # a streamed request body is still being sent
         self.upgrade = False  # the request asks for an upgrade
         self.switched = False  # the upstream answered 101: raw bytes from here on
+        self._left = 0  # body bytes still due of a length-framed response
+        self._status = 0
 
     def send(
         self,
@@ -110,6 +112,9 @@ class UpstreamConnection(asyncio.Protocol):
         if self.switched:
             exchange.on_body(data)
             return
+        if self._left:
+            self._body_past_parser(exchange, data)
+            return
         self.received = True
         try:
             self._parser.feed_data(data)
@@ -122,6 +127,20 @@ class UpstreamConnection(asyncio.Protocol):
             self.close()
             if exchange is not None:
                 exchange.on_lost(e)
+
+    def _body_past_parser(self, exchange: Exchange, data: bytes) -> None:
+        """The rest of a length-framed body, straight to the exchange: no parser, no copy."""
+        left = self._left
+        if len(data) < left:
+            self._left = left - len(data)
+            exchange.on_body(data)
+            return
+        self._left = 0
+        exchange.on_body(data[:left] if len(data) > left else data)
+        self._parser = httptools.HttpResponseParser(self)  # the old one stopped mid-body
+        self.on_message_complete()
+        if len(data) > left and not self.closed:  # bytes nobody asked for
+            self.close()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -154,7 +173,7 @@ class UpstreamConnection(asyncio.Protocol):
         self._headers.append((name, value))
 
     def on_headers_complete(self) -> None:
-        status = self._parser.get_status_code()
+        status = self._status = self._parser.get_status_code()
         if status == 101 and self.upgrade:
             self.switched = True
             if self.exchange is not None:
@@ -173,6 +192,8 @@ class UpstreamConnection(asyncio.Protocol):
                 chunked = b"chunked" in value.lower()
         no_body = self.head_only or status in (204, 304)
         self._until_close = not (chunked or length is not None or no_body)
+        if length is not None and not no_body and not chunked and length.isdigit():
+            self._left = int(length)  # counted down by on_body; what the parser leaves, we take
         exchange = self.exchange
         if exchange is not None:
             exchange.on_head(status, self._reason, self._headers, length=length,
@@ -184,11 +205,13 @@ class UpstreamConnection(asyncio.Protocol):
                 exchange.on_complete()
 
     def on_body(self, body: bytes) -> None:
+        if self._left:
+            self._left -= len(body)
         if self.exchange is not None:
             self.exchange.on_body(body)
 
     def on_message_complete(self) -> None:
-        if 100 <= self._parser.get_status_code() < 200:
+        if 100 <= self._status < 200:
             return  # interim, or a 101 whose tunnel goes on
         exchange, self.exchange = self.exchange, None
         self.flow = None
