@@ -28,6 +28,15 @@ _esc = json.encoder.encode_basestring  # the C encoder: quotes and escapes one s
 FLUSH_SECONDS = 0.05
 FLUSH_BYTES = 64 * 1024
 MEMO_SIZE = 4096  # calls (RequestInfo) whose escaped fields are remembered
+_MILLIS = tuple(f".{ms:03d}Z" for ms in range(1000))  # the end of a timestamp, per millisecond
+
+
+def duration_ms(seconds: float) -> str:
+    """``str(round(seconds * 1000, 3))`` at a third of the cost: the same correctly rounded
+    digits, trailing zeros dropped down to one decimal (durations never reach 1e16 ms, where
+    ``str`` would switch to an exponent)."""
+    text = ("%.3f" % (seconds * 1000)).rstrip("0")
+    return text + "0" if text[-1] == "." else text
 
 
 class AccessWriter:
@@ -94,7 +103,7 @@ class AccessLog:
         if second != self._second:
             self._second = second
             self._prefix = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second))
-        return f"{self._prefix}.{int((wall - second) * 1000):03d}Z"
+        return self._prefix + _MILLIS[int((wall - second) * 1000)]
 
     def _info_parts(self, info: RequestInfo) -> tuple[str, str]:
         """``(escaped verb, the resource/path fields)`` of a call, remembered per info."""
@@ -129,7 +138,7 @@ class AccessLog:
             decision = self._decisions[ctx.decision] = _esc(ctx.decision)
         line = (f'{{"time":"{self._time(ctx.wall_time)}","trace":"{ctx.trace_id}","verb":{verb}'
                 f',"code":{ctx.status_code},"decision":{decision}'
-                f',"duration_ms":{round(ctx.duration * 1000, 3)!s}'
+                f',"duration_ms":{duration_ms(ctx.duration)}'
                 f',"bytes_in":{ctx.bytes_in},"bytes_out":{ctx.bytes_out}{fields}')
         instance = ctx.headers.get("opgate-instance")
         if instance:

@@ -101,3 +101,16 @@ def test_writer_batches_and_flushes() -> None:
     asyncio.run(main())
     names = [json.loads(x)["name"] for x in out.getvalue().splitlines()]
     assert names == ["c0", "c1", "c2"]
+
+
+def test_duration_ms_is_str_of_round() -> None:
+    import random
+
+    from proxy.middlewares.accesslog import duration_ms
+
+    rnd = random.Random(5)
+    values = [rnd.random() * 10 ** rnd.uniform(-7, 4) for _ in range(20000)]
+    values += [i / 1e6 for i in range(3000)] + [i / 2**20 for i in range(3000)]
+    values += [0.0, -0.0, 0.0005, 0.0015, 1.0625e-3, 59.9995, 3600.0]
+    for seconds in values:
+        assert duration_ms(seconds) == str(round(seconds * 1000, 3)), seconds
