@@ -28,16 +28,18 @@ import logging
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
-import jwt
 from yarl import URL
 
 from proxy.engine.context import Identity
 from proxy.relay.errors import describe
 from proxy.relay.session import Endpoint, TokenSource, make_session, make_ssl_context
 from proxy.relay.upstream import UpstreamConfig
+
+if TYPE_CHECKING:
+    import jwt
 
 __all__ = ["AuthnUnavailable", "UpstreamAuthenticator"]
 
@@ -151,6 +153,8 @@ class UpstreamAuthenticator:
     # --- fetching ---------------------------------------------------------------------------
 
     async def _refresh(self, issuer: str, ks: _KeySet) -> None:
+        import jwt  # here: PyJWT and cryptography only once a JWT issuer's keys are needed
+
         ks.attempted = time.monotonic()
         try:
             if issuer == self._cluster_issuer:
