@@ -33,7 +33,8 @@ from proxy.engine.status import StatusError, internal_error
 from proxy.relay import errors
 from proxy.relay.aftercare import Aftercare
 from proxy.relay.fast.exchange import Exchange
-from proxy.relay.fast.server import FastServer, Request
+from proxy.relay.fast.request import Request
+from proxy.relay.fast.server import FastServer
 from proxy.relay.fast.upstream import UpstreamConnection, UpstreamPool
 from proxy.relay.fast.wire import WireHeaders, connection_tokens, request_head, status_line
 from proxy.relay.handler import PolicyStoreLike, RelaySettings

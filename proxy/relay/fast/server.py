@@ -27,25 +27,20 @@ import ssl
 import stat
 from collections import deque
 from collections.abc import Callable, Coroutine
-from typing import Any, Protocol, cast
+from typing import Any, cast
 
 import httptools
 
+from proxy.relay.fast.request import BODY_HIGH_WATER, Flow, Request
 from proxy.relay.fast.wire import Headers
 
-__all__ = ["ClientConnection", "FastServer", "Flow", "Handler", "Request"]
+__all__ = ["ClientConnection", "FastServer", "Handler"]
 
-BODY_HIGH_WATER = 256 * 1024  # request body buffered before the upstream is ready
 WRITE_HIGH_WATER = 512 * 1024  # client write buffer above which upstream reading pauses
 MAX_QUEUED = 4
 MAX_LINE = 64 * 1024  # long label selectors, big OIDC tokens (as the aiohttp listener)
 MAX_HEADERS = 512
 KEEPALIVE = 75.0  # seconds an idle keep-alive connection stays open (aiohttp's default)
-
-
-class Flow(Protocol):
-    def pause_reading(self) -> None: ...
-    def resume_reading(self) -> None: ...
 
 
 class _TooLarge(Exception):
@@ -69,99 +64,6 @@ _TOO_LARGE = _status(
     f"opgate: request line or header longer than {MAX_LINE} bytes or more than "
     f"{MAX_HEADERS} headers",
 )
-
-
-class Request:
-    """One request head and its streamed body."""
-
-    __slots__ = (
-        "_buffered",
-        "_chunks",
-        "_end",
-        "_sink",
-        "_waiter",
-        "body_done",
-        "bytes_in",
-        "cancellable",
-        "chunked",
-        "conn",
-        "content_length",
-        "expect_continue",
-        "has_body",
-        "headers",
-        "http11",
-        "keep_alive",
-        "long_running",
-        "method",
-        "task",
-        "upgrade",
-        "url",
-    )
-
-    def __init__(self, conn: ClientConnection, method: bytes, url: bytes, headers: Headers) -> None:
-        self.conn = conn
-        self.method = method
-        self.url = url
-        self.headers = headers
-        self.http11 = True
-        self.keep_alive = True
-        self.upgrade = False
-        self.long_running = False  # set by the relay: shutdown does not wait for these
-        self.expect_continue = False
-        self.chunked = False
-        self.has_body = False
-        self.content_length: bytes | None = None
-        self.cancellable = True  # False during the exit hooks: a client leaving must not cut them
-        self.body_done = False
-        self.bytes_in = 0
-        self.task: asyncio.Task[None] | None = None
-        self._chunks: list[bytes] = []
-        self._buffered = 0
-        self._sink: Callable[[bytes], None] | None = None
-        self._end: Callable[[], None] | None = None
-        self._waiter: asyncio.Future[None] | None = None
-
-    # --- fed by the parser ---------------------------------------------------------
-    def feed(self, chunk: bytes) -> None:
-        self.bytes_in += len(chunk)
-        if self._sink is not None:
-            self._sink(chunk)
-            return
-        self._chunks.append(chunk)
-        self._buffered += len(chunk)
-        if self._buffered > BODY_HIGH_WATER and self._waiter is None:
-            self.conn.pause_reading()
-
-    def finish(self) -> None:
-        self.body_done = True
-        if self._end is not None:
-            self._end()
-        if self._waiter is not None and not self._waiter.done():
-            self._waiter.set_result(None)
-
-    # --- used by the relay ---------------------------------------------------------
-    def attach(self, sink: Callable[[bytes], None], end: Callable[[], None]) -> None:
-        """Send the buffered and every further body chunk to ``sink``; ``end`` at its end."""
-        self.conn.resume_reading()  # first: flushing below may pause it again (backpressure)
-        chunks, self._chunks, self._buffered = self._chunks, [], 0
-        for chunk in chunks:
-            sink(chunk)
-        self._sink, self._end = sink, end
-        if self.body_done:
-            end()
-
-    async def read_all(self, limit: int) -> bytes | None:
-        """The whole body (``None`` when longer than ``limit``)."""
-        while not self.body_done:
-            if self._buffered > limit:
-                return None
-            self._waiter = asyncio.get_running_loop().create_future()
-            self.conn.resume_reading()
-            await self._waiter
-        self._waiter = None
-        body = b"".join(self._chunks)
-        self._chunks, self._buffered = [], 0
-        return body if len(body) <= limit else None
 
 
 Handler = Callable[[Request], Coroutine[Any, Any, None]]

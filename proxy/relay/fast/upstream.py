@@ -24,7 +24,7 @@ from typing import Protocol, cast
 
 import httptools
 
-from proxy.relay.fast.server import Flow
+from proxy.relay.fast.request import Flow
 from proxy.relay.fast.wire import Headers
 
 __all__ = ["Exchange", "UpstreamConnection", "UpstreamPool"]
