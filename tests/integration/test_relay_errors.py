@@ -59,7 +59,13 @@ async def test_503_when_nothing_listens_then_serves_once_the_upstream_is_up() ->
 
 
 @pytest.mark.asyncio
-async def test_504_when_the_upstream_never_answers_then_still_serves() -> None:
+@pytest.mark.parametrize("settings", [
+    RelaySettings(header_timeout=0.5),
+    RelaySettings(header_timeout=30, request_timeout=0.5),
+], ids=["header-timeout", "request-timeout"])
+async def test_504_when_the_upstream_never_answers_then_still_serves(
+    settings: RelaySettings,
+) -> None:
     async def handler(request: web.BaseRequest) -> web.StreamResponse:
         if request.path == "/stall":
             await asyncio.sleep(3600)
@@ -67,7 +73,6 @@ async def test_504_when_the_upstream_never_answers_then_still_serves() -> None:
 
     up = await AiohttpUpstream(handler).start()
     loop = asyncio.get_running_loop()
-    settings = RelaySettings(header_timeout=0.5)
     try:
         async with running_proxy(up.url, settings=settings) as proxy, aiohttp.ClientSession() as c:
             started = loop.time()
