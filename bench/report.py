@@ -205,6 +205,23 @@ def markdown(results: dict[str, Any]) -> str:
     if micro:
         out += ["## Rate-limit middleware alone (`bench/ratelimit_bench.py`)", ""]
         out += ["```", micro["output"], "```", ""] if "output" in micro else [micro["error"], ""]
+    out += ["## Notes on method", "",
+            "* Added latency is measured with a lean blocking client (one keep-alive "
+            "connection, no event loop in the timed section). The aiohttp client used before "
+            "added about half a millisecond of its own to every request and its own hiccups to "
+            "the p99; see bench/README.md, \"Added latency at 50 req/s\", and "
+            "`python -m bench.latency_probe` to compare both clients, opgate's own request "
+            "duration and the CPU per call at several rates.",
+            "* At 50 req/s a proxy's core idles between calls and every call runs on cold "
+            "caches: compare the latency table's CPU per call with the small-GET CPU per "
+            "request (a saturated core) for every path, nginx included.",
+            "* The full chain's rate-limit rule keeps the default `failure: closed`: a Redis call "
+            "slower than `--redis-timeout` (50 ms) on a busy machine makes opgate answer 503, "
+            "which the tables count as errors (decision `unavailable` in the identity table's "
+            "calls).",
+            "* The unpinned small-GET round runs the full chain as `--workers auto`, a copy "
+            "started for that round; the pinned rounds and every other measure use the single "
+            "process.", ""]
     out += ["---", "Raw numbers: `bench/results/latest.json`.", ""]
     return "\n".join(out)
 
