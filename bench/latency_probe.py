@@ -103,9 +103,9 @@ def main() -> None:
         idle: dict[str, float] = {}
         for t in targets:  # idle CPU per second of each proxy (timers, watchers), to subtract
             if t.pid is not None:
-                cpu = procstat.CpuUsage.begin(t.pid)
+                quiet = procstat.CpuUsage.begin(t.pid)
                 time.sleep(3)
-                idle[t.name] = cpu.us_per(1) / 3
+                idle[t.name] = quiet.us_per(1) / 3
         print(f"upstream {upstream.name}; placement: {layout.describe()}; {args.seconds:g} s "
               "per cell; ms; CPU = proxy CPU µs per call minus its idle CPU\n")
         print("| rate | path | aiohttp p50 | aiohttp p99 | lean p50 | lean p99 | lean added p50 "
