@@ -181,6 +181,34 @@ def test_leasing_serves_hot_keys_locally_without_over_admitting() -> None:
     assert store.health()["leased_keys"] == 2
 
 
+def test_leasing_shortcut_for_one_request_changes_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One leased request with tokens at hand skips the general loop: same verdicts, same state."""
+    import random
+
+    def replay(shortcut: bool) -> tuple[list[Verdict], list[tuple[object, ...]], int, int]:
+        rnd, clock = random.Random(11), Clock()
+        remote = Remote(clock)
+        store = LeasingStore(remote, window=0.1, ttl=0.5, clock=clock)
+        if not shortcut:
+            monkeypatch.setattr(store, "_serve_one", lambda r: None)
+        keys = [req("hot", rate=2000, burst=200, lease=True),
+                req("warm", rate=50, burst=10, lease=True), req("plain", rate=100, burst=20)]
+        verdicts = []
+        for _ in range(4000):
+            clock.now += rnd.choice([0.0, 0.0001, 0.001, 0.02, 0.3])
+            picked = rnd.sample(keys, rnd.choice([1, 1, 1, 2]))
+            verdicts.append(run(store.acquire(picked)))
+        leases = sorted((k, v.tokens, v.expires, v.remaining, v.hits, v.rate)
+                        for k, v in store._leases.items())
+        return verdicts, leases, store.local_hits, remote.calls
+
+    fast, slow = replay(True), replay(False)
+    assert fast == slow
+    assert fast[2] > 1000  # the shortcut was taken
+
+
 def test_leasing_caches_denials_until_retry_after() -> None:
     clock = Clock()
     remote = Remote(clock)
