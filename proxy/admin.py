@@ -9,6 +9,9 @@ The app is given its checks, its policy view and its metrics: in one process the
 process's own; under the ``--workers`` supervisor (:mod:`proxy.workers`) each check asks one
 worker's admin over its Unix socket (:func:`unix_get`), ``/debug/policies`` shows what the
 workers run, and ``/metrics`` adds up every worker's (:func:`multiprocess_metrics`).
+
+It is served by the fast relay's own HTTP/1.1 server (:class:`~proxy.relay.fast.server.FastServer`,
+httptools), so a sidecar on the default relay never loads an HTTP framework it does not use.
 """
 
 from __future__ import annotations
@@ -17,11 +20,14 @@ import asyncio
 import json
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from http import HTTPStatus
 from typing import Any, Protocol
+from urllib.parse import parse_qs
 
-import aiohttp
-from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+from proxy.relay.fast.request import Request
+from proxy.relay.fast.server import FastServer
 
 ReadyCheck = Callable[[], Awaitable[tuple[bool, str]]]
 PolicyView = Callable[[], Awaitable[dict[str, Any]]]  # what /debug/policies shows
@@ -54,12 +60,23 @@ def multiprocess_metrics(path: str) -> MetricsRenderer:
 
 
 async def unix_get(socket_path: str, path: str, *, within: float = 2.0) -> tuple[int, str]:
-    """GET ``path`` from an HTTP server on a Unix socket (a worker's admin): status and body."""
-    connector = aiohttp.UnixConnector(path=socket_path)
-    async with aiohttp.ClientSession(
-        connector=connector, timeout=aiohttp.ClientTimeout(total=within)
-    ) as session, session.get("http://worker" + path) as resp:
-        return resp.status, await resp.text()
+    """GET ``path`` from an HTTP server on a Unix socket (a worker's admin): status and body.
+
+    The admin server answers with ``Content-Length`` and closes on ``Connection: close``, so the
+    body is whatever follows the head until the end of the stream."""
+    async with asyncio.timeout(within):
+        reader, writer = await asyncio.open_unix_connection(socket_path)
+        try:
+            writer.write(f"GET {path} HTTP/1.1\r\nHost: worker\r\nConnection: close\r\n\r\n"
+                         .encode("latin-1"))
+            raw = await reader.read(-1)
+        finally:
+            writer.close()
+    head, _, body = raw.partition(b"\r\n\r\n")
+    status = head.split(b" ", 2)
+    if len(status) < 2 or not status[1].isdigit():
+        raise ConnectionError(f"{socket_path}: not an HTTP answer")
+    return int(status[1]), body.decode("utf-8", "replace")
 
 
 class WorkerView(Protocol):
@@ -121,69 +138,99 @@ def worker_policies(workers: Sequence[WorkerView]) -> PolicyView:
     return describe
 
 
-def build_admin_app(
-    *, checks: Sequence[NamedCheck], describe_policies: PolicyView, render_metrics: MetricsRenderer
-) -> web.Application:
-    async def metrics(_: web.Request) -> web.Response:
-        body = render_metrics()
-        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+Answer = tuple[int, str, bytes]  # status, content type, body
 
-    async def healthz(_: web.Request) -> web.Response:
-        return web.Response(text="ok")
 
-    async def run(named: NamedCheck) -> tuple[str, bool, str]:
+class AdminApp:
+    """The admin routes (``GET``/``HEAD`` only), each answering a whole small body."""
+
+    def __init__(
+        self, *, checks: Sequence[NamedCheck], describe_policies: PolicyView,
+        render_metrics: MetricsRenderer,
+    ) -> None:
+        self._checks = checks
+        self._describe = describe_policies
+        self._render = render_metrics
+        self._routes: dict[str, Callable[[dict[str, list[str]]], Awaitable[Answer]]] = {
+            "/metrics": self._metrics, "/healthz": self._healthz, "/livez": self._healthz,
+            "/readyz": self._readyz, "/debug/policies": self._policies,
+        }
+
+    async def handle(self, req: Request) -> None:
+        url = req.url.decode("latin-1")
+        path, _, query = url.partition("?")
+        route = self._routes.get(path)
+        if req.method not in (b"GET", b"HEAD"):
+            answer: Answer = (405, "text/plain", b"method not allowed\n")
+        elif route is None:
+            answer = (404, "text/plain", b"not found\n")
+        else:
+            answer = await route(parse_qs(query, keep_blank_values=True))
+        code, content_type, body = answer
+        close = "" if req.keep_alive else "Connection: close\r\n"
+        head = (f"HTTP/1.1 {code} {HTTPStatus(code).phrase}\r\nContent-Type: {content_type}\r\n"
+                f"Content-Length: {len(body)}\r\n{close}\r\n").encode("latin-1")
+        req.conn.write(head if req.method == b"HEAD" else head + body)
+
+    async def _metrics(self, _: dict[str, list[str]]) -> Answer:
+        return 200, CONTENT_TYPE_LATEST, self._render()
+
+    async def _healthz(self, _: dict[str, list[str]]) -> Answer:
+        return 200, "text/plain; charset=utf-8", b"ok"
+
+    async def _run(self, named: NamedCheck) -> tuple[str, bool, str]:
         try:
             ok, detail = await named.check()
         except Exception as exc:  # a check that breaks is a failed check
             ok, detail = False, f"{type(exc).__name__}: {exc}"
         return named.name, ok, detail
 
-    async def readyz(request: web.Request) -> web.Response:
-        results = await asyncio.gather(*(run(named) for named in checks))
+    async def _readyz(self, query: dict[str, list[str]]) -> Answer:
+        results = await asyncio.gather(*(self._run(named) for named in self._checks))
         ready = all(ok for _, ok, _ in results)
-        if "verbose" in request.query or not ready:
+        if "verbose" in query or not ready:
             lines = [f"[{'+' if ok else '-'}]{name} {'ok' if ok else 'failed'}"
                      + (f": {detail}" if detail else "") for name, ok, detail in results]
             lines.append("readyz check passed" if ready else "readyz check failed")
-            return web.Response(text="\n".join(lines) + "\n", status=200 if ready else 503)
-        return web.Response(text="ok")
+            text = "\n".join(lines) + "\n"
+            return 200 if ready else 503, "text/plain; charset=utf-8", text.encode()
+        return 200, "text/plain; charset=utf-8", b"ok"
 
-    async def debug_policies(_: web.Request) -> web.Response:
-        view = await describe_policies()
-        return web.Response(text=json.dumps(view, indent=2, default=str) + "\n",
-                            content_type="application/json")
-
-    app = web.Application()
-    app.router.add_get("/metrics", metrics)
-    app.router.add_get("/healthz", healthz)
-    app.router.add_get("/livez", healthz)
-    app.router.add_get("/readyz", readyz)
-    app.router.add_get("/debug/policies", debug_policies)
-    return app
+    async def _policies(self, _: dict[str, list[str]]) -> Answer:
+        view = await self._describe()
+        return 200, "application/json", (json.dumps(view, indent=2, default=str) + "\n").encode()
 
 
-async def serve_admin(app: web.Application, *, listen: str) -> web.AppRunner:
-    """Start the admin app on ``HOST:PORT`` or ``unix:/path``; the caller cleans up the runner."""
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site: web.BaseSite
+def build_admin_app(
+    *, checks: Sequence[NamedCheck], describe_policies: PolicyView, render_metrics: MetricsRenderer
+) -> AdminApp:
+    return AdminApp(checks=checks, describe_policies=describe_policies,
+                    render_metrics=render_metrics)
+
+
+class AdminListener:
+    """A running admin listener; :meth:`cleanup` stops it."""
+
+    def __init__(self, server: FastServer, address: str) -> None:
+        self.server = server
+        self.address = address
+
+    async def cleanup(self) -> None:
+        await self.server.close(1.0)
+
+
+async def serve_admin(app: AdminApp, *, listen: str) -> AdminListener:
+    """Start the admin app on ``HOST:PORT`` or ``unix:/path``; the caller cleans it up."""
+    server = FastServer(app.handle)
     if listen.startswith("unix:"):
-        site = web.UnixSite(runner, listen[5:])
-    else:
-        host, _, port = listen.rpartition(":")
-        site = web.TCPSite(runner, host.strip("[]") or "127.0.0.1", int(port))
-    await site.start()
-    return runner
+        await server.listen_unix(listen[5:], tls=None)
+        return AdminListener(server, listen)
+    host, _, port = listen.rpartition(":")
+    bound = await server.listen_tcp(host.strip("[]") or "127.0.0.1", int(port), tls=None,
+                                    reuse_port=False)
+    return AdminListener(server, ":".join(str(part) for part in bound[0]))
 
 
-def bound_address(runner: web.AppRunner) -> str:
+def bound_address(listener: AdminListener) -> str:
     """The address the admin listener really got (useful with port 0)."""
-    for site in runner.sites:
-        server = getattr(site, "_server", None)
-        sockets = getattr(server, "sockets", None) or []
-        for sock in sockets:
-            addr = sock.getsockname()
-            if isinstance(addr, tuple):
-                return f"{addr[0]}:{addr[1]}"
-            return f"unix:{addr}"
-    return ""
+    return listener.address

@@ -34,7 +34,7 @@ from proxy.engine.schema import SectionParser
 from proxy.middlewares import faults, identity, ratelimit
 from proxy.middlewares.accesslog import AccessLog, AccessWriter
 from proxy.middlewares.metrics import Metrics
-from proxy.relay import FastRelay, Relay, RelaySettings, resolve_upstream, serve_api
+from proxy.relay import RelaySettings, relay_core, resolve_upstream, serve_api
 from proxy.relay.authn import UpstreamAuthenticator
 from proxy.relay.informer import InformerPool
 from proxy.relay.upstream import UpstreamConfigError
@@ -138,10 +138,11 @@ async def _serve(settings: Settings, *, reuse_port: bool, parent_fd: int | None)
     # who calls, then what may be injected, then how fast; metrics and the log see the outcome
     chain = Chain([identity.IdentityCheck(authenticator=authn), faults.Faults(),
                    ratelimit.RateLimit(store=buckets, overrides=informers), *after])
-    relay_class = FastRelay if settings.runtime.relay == "fast" else Relay
-    relay = relay_class(upstream=upstream, chain=chain, policies=store, settings=RelaySettings(
+    relay_settings = RelaySettings(
         connect_timeout=up.connect_timeout, header_timeout=up.header_timeout,
-        request_timeout=up.request_timeout, watch_idle_timeout=up.watch_idle_timeout))
+        request_timeout=up.request_timeout, watch_idle_timeout=up.watch_idle_timeout)
+    relay = relay_core(settings.runtime.relay)(
+        upstream=upstream, chain=chain, policies=store, settings=relay_settings)
     await relay.start()
     await informers.start()
 

@@ -30,15 +30,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import aiohttp
 from yarl import URL
 
 from proxy.engine.context import Identity
+from proxy.relay.endpoint import Endpoint, TokenSource, make_ssl_context
 from proxy.relay.errors import describe
-from proxy.relay.session import Endpoint, TokenSource, make_session, make_ssl_context
 from proxy.relay.upstream import UpstreamConfig
 
 if TYPE_CHECKING:
+    import aiohttp
     import jwt
 
 __all__ = ["AuthnUnavailable", "UpstreamAuthenticator"]
@@ -185,6 +185,10 @@ class UpstreamAuthenticator:
         log.info("keys of issuer %s: %d", issuer, len(keys) + len(unnamed))
 
     def _sessions(self, upstream: bool) -> aiohttp.ClientSession:
+        import aiohttp  # here: loaded with the first identity call that needs the apiserver
+
+        from proxy.relay.session import make_session
+
         if upstream:
             if self._session is None:
                 self._session = make_session(self._endpoint, connect_timeout=self._connect_timeout)
@@ -212,6 +216,8 @@ class UpstreamAuthenticator:
 
     async def _call(self, method: str, url: URL, *, upstream: bool, accept: str,
                     body: dict[str, Any] | None) -> dict[str, Any]:
+        import aiohttp
+
         headers = self._headers(accept, upstream)
         data = None
         if body is not None:

@@ -1,6 +1,7 @@
 """What the relay answers when it cannot relay, and how it counts and logs upstream failures.
 
-(Also the bounded body read for middlewares, whose failure modes are answers too: 413, 400.)
+Both relay cores use it; it loads no HTTP library (aiohttp's exception types are only checked
+for once aiohttp is loaded, as they can only occur then).
 
 An unreachable, refusing or TLS-failing upstream is a ``503 ServiceUnavailable``; a connect,
 header or request timeout is a ``504 Timeout`` (both Kubernetes ``Status`` bodies, so client-go
@@ -13,20 +14,17 @@ from __future__ import annotations
 
 import logging
 import ssl
+import sys
 import time
-
-import aiohttp
-from aiohttp import web
 
 from proxy.engine import telemetry
 from proxy.engine.context import RequestContext
-from proxy.engine.status import StatusError, bad_request, gateway_timeout, service_unavailable
+from proxy.engine.status import StatusError, gateway_timeout, service_unavailable
 
 __all__ = [
     "Answer",
+    "ConnectTimeout",
     "describe",
-    "read_body",
-    "send_continue",
     "stream_broke",
     "too_large",
     "upstream_failed",
@@ -48,59 +46,54 @@ class Answer(Exception):
         self.close = close
 
 
+class ConnectTimeout(TimeoutError):
+    """The upstream did not accept the connection in time (a 504 that names the connect)."""
+
+
 def too_large(limit: int) -> StatusError:
     return StatusError(413, f"Request entity too large: limit is {limit}", "RequestEntityTooLarge")
 
 
-async def send_continue(request: web.BaseRequest) -> None:
-    """Answer ``Expect: 100-continue`` before reading a body (opgate does not forward Expect)."""
-    expect = request.headers.get("Expect")
-    if expect is not None and expect.lower() == "100-continue" and request.version >= (1, 1):
-        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-
-
-async def read_body(request: web.BaseRequest, *, limit: int) -> bytes:
-    """The whole request body for the middlewares, at most ``limit`` bytes (else a 413)."""
-    declared = request.content_length
-    if declared is not None and declared > limit:
-        raise Answer(too_large(limit), close=True)
-    await send_continue(request)
-    buf = bytearray()
-    content = request.content
-    try:
-        while chunk := await content.readany():
-            buf += chunk
-            if len(buf) > limit:
-                raise Answer(too_large(limit), close=True)
-    except web.RequestPayloadError as e:
-        raise Answer(bad_request(f"cannot read the request body: {e}"), close=True) from e
-    return bytes(buf)
-
-
 def describe(exc: BaseException) -> str:
     """A short, token-free description of a connection failure."""
-    if isinstance(exc, aiohttp.ClientConnectorCertificateError):
-        return f"TLS certificate verification failed: {exc.certificate_error}"
-    if isinstance(exc, aiohttp.ClientConnectorError):
-        return f"cannot connect: {exc.os_error.strerror or exc.os_error}"
-    if isinstance(exc, aiohttp.ConnectionTimeoutError):
+    aiohttp = sys.modules.get("aiohttp")
+    if aiohttp is not None:
+        if isinstance(exc, aiohttp.ClientConnectorCertificateError):
+            return f"TLS certificate verification failed: {exc.certificate_error}"
+        if isinstance(exc, aiohttp.ClientConnectorError):
+            return f"cannot connect: {exc.os_error.strerror or exc.os_error}"
+        if isinstance(exc, aiohttp.ConnectionTimeoutError):
+            return "connect timed out"
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        return f"TLS certificate verification failed: {exc.verify_message or exc}"
+    if isinstance(exc, ConnectTimeout):
         return "connect timed out"
     if isinstance(exc, TimeoutError):
         return "timed out"
+    if isinstance(exc, OSError) and exc.strerror and not isinstance(exc, ssl.SSLError):
+        return f"cannot connect: {exc.strerror}" if isinstance(exc, ConnectionRefusedError) \
+            else f"{type(exc).__name__}: {exc.strerror}"
     text = str(exc)
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 def _kind(exc: BaseException) -> str:
-    if isinstance(exc, (aiohttp.ClientSSLError, ssl.SSLError)):
+    aiohttp = sys.modules.get("aiohttp")
+    if isinstance(exc, ssl.SSLError) or (aiohttp and isinstance(exc, aiohttp.ClientSSLError)):
         return "tls"
-    if isinstance(exc, aiohttp.ConnectionTimeoutError):
+    if isinstance(exc, ConnectTimeout) or (
+        aiohttp and isinstance(exc, aiohttp.ConnectionTimeoutError)
+    ):
         return "connect_timeout"
     if isinstance(exc, TimeoutError):
         return "timeout"
-    if isinstance(exc, (aiohttp.ClientConnectorError, ConnectionRefusedError)):
+    if isinstance(exc, ConnectionRefusedError) or (
+        aiohttp and isinstance(exc, aiohttp.ClientConnectorError)
+    ):
         return "connect"
-    if isinstance(exc, (aiohttp.ServerDisconnectedError, ConnectionError)):
+    if isinstance(exc, ConnectionError) or (
+        aiohttp and isinstance(exc, aiohttp.ServerDisconnectedError)
+    ):
         return "disconnect"
     return "other"
 

@@ -18,9 +18,6 @@ import itertools
 import logging
 import os
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Protocol
 
 import aiohttp
 from aiohttp import web
@@ -33,55 +30,27 @@ from proxy.engine.requestinfo import parse_request_info
 from proxy.engine.status import StatusError, internal_error
 from proxy.relay import errors, tunnel
 from proxy.relay.aftercare import CLIENT_GONE, Aftercare
-from proxy.relay.errors import read_body
+from proxy.relay.calls import PolicyStoreLike, RelaySettings, body_predicate
 from proxy.relay.headers import for_upstream, is_upgrade_request, response_headers
-from proxy.relay.response import BufferedRelayResponse, RelayResponse, pump, send_status
+from proxy.relay.response import (
+    BufferedRelayResponse,
+    RelayResponse,
+    pump,
+    read_body,
+    send_continue,
+    send_status,
+)
 from proxy.relay.session import Endpoint, TokenSource, make_session, make_ssl_context, probe
 from proxy.relay.upstream import UpstreamConfig
 
-__all__ = ["PolicyStoreLike", "Relay", "RelaySettings"]
+__all__ = ["PolicyStoreLike", "Relay", "RelaySettings"]  # the last two from calls.py
 
 log = logging.getLogger("opgate.relay")
 
 
 
-class PolicyStoreLike(Protocol):
-    @property
-    def current(self) -> object: ...
-
-
-@dataclass(frozen=True, slots=True)
-class RelaySettings:
-    """Timeouts in seconds (0 = off) and the bound on bodies read for middlewares."""
-
-    connect_timeout: float = 5.0
-    header_timeout: float = 30.0
-    request_timeout: float = 300.0
-    watch_idle_timeout: float = 0.0
-    max_body_bytes: int = 3 * 1024 * 1024
-
-
 _trace_prefix = os.urandom(4).hex() + "-"
 _trace_counter = itertools.count(1)
-
-
-def _always(ctx: RequestContext) -> bool:
-    return True
-
-
-def _body_predicate(chain: Chain) -> Callable[[RequestContext], bool]:
-    """Whether to read a call's body: some middleware that ``needs_body`` wants it (one without
-    a ``wants_body`` method wants every body)."""
-    checks: list[Callable[[RequestContext], bool]] = []
-    for m in chain.middlewares:
-        if getattr(m, "needs_body", False):
-            check = getattr(m, "wants_body", None)
-            if check is None:
-                return _always
-            checks.append(check)
-    if len(checks) == 1:
-        return checks[0]
-    return lambda ctx: any(check(ctx) for check in checks)
 
 
 class Relay:
@@ -93,8 +62,9 @@ class Relay:
         upstream: UpstreamConfig,
         chain: Chain,
         policies: PolicyStoreLike,
-        settings: RelaySettings = RelaySettings(),
+        settings: RelaySettings | None = None,
     ) -> None:
+        settings = settings or RelaySettings()
         self.upstream = upstream
         self.settings = settings
         self._chain = chain
@@ -102,7 +72,7 @@ class Relay:
         self._endpoint = Endpoint.from_config(upstream, make_ssl_context(upstream))
         self._token = TokenSource(token=upstream.token, token_file=upstream.token_file)
         self._session: aiohttp.ClientSession | None = None
-        self._wants_body = _body_predicate(chain) if chain.needs_body else None
+        self._wants_body = body_predicate(chain) if chain.needs_body else None
         self._timeout = aiohttp.ClientTimeout(
             total=settings.request_timeout or None, sock_connect=settings.connect_timeout or None
         )
@@ -222,7 +192,7 @@ class Relay:
             data = ctx.body
             headers.popall("Content-Length", None)
         elif request.body_exists:
-            await errors.send_continue(request)
+            await send_continue(request)
             data = request.content
         long_running = ctx.info.is_long_running
         started = time.monotonic()

@@ -39,16 +39,18 @@ import logging
 import random
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
-import aiohttp
 from yarl import URL
 
 from proxy.engine.kinds import is_custom_group, parse_qps
+from proxy.relay.endpoint import Endpoint, TokenSource, make_ssl_context
 from proxy.relay.errors import describe
-from proxy.relay.session import Endpoint, TokenSource, make_session, make_ssl_context
 from proxy.relay.upstream import UpstreamConfig
+
+if TYPE_CHECKING:
+    import aiohttp
 
 __all__ = ["InformerPool"]
 
@@ -108,6 +110,7 @@ class InformerPool:
         self._rediscover = rediscover_seconds
         self._max_backoff = max_backoff
         self._session: aiohttp.ClientSession | None = None
+        self._started = False
         self._resources: dict[tuple[str, str], _Resource] = {}
         self._by_kind: dict[str, list[_Resource]] = {}
         self._annotations: frozenset[str] = frozenset()
@@ -146,11 +149,19 @@ class InformerPool:
     # --- lifecycle ---------------------------------------------------------------------
 
     async def start(self) -> None:
-        if self._session is None:
-            self._session = make_session(self._endpoint, connect_timeout=self._connect_timeout)
+        """Start watching what is wanted; the HTTP session (and aiohttp) only once something
+        is."""
+        self._started = True
         for r in self._resources.values():
             self._spawn(r)
         self._discover_later()
+
+    def _http(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            from proxy.relay.session import make_session  # loads aiohttp
+
+            self._session = make_session(self._endpoint, connect_timeout=self._connect_timeout)
+        return self._session
 
     async def close(self) -> None:
         tasks = [r.task for r in self._resources.values() if r.task is not None]
@@ -160,6 +171,7 @@ class InformerPool:
             task.cancel()
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
+        self._started = False
         if self._session is not None:
             await self._session.close()
             self._session = None
@@ -204,11 +216,11 @@ class InformerPool:
         self._discover_later()
 
     def _spawn(self, r: _Resource) -> None:
-        if self._session is not None and (r.task is None or r.task.done()):
+        if self._started and (r.task is None or r.task.done()):
             r.task = asyncio.get_running_loop().create_task(self._run(r), name=f"watch {r.label}")
 
     def _discover_later(self) -> None:
-        if self._session is None or not self._pending_kinds:
+        if not self._started or not self._pending_kinds:
             return
         if self._discovery is None or self._discovery.done():
             self._discovery = asyncio.get_running_loop().create_task(
@@ -295,13 +307,15 @@ class InformerPool:
 
     async def _watch(self, r: _Resource, resource_version: str) -> str:
         """One watch stream; returns the resourceVersion to resume from ("" to relist)."""
-        assert self._session is not None
+        import aiohttp
+
+        session = self._http()
         seconds = int(self._watch_seconds * (0.8 + random.random() * 0.4))
         url = (f"{self._endpoint.base}{r.path}?watch=1&allowWatchBookmarks=true"
                f"&resourceVersion={quote(resource_version)}&timeoutSeconds={seconds}")
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=self._connect_timeout or None,
                                         sock_read=self._idle_seconds or None)
-        async with self._session.get(URL(url, encoded=True), headers=self._headers(WATCH_ACCEPT),
+        async with session.get(URL(url, encoded=True), headers=self._headers(WATCH_ACCEPT),
                                      timeout=timeout, allow_redirects=False,
                                      server_hostname=self._endpoint.server_name) as resp:
             if resp.status == 410:
@@ -362,10 +376,12 @@ class InformerPool:
         return headers
 
     async def _get_json(self, path: str, *, accept: str) -> dict[str, Any]:
-        if self._session is None:
+        import aiohttp
+
+        if not self._started:
             raise _Failed("the informer pool is closed")
         timeout = aiohttp.ClientTimeout(total=60, sock_connect=self._connect_timeout or None)
-        async with self._session.get(URL(self._endpoint.base + path, encoded=True),
+        async with self._http().get(URL(self._endpoint.base + path, encoded=True),
                                      headers=self._headers(accept), timeout=timeout,
                                      allow_redirects=False,
                                      server_hostname=self._endpoint.server_name) as resp:
@@ -381,6 +397,8 @@ class InformerPool:
 
 async def _status_reason(resp: aiohttp.ClientResponse) -> str:
     """``HTTP 403: <the Status message>`` (truncated; the message never carries a token)."""
+    import aiohttp
+
     try:
         message = str(json.loads(await resp.content.read(4096)).get("message", ""))
     except (ValueError, AttributeError, aiohttp.ClientError):

@@ -18,12 +18,13 @@ import logging
 import os
 import ssl
 from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
 
-from aiohttp import web
-
+from proxy.relay.endpoint import MAX_HEADER_LINE
 from proxy.relay.fast import FastRelay
-from proxy.relay.handler import Relay
-from proxy.relay.session import MAX_HEADER_LINE
+
+if TYPE_CHECKING:
+    from proxy.relay.handler import Relay
 
 __all__ = ["Listener", "parse_listen", "serve_api"]
 
@@ -169,6 +170,8 @@ async def _serve_aiohttp(
     reuse_port: bool,
     shutdown_timeout: float,
 ) -> tuple[Callable[[], Awaitable[None]], str]:
+    from aiohttp import web  # here: only the aiohttp relay loads aiohttp's server
+
     server = web.Server(
         relay.handle,
         handler_cancellation=True,

@@ -19,10 +19,18 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from proxy.engine.context import RequestContext
-from proxy.engine.status import StatusError
+from proxy.engine.status import StatusError, bad_request
 from proxy.relay import errors
 
-__all__ = ["BufferedRelayResponse", "RelayResponse", "abort", "pump", "send_status"]
+__all__ = [
+    "BufferedRelayResponse",
+    "RelayResponse",
+    "abort",
+    "pump",
+    "read_body",
+    "send_continue",
+    "send_status",
+]
 
 
 class RelayResponse(web.StreamResponse):
@@ -122,3 +130,28 @@ async def pump(
                 return False
     finally:
         ctx.bytes_out = sent
+
+
+async def send_continue(request: web.BaseRequest) -> None:
+    """Answer ``Expect: 100-continue`` before reading a body (opgate does not forward Expect)."""
+    expect = request.headers.get("Expect")
+    if expect is not None and expect.lower() == "100-continue" and request.version >= (1, 1):
+        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+
+
+async def read_body(request: web.BaseRequest, *, limit: int) -> bytes:
+    """The whole request body for the middlewares, at most ``limit`` bytes (else a 413)."""
+    declared = request.content_length
+    if declared is not None and declared > limit:
+        raise errors.Answer(errors.too_large(limit), close=True)
+    await send_continue(request)
+    buf = bytearray()
+    content = request.content
+    try:
+        while chunk := await content.readany():
+            buf += chunk
+            if len(buf) > limit:
+                raise errors.Answer(errors.too_large(limit), close=True)
+    except web.RequestPayloadError as e:
+        raise errors.Answer(bad_request(f"cannot read the request body: {e}"), close=True) from e
+    return bytes(buf)

@@ -32,7 +32,7 @@ from proxy.engine.context import RequestContext
 from proxy.engine.status import service_unavailable
 from proxy.relay import errors
 from proxy.relay.headers import response_headers
-from proxy.relay.response import RelayResponse, abort
+from proxy.relay.response import RelayResponse, abort, read_body
 
 if TYPE_CHECKING:
     from proxy.relay.handler import Relay
@@ -91,7 +91,7 @@ async def relay_upgrade(
     if ctx.body is not None:
         body = ctx.body
     elif request.body_exists:  # unusual for an upgrade, but relay it (bounded)
-        body = await errors.read_body(request, limit=settings.max_body_bytes)
+        body = await read_body(request, limit=settings.max_body_bytes)
     headers = relay.upstream_headers(request, ctx, upgrade=True)
     headers["Host"] = endpoint.host_header
     if body or "Content-Length" in headers:

@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 import yaml
 
-from proxy.relay import session
+from proxy.relay import endpoint
+from proxy.relay.endpoint import Endpoint, TokenSource, make_ssl_context
 from proxy.relay.listen import parse_listen
-from proxy.relay.session import Endpoint, TokenSource, make_ssl_context
 from proxy.relay.upstream import UpstreamConfig, UpstreamConfigError, resolve_upstream
 
 PEM = "-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n"
@@ -191,7 +191,7 @@ def test_endpoint(url: str, host: str, port: int, host_header: str, prefix: str)
 
 def test_token_source_follows_a_rotating_file(tmp_path: Path, monkeypatch: Any) -> None:
     clock = [1000.0]
-    monkeypatch.setattr(session.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(endpoint.time, "monotonic", lambda: clock[0])
     path = tmp_path / "token"
     path.write_text("one\n")
     source = TokenSource(token_file=str(path))

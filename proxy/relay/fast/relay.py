@@ -23,7 +23,6 @@ import time
 from functools import partial
 from urllib.parse import unquote
 
-import aiohttp
 import httptools
 
 from proxy.engine.chain import Chain
@@ -32,20 +31,20 @@ from proxy.engine.requestinfo import parse_request_info
 from proxy.engine.status import StatusError, internal_error
 from proxy.relay import errors
 from proxy.relay.aftercare import Aftercare
+from proxy.relay.calls import PolicyStoreLike, RelaySettings, body_predicate
+from proxy.relay.endpoint import Endpoint, TokenSource, make_ssl_context
 from proxy.relay.fast.exchange import Exchange
 from proxy.relay.fast.request import Request
 from proxy.relay.fast.server import FastServer
-from proxy.relay.fast.upstream import UpstreamConnection, UpstreamPool
+from proxy.relay.fast.upstream import UpstreamConnection, UpstreamPool, status_of
 from proxy.relay.fast.wire import WireHeaders, connection_tokens, request_head, status_line
-from proxy.relay.handler import PolicyStoreLike, RelaySettings
-from proxy.relay.handler import _body_predicate as body_predicate
-from proxy.relay.session import Endpoint, TokenSource, make_session, make_ssl_context, probe
 from proxy.relay.upstream import UpstreamConfig
 
 __all__ = ["FastRelay"]
 
 log = logging.getLogger("opgate.relay")
 
+PROBE_TIMEOUT = 3.0
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 _LAST_CHUNK = b"0\r\n\r\n"
 _trace_prefix = os.urandom(4).hex() + "-f"
@@ -80,7 +79,6 @@ class FastRelay:
         self._token = TokenSource(token=upstream.token, token_file=upstream.token_file)
         self._wants_body = body_predicate(chain) if chain.needs_body else None
         self._after = Aftercare(chain)
-        self._probe_session: aiohttp.ClientSession | None = None
 
     async def start(self) -> None:
         """Nothing to start (connections open on demand); the same interface as ``Relay``."""
@@ -92,18 +90,24 @@ class FastRelay:
     async def close(self) -> None:
         await self._after.drain()
         self.pool.close()
-        if self._probe_session is not None:
-            await self._probe_session.close()
-            self._probe_session = None
 
     async def upstream_ready(self) -> tuple[bool, str]:
-        """Whether the apiserver answers (``/readyz``, then ``/version``), as ``Relay`` asks it:
-        over a small session of its own, opened at the first probe."""
-        if self._probe_session is None:
-            self._probe_session = make_session(
-                self.endpoint, connect_timeout=self.settings.connect_timeout
-            )
-        return await probe(self._probe_session, self.endpoint, self._token.authorization())
+        """Whether the apiserver answers ``GET /readyz``, else ``/version`` (some RBAC set-ups
+        hide readyz): any 200 is ready. Over the relay's own pool, 3 s at most each."""
+        auth = self._token.authorization()
+        extra = b"Authorization: " + auth.encode("latin-1") + b"\r\n" if auth else b""
+        last = ""
+        for path in ("/readyz", "/version"):
+            head = b"GET %s HTTP/1.1\r\nHost: %s\r\nAccept: application/json\r\n%s\r\n" % (
+                self._prefix + path.encode(), self._host, extra)
+            try:
+                status = await status_of(self.pool, head, within=PROBE_TIMEOUT)
+            except (OSError, TimeoutError, httptools.HttpParserError) as e:
+                return False, f"upstream unreachable: {errors.describe(e)}"
+            if status == 200:
+                return True, f"upstream {path} answered 200"
+            last = f"upstream {path} answered {status}"
+        return False, last
 
     # --- one call ----------------------------------------------------------------------
     async def handle(self, req: Request) -> None:

@@ -24,10 +24,11 @@ from typing import Protocol, cast
 
 import httptools
 
+from proxy.relay.errors import ConnectTimeout
 from proxy.relay.fast.request import Flow
 from proxy.relay.fast.wire import Headers
 
-__all__ = ["Exchange", "UpstreamConnection", "UpstreamPool"]
+__all__ = ["Exchange", "UpstreamConnection", "UpstreamPool", "status_of"]
 
 WRITE_HIGH_WATER = 64 * 1024
 
@@ -223,6 +224,52 @@ class UpstreamConnection(asyncio.Protocol):
             exchange.on_complete()
 
 
+class _StatusOnly:
+    """An exchange that keeps only the status of a small response (the readiness probe)."""
+
+    def __init__(self) -> None:
+        self.done: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self._status = 0
+
+    def on_head(
+        self, status: int, reason: bytes, headers: Headers, *, length: bytes | None, chunked: bool
+    ) -> None:
+        self._status = status
+
+    def on_switch(self, reason: bytes, headers: Headers) -> None:
+        self.on_lost(ConnectionError("unexpected 101"))
+
+    def on_body(self, chunk: bytes) -> None:
+        pass
+
+    def on_complete(self) -> None:
+        if not self.done.done():
+            self.done.set_result(self._status)
+
+    def on_lost(self, exc: BaseException) -> None:
+        if not self.done.done():
+            self.done.set_exception(exc)
+
+
+async def status_of(pool: UpstreamPool, head: bytes, *, within: float) -> int:
+    """Send ``head`` (a body-less request) over ``pool``; the response's status code."""
+    async with asyncio.timeout(within):
+        for attempt in (0, 1):
+            conn, reused = await pool.acquire()
+            exchange = _StatusOnly()
+            try:
+                conn.send(exchange, head)
+                return await exchange.done
+            except OSError:
+                conn.close()
+                if attempt or not reused or conn.received:
+                    raise
+            except BaseException:
+                conn.close()
+                raise
+    raise AssertionError("unreachable")
+
+
 class UpstreamPool:
     """Keep-alive connections to one ``host:port`` (TLS when ``tls`` is set)."""
 
@@ -264,11 +311,14 @@ class UpstreamPool:
         """A new connection (for the pool, or for an upgrade's tunnel)."""
         loop = asyncio.get_running_loop()
         tls = self._tls
-        async with asyncio.timeout(self._connect_timeout):
-            _, conn = await loop.create_connection(
-                lambda: UpstreamConnection(self), self._host, self._port, ssl=tls,
-                server_hostname=(self._server_hostname or self._host) if tls else None,
-            )
+        try:
+            async with asyncio.timeout(self._connect_timeout):
+                _, conn = await loop.create_connection(
+                    lambda: UpstreamConnection(self), self._host, self._port, ssl=tls,
+                    server_hostname=(self._server_hostname or self._host) if tls else None,
+                )
+        except TimeoutError as e:
+            raise ConnectTimeout(f"connect to {self._host}:{self._port} timed out") from e
         self.opened += 1
         self._all.add(conn)
         return conn

@@ -1,0 +1,48 @@
+"""What both relay cores share about a call: their settings, the policy store they read, and
+whether a call's body is read for the middlewares."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from proxy.engine.chain import Chain
+from proxy.engine.context import RequestContext
+
+__all__ = ["PolicyStoreLike", "RelaySettings", "body_predicate"]
+
+
+class PolicyStoreLike(Protocol):
+    @property
+    def current(self) -> object: ...
+
+
+@dataclass(frozen=True, slots=True)
+class RelaySettings:
+    """Timeouts in seconds (0 = off) and the bound on bodies read for middlewares."""
+
+    connect_timeout: float = 5.0
+    header_timeout: float = 30.0
+    request_timeout: float = 300.0
+    watch_idle_timeout: float = 0.0
+    max_body_bytes: int = 3 * 1024 * 1024
+
+
+def _always(ctx: RequestContext) -> bool:
+    return True
+
+
+def body_predicate(chain: Chain) -> Callable[[RequestContext], bool]:
+    """Whether to read a call's body: some middleware that ``needs_body`` wants it (one without
+    a ``wants_body`` method wants every body)."""
+    checks: list[Callable[[RequestContext], bool]] = []
+    for m in chain.middlewares:
+        if getattr(m, "needs_body", False):
+            check = getattr(m, "wants_body", None)
+            if check is None:
+                return _always
+            checks.append(check)
+    if len(checks) == 1:
+        return checks[0]
+    return lambda ctx: any(check(ctx) for check in checks)
