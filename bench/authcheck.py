@@ -5,7 +5,9 @@ with the caller's token (must be 200), with no token (401) and with the caller's
 by a key the issuer never published (401). After the tier, opgate's ``/metrics`` says how every
 call it served was decided (``opgate_requests_total`` by ``decision`` and ``code``) and why
 identity refused any (``opgate_identity_denials_total`` by ``reason``): the measured calls all
-count as ``allowed``, and only the two bad probes as ``unauthorized``. The report prints both.
+count as ``allowed``, and only the two bad probes as ``unauthorized``. The report prints both,
+and the quota counter's state from ``/readyz?verbose`` (``configmaps=synced``) when the full
+chain has a quota.
 """
 
 from __future__ import annotations
@@ -45,7 +47,25 @@ def scrape(target: Target) -> dict[str, Any]:
                 calls[f"{sample.labels['decision']}/{sample.labels['code']}"] += int(sample.value)
             elif sample.name == "opgate_identity_denials_total":
                 denials[sample.labels["reason"]] += int(sample.value)
-    return {"calls": dict(sorted(calls.items())), "identity_denials": dict(sorted(denials.items()))}
+    return {"calls": dict(sorted(calls.items())), "identity_denials": dict(sorted(denials.items())),
+            "quota_counts": quota_state(target)}
+
+
+def quota_state(target: Target) -> str | None:
+    """The ``quota-counts`` line of opgate's ``/readyz?verbose``, if it has one."""
+    assert target.admin is not None
+    try:
+        with urllib.request.urlopen(target.admin + "/readyz?verbose", timeout=10) as resp:
+            text = resp.read().decode()
+    except urllib.error.HTTPError as err:
+        text = err.read().decode()
+    line = next((x for x in text.splitlines() if "quota-counts" in x), None)
+    if line:
+        return line.split("quota-counts", 1)[1].strip(" :")
+    workers = [x for x in text.splitlines() if "]worker-" in x]  # a --workers supervisor
+    if workers and all(x.startswith("[+]") for x in workers):
+        return f"{len(workers)} workers ready (each counts on its own)"
+    return None
 
 
 def probe(target: Target) -> dict[str, Any]:

@@ -107,6 +107,10 @@ def small_get(bench: Bench, targets: Sequence[Target]) -> Result:
             runs: dict[str, list[Result]] = {t.name: [] for t in these}
             copies = [t for t in these if t.workers > 1]
             probes = {t.name: authcheck.probe(t) for t in copies}
+            for t in copies:  # fresh processes: let every worker verify the token, open its
+                # Redis and upstream connections before the clock starts (as the others have)
+                wrk(t.url + SMALL, seconds=1, connections=bench.plan.connections,
+                    headers=t.headers, cpus=None)
             for i in range(rounds):
                 for t in these:
                     _log(f"  small GET {label} round {i + 1}/{rounds}: {t.name}"

@@ -2,12 +2,14 @@
 
 ``direct`` (no proxy), ``opgate`` (no policies, no access log: the relay alone), ``opgate-full``
 (every middleware that exists: identity verifying the caller's JWT, cached after the first
-verification; fault injection with a rule the bench never triggers; rate limits in Redis with
-leasing under a generous rule that rejects nothing; metrics; and the access log written to a
-file as a real deployment writes it to stdout), ``kubectl-proxy`` (the real binary, pointed at
-the upstream by a kubeconfig) and ``nginx-proxy`` (nginx as a streaming reverse proxy with a
-keep-alive pool: the practical limit). ``opgate-aiohttp`` (optional, ``--with-aiohttp``) is the
-full chain on ``--relay aiohttp`` instead of the default relay, to compare the two relay cores.
+verification; fault injection with a rule the bench never triggers; a quota on configmaps
+(when this opgate has the quota middleware) that the bench's reads never reach; rate limits in
+Redis with leasing under a generous rule that rejects nothing; metrics; and the access log
+written to a file as a real deployment writes it to stdout), ``kubectl-proxy`` (the real
+binary, pointed at the upstream by a kubeconfig) and ``nginx-proxy`` (nginx as a streaming
+reverse proxy with a keep-alive pool: the practical limit). ``opgate-aiohttp`` (optional,
+``--with-aiohttp``) is the full chain on ``--relay aiohttp`` instead of the default relay, to
+compare the two relay cores.
 
 Every proxy listens on plain HTTP on loopback, as kubectl proxy does. Every client of every
 path sends the same ``Authorization: Bearer <caller token>`` (:mod:`bench.caller`): the full
@@ -19,9 +21,12 @@ nginx's ``map``) only to a request that has none, as opgate and client-go do.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
+import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -56,7 +61,7 @@ spec:
     - name: never-in-bench
       match: {verbs: [delete], resources: [widgets]}
       respond: {code: 503}
-  rateLimits:
+@QUOTA@  rateLimits:
     # generous: nothing is ever rejected, but every read is decided (Redis + leasing)
     - name: reads
       match: {verbs: [get, list, watch], resources: [configmaps]}
@@ -65,6 +70,15 @@ spec:
       burst: 1000000
       lease: true
 @EXTRA@""".replace("@CALLER@", f"{CALLER_NAMESPACE}/{CALLER_NAME}")
+
+QUOTA = """\
+  quotas:
+    # counted by a metadata-only list+watch of every configmap; checked on creates only (the
+    # bench never creates: this is what the middleware costs a read, and its informer's upkeep)
+    - name: configmaps-per-namespace
+      resources: [configmaps]
+      max: 100000
+"""
 
 PROBE_RULE = """\
     - name: probe
@@ -105,11 +119,32 @@ class Target:
         return self.policy_file is not None
 
 
+def _policy(*, probe: bool, quota: bool) -> str:
+    return (POLICY.replace("@EXTRA@", PROBE_RULE if probe else "")
+            .replace("@QUOTA@", QUOTA if quota else ""))
+
+
+@functools.cache
+def quota_supported() -> bool:
+    """Whether this opgate knows ``spec.quotas`` (``opgate check`` accepts the bench's policy
+    with it): the full chain includes a quota as soon as the middleware exists."""
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "bench.yaml"
+        path.write_text(_policy(probe=False, quota=True))
+        out = subprocess.run([sys.executable, "-m", "proxy", "check", str(path)], cwd=REPO,
+                             capture_output=True, text=True, timeout=60)
+    if out.returncode == 0:
+        return True
+    if 'unknown field "quotas"' in out.stdout + out.stderr:
+        return False
+    raise RuntimeError(f"opgate check refuses the bench's policy:\n{out.stdout}{out.stderr}")
+
+
 def write_policy(path: Path, *, probe: bool) -> None:
     """The full chain's policy; ``probe`` adds a rule the reload measure watches for. Written
     to a temp file and renamed, as an editor or the kubelet would, so a reader never sees half."""
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(POLICY.replace("@EXTRA@", PROBE_RULE if probe else ""))
+    tmp.write_text(_policy(probe=probe, quota=quota_supported()))
     os.replace(tmp, path)
 
 

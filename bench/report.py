@@ -131,17 +131,18 @@ def _identity(tier: dict[str, Any]) -> list[str]:
         checks[f"{name} (--workers auto copy)"] = check
     if not checks:
         return []
-    out = ["**Identity on the full chain** (probe GETs before the measures: the caller's token, "
-           "no token, the caller's claims signed by an unpublished key; then opgate's /metrics "
-           "after the tier: calls by decision/code, identity denials by reason)", ""]
+    out = ["**Identity (and quota) on the full chain** (probe GETs before the measures: the "
+           "caller's token, no token, the caller's claims signed by an unpublished key; then "
+           "opgate's /metrics after the tier: calls by decision/code, identity denials by "
+           "reason; the quota counter's state from /readyz?verbose)", ""]
     rows = []
     for name, c in checks.items():
         p = c.get("probes", {})
         rows.append([name, str(p.get("caller_token")), str(p.get("no_token")),
                      str(p.get("foreign_key")), _counts(c.get("calls", {})),
-                     _counts(c.get("identity_denials", {}))])
+                     _counts(c.get("identity_denials", {})), c.get("quota_counts") or "-"])
     return out + _table(["path", "caller token", "no token", "foreign key", "calls (decision/code)",
-                         "identity denials"], rows)
+                         "identity denials", "quota counter"], rows)
 
 
 def _profile(prof: dict[str, Any]) -> list[str]:
@@ -175,7 +176,11 @@ def markdown(results: dict[str, Any]) -> str:
            "the full chain runs as `--workers auto`).", "",
            "Paths: `direct` (no proxy), `opgate` (no policies, no access log), `opgate-full` "
            "(identity verifying the caller's service-account JWT, cached; a fault rule that "
-           "never fires; rate limits in Redis with leasing; metrics; access log to a file), "
+           "never fires; "
+           + ("a quota on configmaps, counted by list+watch and checked on creates, which the "
+              "bench never makes; " if results.get("quota") else
+              "no quota: this build has no quota middleware; ")
+           + "rate limits in Redis with leasing; metrics; access log to a file), "
            "`kubectl-proxy`, `nginx-proxy` (the practical limit)"
            + (", `opgate-aiohttp` (the full chain on `--relay aiohttp`)"
               if AIOHTTP in results.get("plan", {}).get("paths", ()) else "") + ". "

@@ -25,7 +25,7 @@ from bench.caller import NAME as CALLER_NAME
 from bench.caller import NAMESPACE as CALLER_NAMESPACE
 from bench.caller import Caller, foreign_like
 from bench.measures import Result, _log
-from bench.paths import Target, start_paths
+from bench.paths import Target, quota_supported, start_paths
 from bench.plan import Bench, Plan
 from bench.procs import Procs, free_port, wait_port
 from bench.procstat import Layout
@@ -176,7 +176,8 @@ def run(plan: Plan, *, apiserver: bool, profile: bool) -> dict[str, Any]:
     procs = Procs(work)
     layout = Layout.for_machine()
     bench = Bench(plan=plan, layout=layout, procs=procs, work=work)
-    results: Result = {"layout": layout.describe(), "work": str(work)}
+    results: Result = {"layout": layout.describe(), "work": str(work),
+                       "quota": quota_supported()}
     started = time.monotonic()
     try:
         start_redis(bench)

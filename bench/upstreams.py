@@ -78,8 +78,13 @@ def write_list(path: Path, *, mb: int, namespace: str) -> None:
 def write_data(root: Path, *, big: bool) -> dict[str, Path]:
     """The files nginx serves (``big``: also the 200 MB list)."""
     root.mkdir(parents=True, exist_ok=True)
-    files = {"small": root / "small.json", "version": root / "version.json"}
+    files = {"small": root / "small.json", "version": root / "version.json",
+             "apiv1": root / "apiv1.json"}
     files["small"].write_text(json.dumps(_configmap("small", "bench", 650)) + "\n")
+    files["apiv1"].write_text(json.dumps({  # discovery, for the quota counter
+        "kind": "APIResourceList", "apiVersion": "v1", "groupVersion": "v1",
+        "resources": [{"name": "configmaps", "singularName": "configmap", "namespaced": True,
+                       "kind": "ConfigMap", "verbs": ["get", "list", "watch"]}]}) + "\n")
     files["version"].write_text(json.dumps({"major": "1", "minor": "33", "gitVersion": "v1.33.0",
                                             "platform": "linux/amd64"}) + "\n")
     for mb in (64, 200) if big else (64,):
@@ -122,6 +127,11 @@ http {{
     location = {PROBE} {{ alias {files['small']}; }}
 {lists}\
     location = /version {{ alias {files['version']}; }}
+    location = /api/v1 {{ alias {files['apiv1']}; }}
+    location = /api/v1/configmaps {{
+      proxy_pass http://watch; proxy_http_version 1.1; proxy_set_header Connection "";
+      proxy_buffering off; proxy_read_timeout 3600s;
+    }}
     location = /readyz {{ return 200 "ok"; }}
     location /api/v1/namespaces/watch/ {{
       proxy_pass http://watch; proxy_http_version 1.1; proxy_set_header Connection "";

@@ -9,6 +9,10 @@ own), then ends; with ``idle=1`` it then holds the stream open without sending a
 (the open watches of the memory measure: one event proves the stream is through) until the
 client goes away.
 
+It also answers the cluster-wide ``/api/v1/configmaps`` that the full chain's quota counter
+lists and watches (metadata only): a list of one object, and a watch that sends nothing and
+ends after its ``timeoutSeconds``, as an apiserver's would when nothing changes.
+
 Run: ``python -m bench.watchserver PORT`` (loopback only).
 """
 
@@ -39,8 +43,31 @@ def event(seq: int) -> bytes:
     return json.dumps(obj, separators=(",", ":")).encode() + b"\n"
 
 
+COUNTED = "/api/v1/configmaps"  # every namespace: what a quota on configmaps counts
+COUNTED_LIST = json.dumps({
+    "kind": "PartialObjectMetadataList", "apiVersion": "meta.k8s.io/v1",
+    "metadata": {"resourceVersion": "48211"},
+    "items": [{"kind": "PartialObjectMetadata", "apiVersion": "meta.k8s.io/v1",
+               "metadata": {"name": "small", "namespace": "bench", "resourceVersion": "48211"}}],
+})
+
+
+async def counted(request: web.BaseRequest) -> web.StreamResponse:
+    query = request.rel_url.query
+    if query.get("watch") not in ("true", "1"):
+        return web.Response(text=COUNTED_LIST, content_type="application/json")
+    resp = web.StreamResponse(headers={"Content-Type": "application/json"})
+    resp.enable_chunked_encoding()
+    await resp.prepare(request)
+    await asyncio.sleep(float(query.get("timeoutSeconds", "300")))
+    await resp.write_eof()
+    return resp
+
+
 async def handle(request: web.BaseRequest) -> web.StreamResponse:
     query = request.rel_url.query
+    if request.path == COUNTED:
+        return await counted(request)
     if query.get("watch") not in ("true", "1"):
         return web.Response(text='{"kind":"Status","code":404}', status=404,
                             content_type="application/json")
