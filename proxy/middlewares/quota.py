@@ -1,0 +1,361 @@
+"""The quota middleware: ``spec.quotas`` object-count limits, in the apiserver's own words.
+
+A ``create`` of a quota'd resource (no subresource) in a namespace an entry matches is checked
+against the entry's effective limit: the smallest of its ``max`` and, with ``alignWith``, the
+``count/<resource>[.<group>]`` (or legacy ``configmaps``, ``secrets``…) hard limits of every
+ResourceQuota in that namespace and of every ClusterResourceQuota (``quota.openshift.io/v1``,
+when the cluster serves it) that selects the namespace. Over it, the call gets the 403 the
+apiserver's ResourceQuota admission would send, word for word::
+
+    configmaps "cm-7" is forbidden: exceeded quota: team-quota, requested: count/configmaps=1,
+    used: count/configmaps=5, limited: count/configmaps=5
+
+naming the policy entry's quota (its ``name``, else the policy's ``metadata.name``) or the
+aligned quota whose limit is smaller. The object's name is the JSON body's ``metadata.name``
+(the body is read only for such creates: :meth:`Quota.wants_body`); with ``generateName`` the
+name is generated as the apiserver does (the prefix and five random characters); a body that is
+not JSON leaves it out (``configmaps is forbidden: …``).
+
+"Used" comes from the apiserver, not from opgate's own bookkeeping: the :class:`QuotaCounts`
+(``proxy.relay.counts.QuotaCounts`` when serving) keeps a metadata-only list+watch of every
+quota'd resource and a watch of the ResourceQuotas (and ClusterResourceQuotas), so objects
+created or deleted by anyone are counted. Between an admitted create and its watch event the
+object is *reserved*: counted from the entry hook on, settled by the exit hook (a 2xx keeps it
+until the watch shows the object, a failure drops it), so a burst of concurrent creates cannot
+overshoot. With several opgate replicas each one reserves only its own creates: replicas that
+create at the very same moment can still overshoot by at most one object per replica until their
+watches catch up (the apiserver's own ResourceQuota, when aligned, still holds the line).
+
+Until the counts (and, for aligned entries, the quotas) are synced, an entry fails as its
+``failure`` says: ``closed`` answers 503, ``open`` admits. A ``dryrun`` entry never denies: it
+counts (``opgate_dryrun_denials_total{middleware="quota"}``), logs and adds a ``Warning``.
+``opgate_quota_denials_total{resource}`` counts denials; ``opgate_quota_usage{namespace,
+resource}`` is the watched count per quota'd resource in each namespace an entry matches (so
+its namespaces are bounded by the policies' ``namespaces`` patterns).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol
+
+from proxy.engine import telemetry
+from proxy.engine.context import Decision, Deny, RequestContext
+from proxy.engine.status import forbidden, service_unavailable
+from proxy.middlewares.quota_spec import (
+    CLUSTER_RESOURCE_QUOTA,
+    RESOURCE_QUOTA,
+    SECTION,
+    BoundQuota,
+    bind_quotas,
+    count_key,
+    legacy_key,
+    parse_section,
+    qualified,
+)
+
+__all__ = ["SECTION", "MemoryQuotaCounts", "Quota", "QuotaCounts", "denial_message",
+           "generate_name", "parse_section"]
+
+log = logging.getLogger("opgate.quota")
+
+# k8s.io/apimachinery/pkg/util/rand: what names generated from generateName are made of
+_NAME_ALPHABET = "bcdfghjklmnpqrstvwxz2456789"
+_MAX_GENERATED_PREFIX = 63 - 5
+STATE_KEY = "quota"
+
+AlignedQuota = tuple[str, str, Mapping[str, int]]
+"""``(kind, name, hard)``: a ResourceQuota or ClusterResourceQuota and its count limits."""
+UsageCallback = Callable[[str, str, str, int], None]
+"""``(group, resource, namespace, count)``: a watched count changed."""
+
+
+class QuotaCounts(Protocol):
+    """What the apiserver says exists (a list+watch when serving, a dict in tests).
+
+    Every method is non-blocking and cheap: the hot path calls them.
+    """
+
+    def track(self, resources: Mapping[tuple[str, str], Callable[[str], bool]], *,
+              resource_quotas: bool, cluster_quotas: bool,
+              on_usage: UsageCallback | None = None) -> None:
+        """Count these (group, resource) pairs (each with the namespaces whose counts are
+        reported to ``on_usage``), and watch ResourceQuotas / ClusterResourceQuotas or not.
+        Replaces the previous interest; idempotent; never blocks."""
+        ...
+
+    def used(self, group: str, resource: str, namespace: str) -> int | None:
+        """Objects in the namespace plus the reserved ones; ``None`` until synced."""
+        ...
+
+    def aligned(self, namespace: str, *, resource_quotas: bool,
+                cluster_quotas: bool) -> Sequence[AlignedQuota] | None:
+        """The namespace's ResourceQuotas and the ClusterResourceQuotas that select it (none
+        when the cluster serves no such API); ``None`` until synced."""
+        ...
+
+    def reserve(self, group: str, resource: str, namespace: str, name: str,
+                generate_name: str) -> object:
+        """Count an admitted create until :meth:`settle` or its watch event."""
+        ...
+
+    def settle(self, reservation: object, created: bool | None) -> None:
+        """The create answered: ``True`` 2xx, ``False`` failed, ``None`` unknown (timeout)."""
+        ...
+
+
+def generate_name(prefix: str, rng: random.Random | None = None) -> str:
+    """A name as the apiserver generates it from ``generateName`` (``gen-7nlsj``)."""
+    choice = (rng or random).choice
+    return prefix[:_MAX_GENERATED_PREFIX] + "".join(choice(_NAME_ALPHABET) for _ in range(5))
+
+
+def _pairs(items: Sequence[tuple[str, int]], value: Callable[[int], int]) -> str:
+    return ",".join(f"{key}={value(hard)}" for key, hard in items)
+
+
+def denial_message(group: str, resource: str, name: str, quota: str,
+                   exceeded: Sequence[tuple[str, int]], used: int) -> str:
+    """The apiserver's ResourceQuota admission message (``exceeded`` sorted by key)."""
+    what = qualified(group, resource)
+    subject = f'{what} "{name}"' if name else what
+    return (f"{subject} is forbidden: exceeded quota: {quota}, "
+            f"requested: {_pairs(exceeded, lambda _h: 1)}, "
+            f"used: {_pairs(exceeded, lambda _h: used)}, "
+            f"limited: {_pairs(exceeded, lambda h: h)}")
+
+
+def exceeded_limit(
+    b: BoundQuota, group: str, resource: str, used: int, aligned: Sequence[AlignedQuota]
+) -> tuple[str, list[tuple[str, int]]] | None:
+    """``(quota name, [(key, hard)])`` of the smallest limit that one more object exceeds (the
+    entry's own ``max`` on a tie), or ``None`` when the create fits."""
+    keys = [count_key(group, resource)]
+    legacy = legacy_key(group, resource)
+    if legacy:
+        keys.append(legacy)
+    found: list[tuple[int, int, str, list[tuple[str, int]]]] = []
+    if b.rule.max is not None and used + 1 > b.rule.max:
+        found.append((b.rule.max, 0, b.quota_name, [(keys[0], b.rule.max)]))
+    for order, (kind, name, hard) in enumerate(aligned, start=1):
+        if kind not in b.rule.align_with:
+            continue
+        over = sorted((k, hard[k]) for k in keys if k in hard and used + 1 > hard[k])
+        if over:
+            found.append((min(h for _, h in over), order, name, over))
+    if not found:
+        return None
+    _, _, name, over = min(found, key=lambda f: (f[0], f[1]))
+    return name, over
+
+
+def _body_name(ctx: RequestContext) -> tuple[str, str]:
+    """``(name, generateName)`` from a JSON create body (``("", "")`` when there is none)."""
+    body = ctx.body
+    if not body:
+        return "", ""
+    try:
+        meta = json.loads(body).get("metadata") or {}
+        name, prefix = meta.get("name") or "", meta.get("generateName") or ""
+    except (ValueError, AttributeError):
+        return "", ""
+    return (name if isinstance(name, str) else ""), (prefix if isinstance(prefix, str) else "")
+
+
+def _is_json(ctx: RequestContext) -> bool:
+    ctype = ctx.headers.get("Content-Type")
+    return ctype is not None and ctype.partition(";")[0].strip().lower() == "application/json"
+
+
+def _dry_run(ctx: RequestContext) -> bool:
+    return "dryRun=" in ctx.query
+
+
+def _outcome(code: int) -> bool | None:
+    """Whether a create answered ``code`` made the object (``None``: cannot tell)."""
+    if 200 <= code < 300:
+        return True
+    if code == 0 or code == 504:  # no answer, or the apiserver/opgate gave up waiting
+        return None
+    return False
+
+
+class Quota:
+    name = "quota"
+    needs_body = True  # narrowed per call by wants_body: JSON creates a quota entry matches
+    fail_open = False
+    sections = (SECTION,)
+
+    def __init__(self, *, counts: QuotaCounts | None = None,
+                 rng: random.Random | None = None) -> None:
+        self.counts: QuotaCounts = counts or MemoryQuotaCounts()
+        self._rng = rng
+        self._plan_for: object = None
+        self._plan: dict[tuple[str, str], list[BoundQuota]] = {}
+
+    # --- the policy set's entries, and what the counter must watch for them ------------------
+
+    def prepare(self, policies: Any) -> None:
+        """Bind the entries of ``policies`` and tell the counter what to watch (at start and
+        after a reload; the entry hook does it too for a set it has not seen)."""
+        self._plan_of(policies)
+
+    def _plan_of(self, policies: Any) -> dict[tuple[str, str], list[BoundQuota]]:
+        if policies is not self._plan_for:
+            plan = bind_quotas(policies.section(SECTION))
+            rq = any(RESOURCE_QUOTA in b.rule.align_with for bs in plan.values() for b in bs)
+            crq = any(CLUSTER_RESOURCE_QUOTA in b.rule.align_with
+                      for bs in plan.values() for b in bs)
+            interest = {pair: _namespace_filter(bound) for pair, bound in plan.items()}
+            telemetry.QUOTA_USAGE.clear()  # namespaces of the old set's entries
+            self.counts.track(interest, resource_quotas=rq, cluster_quotas=crq,
+                              on_usage=_report_usage)
+            self._plan = plan
+            self._plan_for = policies  # held: identity stays meaningful
+        return self._plan
+
+    def _matched(self, ctx: RequestContext) -> list[BoundQuota] | None:
+        info = ctx.info
+        if (info.verb != "create" or info.subresource or not info.namespace
+                or not info.is_resource_request):
+            return None
+        bound = self._plan_of(ctx.policies).get((info.api_group, info.resource))
+        if not bound:
+            return None
+        return [b for b in bound if b.applies(info.namespace)] or None
+
+    def wants_body(self, ctx: RequestContext) -> bool:
+        """The body of a JSON create that an entry matches (for the object's name)."""
+        return ctx.method == "POST" and _is_json(ctx) and self._matched(ctx) is not None
+
+    # --- hooks ------------------------------------------------------------------------------
+
+    async def entry(self, ctx: RequestContext) -> Decision | None:
+        matched = self._matched(ctx)
+        if matched is None:
+            return None
+        info = ctx.info
+        group, resource, namespace = info.api_group, info.resource, info.namespace
+        used = self.counts.used(group, resource, namespace)
+        rq = any(RESOURCE_QUOTA in b.rule.align_with for b in matched)
+        crq = any(CLUSTER_RESOURCE_QUOTA in b.rule.align_with for b in matched)
+        aligned = (self.counts.aligned(namespace, resource_quotas=rq, cluster_quotas=crq)
+                   if rq or crq else ())
+        names: tuple[str, str] | None = None
+        for b in matched:
+            if used is None or (aligned is None and b.rule.align_with):
+                if b.dryrun or b.fail_open:
+                    log.debug("quota %s of policy %s: counts not synced; %s lets %s through",
+                              b.quota_name, b.policy, "dryrun" if b.dryrun else "failure: open",
+                              ctx.path)
+                    continue
+                return Deny(service_unavailable(
+                    f"opgate: the object counts of {qualified(group, resource)} are not synced "
+                    f'with the apiserver yet and quota "{b.quota_name}" of policy "{b.policy}" '
+                    f"({b.where}) fails closed; retry later"), "unavailable")
+            over = exceeded_limit(b, group, resource, used, aligned or ())
+            if over is None:
+                continue
+            if names is None:
+                names = _body_name(ctx)
+            name = names[0] or info.name or (
+                generate_name(names[1], self._rng) if names[1] else "")
+            quota_name, keys = over
+            message = denial_message(group, resource, name, quota_name, keys, used)
+            if b.dryrun:
+                telemetry.DRYRUN_DENIALS.labels("quota").inc()
+                log.info("dryrun: quota %s of policy %s would deny %s: %s", b.quota_name,
+                         b.policy, ctx.path, message)
+                ctx.warn(f'quota "{b.quota_name}" of policy "{b.policy}" would deny this create '
+                         f"(dryrun): {message}")
+                continue
+            telemetry.QUOTA_DENIALS.labels(qualified(group, resource)).inc()
+            log.debug("quota %s of policy %s (%s) denies %s: %s", b.quota_name, b.policy,
+                      b.where, ctx.path, message)
+            details: dict[str, Any] = {"name": name} if name else {}
+            if group:
+                details["group"] = group
+            details["kind"] = resource
+            return Deny(forbidden(message, details=details), "quota")
+        if used is not None and not _dry_run(ctx):
+            if names is None:
+                names = _body_name(ctx)
+            ctx.state[STATE_KEY] = self.counts.reserve(
+                group, resource, namespace, names[0] or info.name, names[1])
+        return None
+
+    async def exit(self, ctx: RequestContext) -> None:
+        reservation = ctx.state.pop(STATE_KEY, None)
+        if reservation is not None:
+            self.counts.settle(reservation, _outcome(ctx.status_code))
+
+
+def _namespace_filter(bound: list[BoundQuota]) -> Callable[[str], bool]:
+    entries = tuple(bound)
+    return lambda namespace: any(b.applies(namespace) for b in entries)
+
+
+def _report_usage(group: str, resource: str, namespace: str, count: int) -> None:
+    telemetry.QUOTA_USAGE.labels(namespace, qualified(group, resource)).set(count)
+
+
+class MemoryQuotaCounts:
+    """Counts and quotas set by hand (tests, ``opgate demo``); every pair is synced at once
+    unless :meth:`unsync` says otherwise."""
+
+    def __init__(self) -> None:
+        self.counts: dict[tuple[str, str, str], int] = {}
+        self.quotas: list[tuple[str, str, frozenset[str] | None, dict[str, int]]] = []
+        self.reserved: dict[int, tuple[str, str, str]] = {}
+        self.unsynced: set[tuple[str, str]] = set()
+        self.quotas_synced = True
+        self.interest: dict[str, Any] = {}
+        self.settled: list[bool | None] = []
+        self._next = 0
+
+    def set(self, group: str, resource: str, namespace: str, count: int) -> None:
+        self.counts[(group, resource, namespace)] = count
+
+    def unsync(self, group: str, resource: str) -> None:
+        self.unsynced.add((group, resource))
+
+    def add_quota(self, kind: str, name: str, hard: Mapping[str, int], *,
+                  namespaces: Sequence[str] | None = None) -> None:
+        """A ResourceQuota (``namespaces=[its namespace]``) or ClusterResourceQuota (the
+        namespaces it selects)."""
+        self.quotas.append((kind, name, None if namespaces is None else frozenset(namespaces),
+                            dict(hard)))
+
+    def track(self, resources: Mapping[tuple[str, str], Callable[[str], bool]], *,
+              resource_quotas: bool, cluster_quotas: bool,
+              on_usage: UsageCallback | None = None) -> None:
+        self.interest = {"resources": dict(resources), "resource_quotas": resource_quotas,
+                         "cluster_quotas": cluster_quotas}
+
+    def used(self, group: str, resource: str, namespace: str) -> int | None:
+        if (group, resource) in self.unsynced:
+            return None
+        pending = sum(1 for r in self.reserved.values() if r == (group, resource, namespace))
+        return self.counts.get((group, resource, namespace), 0) + pending
+
+    def aligned(self, namespace: str, *, resource_quotas: bool,
+                cluster_quotas: bool) -> Sequence[AlignedQuota] | None:
+        if not self.quotas_synced:
+            return None
+        return [(kind, name, hard) for kind, name, where, hard in self.quotas
+                if where is None or namespace in where]
+
+    def reserve(self, group: str, resource: str, namespace: str, name: str,
+                generate_name: str) -> object:
+        self._next += 1
+        self.reserved[self._next] = (group, resource, namespace)
+        return self._next
+
+    def settle(self, reservation: object, created: bool | None) -> None:
+        self.settled.append(created)
+        key = self.reserved.pop(reservation, None)  # type: ignore[call-overload]
+        if key is not None and created:
+            self.counts[key] = self.counts.get(key, 0) + 1
