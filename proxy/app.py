@@ -31,11 +31,12 @@ from proxy.engine.check import check
 from proxy.engine.policies import PolicyStore
 from proxy.engine.reload import watch_policies
 from proxy.engine.schema import SectionParser
-from proxy.middlewares import faults, identity, ratelimit
+from proxy.middlewares import faults, identity, quota, ratelimit
 from proxy.middlewares.accesslog import AccessLog, AccessWriter
 from proxy.middlewares.metrics import Metrics
 from proxy.relay import RelaySettings, relay_core, resolve_upstream, serve_api
 from proxy.relay.authn import UpstreamAuthenticator
+from proxy.relay.counts import QuotaCounts
 from proxy.relay.informer import InformerPool
 from proxy.relay.upstream import UpstreamConfigError
 from proxy.settings import Settings
@@ -47,7 +48,7 @@ log = logging.getLogger("opgate")
 def section_parsers() -> Mapping[str, SectionParser]:
     """The ``spec`` sections this build understands, each owned by its middleware."""
     return {identity.SECTION: identity.parse_section, ratelimit.SECTION: ratelimit.parse_section,
-            faults.SECTION: faults.parse_section}
+            faults.SECTION: faults.parse_section, quota.SECTION: quota.parse_section}
 
 
 def check_paths(paths: Sequence[str]) -> int:
@@ -135,9 +136,14 @@ async def _serve(settings: Settings, *, reuse_port: bool, parent_fd: int | None)
     access_writer = AccessWriter(sys.stdout) if settings.log.access_log else None
     after = [Metrics(), AccessLog(writer=access_writer)] if access_writer else [Metrics()]
     authn = UpstreamAuthenticator(upstream, connect_timeout=up.connect_timeout)
-    # who calls, then what may be injected, then how fast; metrics and the log see the outcome
+    # object counts for spec.quotas: list+watch of the quota'd resources and the quotas
+    counts = QuotaCounts(upstream, connect_timeout=up.connect_timeout)
+    quotas = quota.Quota(counts=counts)
+    quotas.prepare(store.current)  # start counting now, not at the first create
+    # who calls, then what may be injected, then how fast, then how many; metrics and the log
+    # see the outcome
     chain = Chain([identity.IdentityCheck(authenticator=authn), faults.Faults(),
-                   ratelimit.RateLimit(store=buckets, overrides=informers), *after])
+                   ratelimit.RateLimit(store=buckets, overrides=informers), quotas, *after])
     relay_settings = RelaySettings(
         connect_timeout=up.connect_timeout, header_timeout=up.header_timeout,
         request_timeout=up.request_timeout, watch_idle_timeout=up.watch_idle_timeout)
@@ -145,10 +151,14 @@ async def _serve(settings: Settings, *, reuse_port: bool, parent_fd: int | None)
         upstream=upstream, chain=chain, policies=store, settings=relay_settings)
     await relay.start()
     await informers.start()
+    await counts.start(follow=lambda: quotas.prepare(store.current))  # reloads, within 1 s
 
     async def ratelimit_ready() -> tuple[bool, str]:
         health = buckets.health()
         return True, ", ".join(f"{k}={v}" for k, v in health.items())
+
+    async def quota_counts() -> tuple[bool, str]:
+        return True, counts.describe()
 
     async def policies_loaded() -> tuple[bool, str]:
         if not settings.policies.paths:
@@ -161,7 +171,8 @@ async def _serve(settings: Settings, *, reuse_port: bool, parent_fd: int | None)
 
     checks = [NamedCheck("policies", policies_loaded),
               NamedCheck("upstream", relay.upstream_ready),
-              NamedCheck("ratelimit-store", ratelimit_ready)]
+              NamedCheck("ratelimit-store", ratelimit_ready),
+              NamedCheck("quota-counts", quota_counts)]
     tasks: list[asyncio.Task[None]] = []
     admin = None
     listener = None
@@ -193,6 +204,7 @@ async def _serve(settings: Settings, *, reuse_port: bool, parent_fd: int | None)
         if admin is not None:
             await admin.cleanup()
         await informers.close()
+        await counts.close()
         await authn.close()
         await relay.close()
         await buckets.close()

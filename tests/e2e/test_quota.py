@@ -1,0 +1,310 @@
+"""spec.quotas against the real apiserver: counts from its watch, denials in its own words.
+
+opgate counts the quota'd resources with its own credentials (``--token-file`` with the admin
+token): a metadata-only list+watch of configmaps and secrets, the ResourceQuotas, and (the
+ClusterResourceQuota API installed here as a CRD, as on OpenShift) the ClusterResourceQuotas and
+namespaces. Each test uses its own namespace, so the real ResourceQuota admission and opgate can
+be compared word for word. No controller-manager runs: a ResourceQuota's ``status.used`` is
+raised by admission but never lowered after a delete, so the delete test has no ResourceQuota.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from proxy.envtest.cluster import LocalCluster
+from tests.e2e.conftest import Opgate
+
+pytestmark = pytest.mark.e2e
+
+BELOW, ABOVE, FREED = "quota-below", "quota-above", "quota-freed"
+DRY, CLUSTER, BARE = "quota-dry", "quota-crq", "quota-bare"
+POLICY = f"""\
+apiVersion: opgate.dev/v1alpha1
+kind: Policy
+metadata: {{name: e2e-quota}}
+spec:
+  quotas:
+    - resources: [configmaps]
+      namespaces: [{BELOW}, {ABOVE}, {BARE}]
+      max: 3
+      alignWith: [ResourceQuota, ClusterResourceQuota]
+    - resources: [secrets]
+      namespaces: [{FREED}]
+      max: 2
+    - name: team-crq-mirror
+      resources: [configmaps]
+      namespaces: [{CLUSTER}]
+      max: 5
+      alignWith: [ClusterResourceQuota]
+---
+apiVersion: opgate.dev/v1alpha1
+kind: Policy
+metadata: {{name: e2e-quota-dryrun}}
+spec:
+  mode: dryrun
+  quotas:
+    - resources: [configmaps]
+      namespaces: [{DRY}]
+      max: 1
+"""
+CRQ_CRD = {
+    "apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
+    "metadata": {"name": "clusterresourcequotas.quota.openshift.io"},
+    "spec": {
+        "group": "quota.openshift.io", "scope": "Cluster",
+        "names": {"plural": "clusterresourcequotas", "singular": "clusterresourcequota",
+                  "kind": "ClusterResourceQuota", "listKind": "ClusterResourceQuotaList"},
+        "versions": [{"name": "v1", "served": True, "storage": True, "schema": {
+            "openAPIV3Schema": {"type": "object",
+                                "x-kubernetes-preserve-unknown-fields": True}}}],
+    },
+}
+
+
+def configmap(name: str, namespace: str) -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "ConfigMap",
+            "metadata": {"name": name, "namespace": namespace}, "data": {"k": name}}
+
+
+def quota_message(name: str, quota: str, used: int, limit: int,
+                  resource: str = "configmaps") -> str:
+    key = f"count/{resource}"
+    return (f'{resource} "{name}" is forbidden: exceeded quota: {quota}, requested: {key}=1, '
+            f"used: {key}={used}, limited: {key}={limit}")
+
+
+def resource_quota(cluster: LocalCluster, namespace: str, name: str, hard: dict[str, str]) -> None:
+    cluster.apply({"apiVersion": "v1", "kind": "ResourceQuota",
+                   "metadata": {"name": name, "namespace": namespace}, "spec": {"hard": hard}})
+    cluster.set_quota_status(namespace, name)
+
+
+def wait_for(what: str, check: Callable[[], bool], timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def metric(gate: Opgate, name: str, labels: dict[str, str]) -> float | None:
+    _, text = gate.admin_get("/metrics")
+    want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+    for line in text.splitlines():
+        if line.startswith(f"{name}{{"):
+            got = line[len(name) + 1:line.index("}")]
+            if ",".join(sorted(got.split(","))) == want:
+                return float(line.rsplit(" ", 1)[1])
+    return None
+
+
+def start_synced(opgate_factory: Callable[..., Opgate], token_file: Path, crq: str) -> Opgate:
+    opgate = opgate_factory(policies={"quota.yaml": POLICY},
+                            extra_args=["--token-file", str(token_file)])
+
+    def synced() -> bool:
+        _, body = opgate.admin_get("/readyz?verbose")
+        line = next((x for x in body.splitlines() if "quota-counts" in x), "")
+        return ("configmaps=synced" in line and "secrets=synced" in line
+                and "resourcequotas=synced" in line and f"clusterresourcequotas={crq}" in line)
+
+    wait_for("opgate's quota counts to sync", synced, timeout=30)
+    return opgate
+
+
+@pytest.fixture(scope="module")
+def token_file(cluster: LocalCluster, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    for namespace in (BELOW, ABOVE, FREED, DRY, BARE):
+        cluster.create_namespace(namespace)
+    cluster.create_namespace(CLUSTER, labels={"team": "crq"})
+    path = tmp_path_factory.mktemp("quota") / "opgate-token"
+    path.write_text(cluster.admin_token)
+    path.chmod(0o600)
+    return path
+
+
+@pytest.fixture(scope="module")
+def bare_gate(opgate_factory: Callable[..., Opgate], token_file: Path) -> Opgate:
+    """An opgate started while the cluster serves no ClusterResourceQuota API."""
+    return start_synced(opgate_factory, token_file, "absent")
+
+
+@pytest.fixture(scope="module")
+def gate(cluster: LocalCluster, opgate_factory: Callable[..., Opgate], token_file: Path,
+         bare_gate: Opgate) -> Any:
+    cluster.install_crd(CRQ_CRD)
+    yield start_synced(opgate_factory, token_file, "synced")
+    cluster.call("DELETE", f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/"
+                           f"{CRQ_CRD['metadata']['name']}")
+
+
+def kubectl_create(kubectl: Path, kubeconfig: Path,
+                   obj: dict[str, Any]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([str(kubectl), "--kubeconfig", str(kubeconfig), "create", "-f", "-"],
+                          input=json.dumps(obj), capture_output=True, text=True, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def via(cluster: LocalCluster, gate: Opgate, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return cluster.write_kubeconfig(tmp_path_factory.mktemp("quota-kc") / "via.kubeconfig",
+                                    server=gate.url, token=cluster.admin_token,
+                                    ca_file=cluster.ca_file)
+
+
+def test_without_the_cluster_resource_quota_api_nothing_fails(
+        cluster: LocalCluster, bare_gate: Opgate) -> None:
+    path = f"/api/v1/namespaces/{BARE}/configmaps"
+    for i in range(3):
+        resp = cluster.call("POST", path, body=configmap(f"b-{i}", BARE), server=bare_gate.url)
+        assert resp.status == 201, resp.body
+    denied = cluster.call("POST", path, body=configmap("b-3", BARE), server=bare_gate.url)
+    assert (denied.status, denied.json()["message"]) == (
+        403, quota_message("b-3", "e2e-quota", used=3, limit=3))
+
+
+def test_policy_max_below_a_resource_quota_denies_at_its_count(
+        cluster: LocalCluster, gate: Opgate, kubectl: Path, via: Path) -> None:
+    resource_quota(cluster, BELOW, "rq-roomy", {"count/configmaps": "5"})
+    for i in range(3):
+        out = kubectl_create(kubectl, via, configmap(f"cm-{i}", BELOW))
+        assert out.returncode == 0, out.stderr
+    before = metric(gate, "opgate_quota_denials_total", {"resource": "configmaps"}) or 0.0
+    out = kubectl_create(kubectl, via, configmap("cm-3", BELOW))
+    assert out.returncode != 0
+    expected = quota_message("cm-3", "e2e-quota", used=3, limit=3)
+    assert f"Error from server (Forbidden): error when creating \"STDIN\": {expected}" \
+        in out.stderr, out.stderr
+    resp = cluster.call("POST", f"/api/v1/namespaces/{BELOW}/configmaps",
+                        body=configmap("cm-3", BELOW), server=gate.url)
+    assert resp.status == 403
+    got = resp.json()
+    assert (got["kind"], got["reason"], got["code"], got["message"]) == (
+        "Status", "Forbidden", 403, expected)
+    assert got["details"] == {"name": "cm-3", "kind": "configmaps"}
+    assert metric(gate, "opgate_quota_denials_total", {"resource": "configmaps"}) == before + 2
+    assert metric(gate, "opgate_quota_usage", {"namespace": BELOW, "resource": "configmaps"}) == 3
+    # the apiserver itself would still have admitted it (its quota is 5)
+    direct = cluster.call("POST", f"/api/v1/namespaces/{BELOW}/configmaps",
+                          body=configmap("cm-3", BELOW))
+    assert direct.status == 201, direct.body
+
+
+def test_a_smaller_resource_quota_is_named_exactly_as_the_apiserver_does(
+        cluster: LocalCluster, gate: Opgate, kubectl: Path, via: Path) -> None:
+    resource_quota(cluster, ABOVE, "rq-tight", {"count/configmaps": "2", "secrets": "9"})
+    for i in range(2):
+        out = kubectl_create(kubectl, via, configmap(f"cm-{i}", ABOVE))
+        assert out.returncode == 0, out.stderr
+    path = f"/api/v1/namespaces/{ABOVE}/configmaps"
+
+    def opgate_denies() -> bool:  # a dry-run create is checked too, and counted when denied
+        before = metric(gate, "opgate_quota_denials_total", {"resource": "configmaps"}) or 0.0
+        cluster.call("POST", path + "?dryRun=All", body=configmap("probe", ABOVE),
+                     server=gate.url)
+        return (metric(gate, "opgate_quota_denials_total", {"resource": "configmaps"}) or 0.0) \
+            > before
+
+    wait_for("opgate to see rq-tight through its watch", opgate_denies)
+    before = metric(gate, "opgate_quota_denials_total", {"resource": "configmaps"}) or 0.0
+    ours = cluster.call("POST", path, body=configmap("cm-2", ABOVE), server=gate.url)
+    theirs = cluster.call("POST", path, body=configmap("cm-2", ABOVE))
+    assert (ours.status, theirs.status) == (403, 403)
+    assert ours.json()["message"] == theirs.json()["message"] == quota_message(
+        "cm-2", "rq-tight", used=2, limit=2)
+    assert ours.json()["details"] == theirs.json()["details"]
+    # opgate answered itself: its counter moved
+    assert metric(gate, "opgate_quota_denials_total", {"resource": "configmaps"}) == before + 1
+    # generateName: the name is generated as the apiserver does
+    gen = cluster.call("POST", path, body={"metadata": {"generateName": "gen-"}},
+                       server=gate.url)
+    assert gen.status == 403
+    assert re.fullmatch(r'configmaps "gen-[a-z0-9]{5}" is forbidden: exceeded quota: rq-tight, '
+                        r"requested: count/configmaps=1, used: count/configmaps=2, "
+                        r"limited: count/configmaps=2", gen.json()["message"]), gen.body
+
+
+def test_deletes_free_room_and_direct_creates_count(
+        cluster: LocalCluster, gate: Opgate) -> None:
+    path = f"/api/v1/namespaces/{FREED}/secrets"
+
+    def secret(name: str) -> dict[str, Any]:
+        return {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": name}}
+
+    assert cluster.call("POST", path, body=secret("direct-0")).status == 201  # not via opgate
+    wait_for("the watch to count the direct create", lambda: metric(
+        gate, "opgate_quota_usage", {"namespace": FREED, "resource": "secrets"}) == 1)
+    assert cluster.call("POST", path, body=secret("s-1"), server=gate.url).status == 201
+    denied = cluster.call("POST", path, body=secret("s-2"), server=gate.url)
+    assert denied.status == 403
+    assert denied.json()["message"] == quota_message("s-2", "e2e-quota", 2, 2, "secrets")
+    # a delete made directly frees the room once the watch reports it
+    assert cluster.call("DELETE", f"{path}/direct-0").status == 200
+    wait_for("the watch to count the delete", lambda: metric(
+        gate, "opgate_quota_usage", {"namespace": FREED, "resource": "secrets"}) == 1)
+    assert cluster.call("POST", path, body=secret("s-2"), server=gate.url).status == 201
+    assert cluster.call("POST", path, body=secret("s-3"), server=gate.url).status == 403
+
+
+def test_a_burst_through_opgate_does_not_overshoot(cluster: LocalCluster, gate: Opgate) -> None:
+    import concurrent.futures
+
+    path = f"/api/v1/namespaces/{FREED}/secrets"
+    for name in ("s-1", "s-2"):
+        assert cluster.call("DELETE", f"{path}/{name}").status == 200
+    wait_for("the deletes to be counted", lambda: metric(
+        gate, "opgate_quota_usage", {"namespace": FREED, "resource": "secrets"}) == 0)
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        codes = list(pool.map(lambda i: cluster.call(
+            "POST", path, body={"metadata": {"name": f"burst-{i}"}}, server=gate.url).status,
+            range(8)))
+    assert sorted(codes) == [201, 201] + [403] * 6, codes
+    listed = cluster.call("GET", path).json()["items"]
+    assert len(listed) == 2
+
+
+def test_dryrun_warns_and_does_not_deny(
+        cluster: LocalCluster, gate: Opgate, kubectl: Path, via: Path) -> None:
+    first = kubectl_create(kubectl, via, configmap("dry-0", DRY))
+    assert first.returncode == 0, first.stderr
+    assert "Warning" not in first.stderr
+    second = kubectl_create(kubectl, via, configmap("dry-1", DRY))
+    assert second.returncode == 0, second.stderr
+    assert ('Warning: opgate: quota "e2e-quota-dryrun" of policy "e2e-quota-dryrun" would '
+            "deny this create (dryrun): " + quota_message("dry-1", "e2e-quota-dryrun", 1, 1)
+            ) in second.stderr, second.stderr
+    assert cluster.call("GET", f"/api/v1/namespaces/{DRY}/configmaps/dry-1").status == 200
+
+
+def test_a_cluster_resource_quota_selecting_the_namespace_limits_it(
+        cluster: LocalCluster, gate: Opgate) -> None:
+    cluster.apply({"apiVersion": "quota.openshift.io/v1", "kind": "ClusterResourceQuota",
+                   "metadata": {"name": "crq-team"},
+                   "spec": {"selector": {"labels": {"matchLabels": {"team": "crq"}}},
+                            "quota": {"hard": {"count/configmaps": "1"}}}})
+    path = f"/api/v1/namespaces/{CLUSTER}/configmaps"
+    assert cluster.call("POST", path, body=configmap("c-0", CLUSTER), server=gate.url).status \
+        == 201
+
+    def probe() -> Any:
+        return cluster.call("POST", path + "?dryRun=All", body=configmap("c-1", CLUSTER),
+                            server=gate.url)
+
+    wait_for("opgate to see crq-team", lambda: probe().status == 403)
+    denied = cluster.call("POST", path, body=configmap("c-1", CLUSTER), server=gate.url)
+    assert denied.status == 403
+    assert denied.json()["message"] == quota_message("c-1", "crq-team", 1, 1)
+    # a namespace the quota does not select is limited by the policy's own max only
+    cluster.create_namespace(CLUSTER, labels={"team": "other"})
+    wait_for("opgate to see the new labels", lambda: probe().status == 201)
+    assert cluster.call("POST", path, body=configmap("c-1", CLUSTER), server=gate.url).status \
+        == 201
