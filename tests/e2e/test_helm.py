@@ -71,6 +71,17 @@ def test_redis_and_password_secret(helm: Path) -> None:
     assert {"name": "opgate-redis", "secret": {"secretName": "redis-auth"}} in pod["volumes"]
 
 
+def test_sidecar_rules_join_the_operators_cluster_role(helm: Path) -> None:
+    plain = _one(_render(helm), "ClusterRole")["rules"]
+    docs = _render(helm, "rbac.sidecarRules[0].apiGroups[0]=authentication.k8s.io",
+                   "rbac.sidecarRules[0].resources[0]=tokenreviews",
+                   "rbac.sidecarRules[0].verbs[0]=create")
+    rules = _one(docs, "ClusterRole")["rules"]
+    extra = {"apiGroups": ["authentication.k8s.io"], "resources": ["tokenreviews"],
+             "verbs": ["create"]}
+    assert rules == [*plain, extra]  # the operator's own rules first, unchanged
+
+
 def test_rendered_policies_are_valid(helm: Path, tmp_path: Path) -> None:
     policies = _one(_render(helm), "ConfigMap", "-policies")["data"]
     for name, text in policies.items():
