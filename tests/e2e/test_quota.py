@@ -192,7 +192,8 @@ def test_policy_max_below_a_resource_quota_denies_at_its_count(
         "Status", "Forbidden", 403, expected)
     assert got["details"] == {"name": "cm-3", "kind": "configmaps"}
     assert metric(gate, "opgate_quota_denials_total", {"resource": "configmaps"}) == before + 2
-    assert metric(gate, "opgate_quota_usage", {"namespace": BELOW, "resource": "configmaps"}) == 3
+    wait_for("the usage gauge", lambda: metric(
+        gate, "opgate_quota_usage", {"namespace": BELOW, "resource": "configmaps"}) == 3)
     # the apiserver itself would still have admitted it (its quota is 5)
     direct = cluster.call("POST", f"/api/v1/namespaces/{BELOW}/configmaps",
                           body=configmap("cm-3", BELOW))
@@ -247,6 +248,8 @@ def test_deletes_free_room_and_direct_creates_count(
     denied = cluster.call("POST", path, body=secret("s-2"), server=gate.url)
     assert denied.status == 403
     assert denied.json()["message"] == quota_message("s-2", "e2e-quota", 2, 2, "secrets")
+    wait_for("the watch to count s-1", lambda: metric(
+        gate, "opgate_quota_usage", {"namespace": FREED, "resource": "secrets"}) == 2)
     # a delete made directly frees the room once the watch reports it
     assert cluster.call("DELETE", f"{path}/direct-0").status == 200
     wait_for("the watch to count the delete", lambda: metric(
