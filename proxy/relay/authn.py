@@ -35,6 +35,7 @@ from yarl import URL
 from proxy.engine.context import Identity
 from proxy.relay.endpoint import Endpoint, TokenSource, make_ssl_context
 from proxy.relay.errors import describe
+from proxy.relay.fast.client import UpstreamClient
 from proxy.relay.upstream import UpstreamConfig
 
 if TYPE_CHECKING:
@@ -77,18 +78,19 @@ class UpstreamAuthenticator:
         self._timeout = timeout
         self.jwks_ttl = jwks_ttl
         self.retry_seconds = retry_seconds
-        self._session: aiohttp.ClientSession | None = None
-        self._external: aiohttp.ClientSession | None = None
+        self._client: UpstreamClient | None = None  # the apiserver (fast core, no aiohttp)
+        self._external: aiohttp.ClientSession | None = None  # other OIDC issuers
         self._cluster_issuer: str | None = None
         self._cluster_attempted = -1e9
         self._cluster_lock = asyncio.Lock()
         self._keysets: dict[str, _KeySet] = {}
 
     async def close(self) -> None:
-        for session in (self._session, self._external):
-            if session is not None:
-                await session.close()
-        self._session = self._external = None
+        if self._client is not None:
+            self._client.close()
+        if self._external is not None:
+            await self._external.close()
+        self._client = self._external = None
 
     # --- the Authenticator protocol -------------------------------------------------------
 
@@ -184,68 +186,72 @@ class UpstreamAuthenticator:
         ks.keys, ks.unnamed, ks.fetched = keys, tuple(unnamed), time.monotonic()
         log.info("keys of issuer %s: %d", issuer, len(keys) + len(unnamed))
 
-    def _sessions(self, upstream: bool) -> aiohttp.ClientSession:
-        import aiohttp  # here: loaded with the first identity call that needs the apiserver
+    def _upstream(self) -> UpstreamClient:
+        if self._client is None:
+            self._client = UpstreamClient(self._endpoint, self._token,
+                                          connect_timeout=self._connect_timeout,
+                                          user_agent=USER_AGENT)
+        return self._client
 
-        from proxy.relay.session import make_session
+    def _session(self) -> aiohttp.ClientSession:
+        import aiohttp  # here: loaded with the first call to an issuer other than the cluster
 
-        if upstream:
-            if self._session is None:
-                self._session = make_session(self._endpoint, connect_timeout=self._connect_timeout)
-            return self._session
         if self._external is None:
             self._external = aiohttp.ClientSession(
                 cookie_jar=aiohttp.DummyCookieJar(), trust_env=False,
                 timeout=aiohttp.ClientTimeout(total=None, sock_connect=self._connect_timeout))
         return self._external
 
-    def _headers(self, accept: str, upstream: bool) -> dict[str, str]:
-        headers = {"Accept": accept, "User-Agent": USER_AGENT}
-        auth = self._token.authorization() if upstream else None
-        if auth:
-            headers["Authorization"] = auth
-        return headers
-
     async def _fetch(self, where: str, *, upstream: bool, accept: str) -> dict[str, Any]:
-        url = URL(self._endpoint.base + where, encoded=True) if upstream else URL(where)
-        return await self._call("GET", url, upstream=upstream, accept=accept, body=None)
+        if upstream:
+            return await self._call_upstream("GET", where, accept=accept, body=None)
+        return await self._call_external(where, accept=accept)
 
     async def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        return await self._call("POST", URL(self._endpoint.base + path, encoded=True),
-                                upstream=True, accept="application/json", body=body)
+        return await self._call_upstream("POST", path, accept="application/json", body=body)
 
-    async def _call(self, method: str, url: URL, *, upstream: bool, accept: str,
-                    body: dict[str, Any] | None) -> dict[str, Any]:
+    async def _call_upstream(self, method: str, path: str, *, accept: str,
+                             body: dict[str, Any] | None) -> dict[str, Any]:
+        what = f"{method} {path}"
+        try:
+            answer = await self._upstream().call(method, path, accept=accept, body=body,
+                                                 within=self._timeout, limit=MAX_BODY)
+        except (TimeoutError, OSError) as exc:
+            raise AuthnUnavailable(f"{what}: {describe(exc)}") from None
+        if answer.status not in (200, 201):
+            raise AuthnUnavailable(f"{what} answered {answer.status}: "
+                                   f"{_status_message(answer.body)}")
+        return _json_object(what, answer.body)
+
+    async def _call_external(self, url: str, *, accept: str) -> dict[str, Any]:
         import aiohttp
 
-        headers = self._headers(accept, upstream)
-        data = None
-        if body is not None:
-            headers["Content-Type"] = "application/json"
-            data = json.dumps(body).encode()
+        what = f"GET {URL(url).human_repr()}"
         timeout = aiohttp.ClientTimeout(total=self._timeout,
                                         sock_connect=self._connect_timeout or None)
-        what = f"{method} {url.path}" if upstream else f"{method} {url.human_repr()}"
+        headers = {"Accept": accept, "User-Agent": USER_AGENT}
         try:
-            async with self._sessions(upstream).request(
-                    method, url, headers=headers, data=data, timeout=timeout,
-                    allow_redirects=not upstream,
-                    server_hostname=self._endpoint.server_name if upstream else None) as resp:
+            async with self._session().get(URL(url), headers=headers, timeout=timeout,
+                                           allow_redirects=True) as resp:
                 raw = await resp.content.read(MAX_BODY + 1)
-                if resp.status not in (200, 201):
+                if resp.status != 200:
                     raise AuthnUnavailable(f"{what} answered {resp.status}: "
                                            f"{_status_message(raw)}")
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
             raise AuthnUnavailable(f"{what}: {describe(exc)}") from None
         if len(raw) > MAX_BODY:
             raise AuthnUnavailable(f"{what}: answer larger than {MAX_BODY} bytes")
-        try:
-            doc = json.loads(raw)
-        except ValueError:
-            raise AuthnUnavailable(f"{what}: answer is not JSON") from None
-        if not isinstance(doc, dict):
-            raise AuthnUnavailable(f"{what}: answer is not a JSON object")
-        return doc
+        return _json_object(what, raw)
+
+
+def _json_object(what: str, raw: bytes) -> dict[str, Any]:
+    try:
+        doc = json.loads(raw)
+    except ValueError:
+        raise AuthnUnavailable(f"{what}: answer is not JSON") from None
+    if not isinstance(doc, dict):
+        raise AuthnUnavailable(f"{what}: answer is not a JSON object")
+    return doc
 
 
 def _status_message(raw: bytes) -> str:

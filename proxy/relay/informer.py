@@ -39,18 +39,14 @@ import logging
 import random
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from urllib.parse import quote
-
-from yarl import URL
 
 from proxy.engine.kinds import is_custom_group, parse_qps
 from proxy.relay.endpoint import Endpoint, TokenSource, make_ssl_context
 from proxy.relay.errors import describe
+from proxy.relay.fast.client import Answer, UpstreamClient
 from proxy.relay.upstream import UpstreamConfig
-
-if TYPE_CHECKING:
-    import aiohttp
 
 __all__ = ["InformerPool"]
 
@@ -103,13 +99,13 @@ class InformerPool:
         self._endpoint = Endpoint.from_config(upstream, make_ssl_context(upstream))
         self._token = TokenSource(token=upstream.token, token_file=upstream.token_file)
         self._connect_timeout = connect_timeout
+        self._client: UpstreamClient | None = None
         self.max_resources = max_resources
         self._page_size = page_size
         self._watch_seconds = watch_seconds
         self._idle_seconds = idle_seconds
         self._rediscover = rediscover_seconds
         self._max_backoff = max_backoff
-        self._session: aiohttp.ClientSession | None = None
         self._started = False
         self._resources: dict[tuple[str, str], _Resource] = {}
         self._by_kind: dict[str, list[_Resource]] = {}
@@ -149,19 +145,18 @@ class InformerPool:
     # --- lifecycle ---------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Start watching what is wanted; the HTTP session (and aiohttp) only once something
-        is."""
+        """Start watching what is wanted (connections open only once something is)."""
         self._started = True
         for r in self._resources.values():
             self._spawn(r)
         self._discover_later()
 
-    def _http(self) -> aiohttp.ClientSession:
-        if self._session is None:
-            from proxy.relay.session import make_session  # loads aiohttp
-
-            self._session = make_session(self._endpoint, connect_timeout=self._connect_timeout)
-        return self._session
+    def _http(self) -> UpstreamClient:
+        if self._client is None:
+            self._client = UpstreamClient(self._endpoint, self._token,
+                                          connect_timeout=self._connect_timeout,
+                                          user_agent=USER_AGENT)
+        return self._client
 
     async def close(self) -> None:
         tasks = [r.task for r in self._resources.values() if r.task is not None]
@@ -172,9 +167,9 @@ class InformerPool:
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
         self._started = False
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        if self._client is not None:
+            self._client.close()
+            self._client = None
 
     # --- interest ----------------------------------------------------------------------
 
@@ -307,27 +302,22 @@ class InformerPool:
 
     async def _watch(self, r: _Resource, resource_version: str) -> str:
         """One watch stream; returns the resourceVersion to resume from ("" to relist)."""
-        import aiohttp
-
-        session = self._http()
         seconds = int(self._watch_seconds * (0.8 + random.random() * 0.4))
-        url = (f"{self._endpoint.base}{r.path}?watch=1&allowWatchBookmarks=true"
-               f"&resourceVersion={quote(resource_version)}&timeoutSeconds={seconds}")
-        timeout = aiohttp.ClientTimeout(total=None, sock_connect=self._connect_timeout or None,
-                                        sock_read=self._idle_seconds or None)
-        async with session.get(URL(url, encoded=True), headers=self._headers(WATCH_ACCEPT),
-                                     timeout=timeout, allow_redirects=False,
-                                     server_hostname=self._endpoint.server_name) as resp:
-            if resp.status == 410:
+        path = (f"{r.path}?watch=1&allowWatchBookmarks=true"
+                f"&resourceVersion={quote(resource_version)}&timeoutSeconds={seconds}")
+        async with self._http().stream(path, accept=WATCH_ACCEPT,
+                                       idle=self._idle_seconds or None) as (status, chunks):
+            if status == 410:
                 raise _Gone
-            if resp.status != 200:
-                raise _Failed(await _status_reason(resp))
+            if status != 200:
+                answer = Answer(status, b"".join([c async for c in chunks]))
+                raise _Failed(_status_reason(answer, r.path))
             if r.failures:
                 log.info("informer: watching %s again (%d instances)", r.label, len(r.objects))
                 r.failures = 0
             buf = b""
             try:
-                async for chunk in resp.content.iter_any():
+                async for chunk in chunks:
                     buf += chunk
                     if b"\n" not in chunk:
                         if len(buf) > MAX_EVENT_BYTES:
@@ -368,42 +358,25 @@ class InformerPool:
 
     # --- HTTP ------------------------------------------------------------------------------
 
-    def _headers(self, accept: str) -> dict[str, str]:
-        headers = {"Accept": accept, "User-Agent": USER_AGENT}
-        auth = self._token.authorization()
-        if auth:
-            headers["Authorization"] = auth
-        return headers
-
     async def _get_json(self, path: str, *, accept: str) -> dict[str, Any]:
-        import aiohttp
-
         if not self._started:
             raise _Failed("the informer pool is closed")
-        timeout = aiohttp.ClientTimeout(total=60, sock_connect=self._connect_timeout or None)
-        async with self._http().get(URL(self._endpoint.base + path, encoded=True),
-                                     headers=self._headers(accept), timeout=timeout,
-                                     allow_redirects=False,
-                                     server_hostname=self._endpoint.server_name) as resp:
-            if resp.status == 410:
-                raise _Gone
-            if resp.status != 200:
-                raise _Failed(await _status_reason(resp))
-            doc = json.loads(await resp.read())
+        answer = await self._http().call("GET", path, accept=accept, within=60)
+        if answer.status == 410:
+            raise _Gone
+        if answer.status != 200:
+            raise _Failed(_status_reason(answer, path))
+        doc = answer.json()
         if not isinstance(doc, dict):
             raise _Failed(f"GET {path.partition('?')[0]}: not a JSON object")
         return doc
 
 
-async def _status_reason(resp: aiohttp.ClientResponse) -> str:
-    """``HTTP 403: <the Status message>`` (truncated; the message never carries a token)."""
-    import aiohttp
-
-    try:
-        message = str(json.loads(await resp.content.read(4096)).get("message", ""))
-    except (ValueError, AttributeError, aiohttp.ClientError):
-        message = ""
-    return f"HTTP {resp.status} for {resp.url.path}" + (f": {message[:200]}" if message else "")
+def _status_reason(answer: Answer, path: str) -> str:
+    """``HTTP 403 for <path>: <the Status message>`` (the message never carries a token)."""
+    message = answer.message()
+    return f"HTTP {answer.status} for {path.partition('?')[0]}" + (
+        f": {message}" if message else "")
 
 
 def _reason(exc: BaseException) -> str:

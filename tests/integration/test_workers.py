@@ -198,6 +198,7 @@ async def test_both_workers_serve_and_metrics_add_up(opgate: OpgateProcess) -> N
 async def test_killed_worker_is_restarted(opgate: OpgateProcess) -> None:
     before = children(opgate.proc.pid)
     assert [r.status for r in await _calls(opgate.url, 40)] == [200] * 40
+    await asyncio.sleep(0.3)  # the access log is written at most 50 ms late: let it out first
     victim = min(before)
     os.kill(victim, signal.SIGKILL)
     await _until(lambda: _children(opgate.proc.pid),
