@@ -34,7 +34,6 @@ Credentials are the upstream's (token, token file or client certificate; ``opgat
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import random
 import time
@@ -45,7 +44,7 @@ from urllib.parse import quote
 from proxy.engine.kinds import is_custom_group, parse_qps
 from proxy.relay.endpoint import Endpoint, TokenSource, make_ssl_context
 from proxy.relay.errors import describe
-from proxy.relay.fast.client import Answer, UpstreamClient
+from proxy.relay.fast.client import Answer, UpstreamClient, json_lines
 from proxy.relay.upstream import UpstreamConfig
 
 __all__ = ["InformerPool"]
@@ -57,7 +56,6 @@ WATCH_ACCEPT = "application/json;as=PartialObjectMetadata;g=meta.k8s.io;v=v1,app
 USER_AGENT = "opgate-informer"
 MAX_ANNOTATIONS = 8
 DISCOVERY_GAP = 5.0  # seconds between two discoveries of unknown kinds (headers are free text)
-MAX_EVENT_BYTES = 16 * 1024 * 1024
 
 
 class _Gone(Exception):
@@ -315,18 +313,9 @@ class InformerPool:
             if r.failures:
                 log.info("informer: watching %s again (%d instances)", r.label, len(r.objects))
                 r.failures = 0
-            buf = b""
             try:
-                async for chunk in chunks:
-                    buf += chunk
-                    if b"\n" not in chunk:
-                        if len(buf) > MAX_EVENT_BYTES:
-                            raise _Failed("a watch event larger than 16 MiB")
-                        continue
-                    *lines, buf = buf.split(b"\n")
-                    for line in lines:
-                        if line.strip():
-                            resource_version = self._apply(r, json.loads(line), resource_version)
+                async for event in json_lines(chunks):
+                    resource_version = self._apply(r, event, resource_version)
             except TimeoutError:  # idle: resume (a dead connection fails the next watch)
                 pass
         return resource_version

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import AsyncIterator
 
 import pytest
 from aiohttp import web
 
 from proxy.relay.endpoint import Endpoint, TokenSource
-from proxy.relay.fast.client import ClientError, UpstreamClient
+from proxy.relay.fast.client import ClientError, UpstreamClient, json_lines
 from proxy.relay.upstream import UpstreamConfig
 from tests.integration.fakes import AiohttpUpstream
 
@@ -139,3 +140,15 @@ async def test_limits_and_unreachable_upstreams_are_client_errors() -> None:
     with pytest.raises(OSError):
         await gone.call("GET", "/api/v1/namespaces", within=3)
     gone.close()
+
+
+@pytest.mark.asyncio
+async def test_json_lines_joins_split_events_and_bounds_them() -> None:
+    async def chunks(*parts: bytes) -> AsyncIterator[bytes]:
+        for part in parts:
+            yield part
+
+    events = [e async for e in json_lines(chunks(b'{"a":', b'1}\n\n{"b":2}\n{"c"', b":3}\n"))]
+    assert events == [{"a": 1}, {"b": 2}, {"c": 3}]
+    with pytest.raises(ClientError, match="larger than 8 bytes"):
+        _ = [e async for e in json_lines(chunks(b'{"aaaa":', b'"bbbbbbbb"'), limit=8)]

@@ -22,9 +22,10 @@ from proxy.relay.endpoint import Endpoint, TokenSource
 from proxy.relay.fast.upstream import UpstreamConnection, UpstreamPool
 from proxy.relay.fast.wire import Headers
 
-__all__ = ["Answer", "ClientError", "UpstreamClient"]
+__all__ = ["Answer", "ClientError", "UpstreamClient", "json_lines"]
 
 MAX_BODY = 64 * 1024 * 1024  # a LIST page of 500 metadata-only objects is far below this
+MAX_EVENT = 16 * 1024 * 1024  # one watch event
 _HIGH, _LOW = 32, 8  # chunks queued before the connection pauses, and before it resumes
 
 
@@ -195,3 +196,20 @@ class UpstreamClient:
                 if not exchange.ended:
                     conn.close()
             return
+
+
+async def json_lines(chunks: AsyncIterator[bytes], *, limit: int = MAX_EVENT) -> AsyncIterator[Any]:
+    """The JSON documents of a watch stream, one per line, as their lines complete.
+
+    ``ClientError`` for a line longer than ``limit``; ``ValueError`` for one that is not JSON."""
+    buf = b""
+    async for chunk in chunks:
+        buf += chunk
+        if b"\n" not in chunk:
+            if len(buf) > limit:
+                raise ClientError(f"a watch event larger than {limit} bytes")
+            continue
+        *lines, buf = buf.split(b"\n")
+        for line in lines:
+            if line.strip():
+                yield json.loads(line)
