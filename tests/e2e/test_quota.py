@@ -311,3 +311,30 @@ def test_a_cluster_resource_quota_selecting_the_namespace_limits_it(
     wait_for("opgate to see the new labels", lambda: probe().status == 201)
     assert cluster.call("POST", path, body=configmap("c-1", CLUSTER), server=gate.url).status \
         == 201
+
+
+def test_counts_recover_after_the_apiserver_comes_back(
+        cluster: LocalCluster, gate: Opgate) -> None:
+    """The watches break while the apiserver is down; opgate relists when it is back, so what
+    changed meanwhile (here: right after it came back) is counted."""
+    freed = f"/api/v1/namespaces/{FREED}/secrets"
+    for item in cluster.call("GET", freed).json()["items"]:  # start from two, made directly
+        assert cluster.call("DELETE", f"{freed}/{item['metadata']['name']}").status == 200
+    for name in ("r-0", "r-1"):
+        assert cluster.call("POST", freed, body={"metadata": {"name": name}}).status == 201
+    wait_for("the watch to count them", lambda: metric(
+        gate, "opgate_quota_usage", {"namespace": FREED, "resource": "secrets"}) == 2)
+    cluster.stop_apiserver()
+    try:  # the last counts still hold: opgate answers the over-quota create itself
+        down = cluster.call("POST", freed, body={"metadata": {"name": "x"}}, server=gate.url)
+        assert down.status == 403, down.body
+    finally:
+        cluster.start_apiserver()
+    assert cluster.call("DELETE", f"{freed}/r-0").status == 200  # directly
+    wait_for("opgate to count the delete made after the restart", lambda: metric(
+        gate, "opgate_quota_usage", {"namespace": FREED, "resource": "secrets"}) == 1,
+        timeout=60)
+    assert cluster.call("POST", freed, body={"metadata": {"name": "after-restart"}},
+                        server=gate.url).status == 201
+    assert cluster.call("POST", freed, body={"metadata": {"name": "one-too-many"}},
+                        server=gate.url).status == 403
