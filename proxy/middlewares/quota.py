@@ -22,9 +22,11 @@ quota'd resource and a watch of the ResourceQuotas (and ClusterResourceQuotas), 
 created or deleted by anyone are counted. Between an admitted create and its watch event the
 object is *reserved*: counted from the entry hook on, settled by the exit hook (a 2xx keeps it
 until the watch shows the object, a failure drops it), so a burst of concurrent creates cannot
-overshoot. With several opgate replicas each one reserves only its own creates: replicas that
-create at the very same moment can still overshoot by at most one object per replica until their
-watches catch up (the apiserver's own ResourceQuota, when aligned, still holds the line).
+overshoot. With several opgate replicas (or ``--workers``) each one reserves only its own
+creates and sees the others' only through its watch: creates that reach several replicas within
+that lag (typically milliseconds) can together exceed the limit, each replica admitting up to
+the room it sees (the apiserver's own ResourceQuota, when aligned, still holds the line: its
+count is serialized in etcd).
 
 Until the counts (and, for aligned entries, the quotas) are synced, an entry fails as its
 ``failure`` says: ``closed`` answers 503, ``open`` admits. A ``dryrun`` entry never denies: it
