@@ -338,3 +338,17 @@ def test_counts_recover_after_the_apiserver_comes_back(
                         server=gate.url).status == 201
     assert cluster.call("POST", freed, body={"metadata": {"name": "one-too-many"}},
                         server=gate.url).status == 403
+
+
+def test_the_aiohttp_relay_core_reads_the_name_too(
+        cluster: LocalCluster, opgate_factory: Callable[..., Opgate], token_file: Path,
+        gate: Opgate) -> None:
+    other = opgate_factory(policies={"quota.yaml": POLICY},
+                           extra_args=["--token-file", str(token_file), "--relay", "aiohttp"])
+    path = f"/api/v1/namespaces/{BELOW}/configmaps"  # full: four, the policy allows three
+
+    def denied() -> Any:
+        return cluster.call("POST", path, body=configmap("via-aiohttp", BELOW), server=other.url)
+
+    wait_for("the aiohttp-core opgate to sync", lambda: denied().status == 403)
+    assert denied().json()["message"] == quota_message("via-aiohttp", "e2e-quota", 4, 3)
