@@ -35,52 +35,29 @@ that identity needs ``list`` and ``watch`` on the quota'd resources in every nam
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import random
 import re
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from decimal import Decimal, InvalidOperation
-from typing import TYPE_CHECKING, Any
-from urllib.parse import quote
-
-from yarl import URL
+from typing import Any
 
 from proxy.relay.endpoint import Endpoint, TokenSource, make_ssl_context
-from proxy.relay.errors import describe
-from proxy.relay.informer import LIST_ACCEPT, WATCH_ACCEPT
+from proxy.relay.listwatch import Absent, Failed, ListWatch, reason
 from proxy.relay.upstream import UpstreamConfig
-
-if TYPE_CHECKING:
-    import aiohttp
 
 __all__ = ["QuotaCounts", "Reservation", "Tally", "parse_count", "selects"]
 
 log = logging.getLogger("opgate.counts")
 
 USER_AGENT = "opgate-quota"
-JSON = "application/json"
 CRQ_GROUP = "quota.openshift.io"
-MAX_EVENT_BYTES = 16 * 1024 * 1024
 INFLIGHT_SECONDS = 600.0
 SETTLE_SECONDS = 60.0
 
 UsageCallback = Callable[[str, str, str, int], None]
 AlignedQuota = tuple[str, str, Mapping[str, int]]
-
-
-class _Gone(Exception):
-    """410: the resourceVersion (or continue token) is too old; relist."""
-
-
-class _Failed(Exception):
-    """An answer other than the one expected (status and a short, token-free reason)."""
-
-
-class _Absent(Exception):
-    """The apiserver does not serve this API (404 on discovery)."""
 
 
 # --- quantities and selectors --------------------------------------------------------------
@@ -299,16 +276,13 @@ class QuotaCounts:
         watch_seconds: int = 300, idle_seconds: float = 90.0, max_backoff: float = 60.0,
         rediscover_seconds: float = 60.0, settle_seconds: float = SETTLE_SECONDS,
     ) -> None:
-        self._endpoint = Endpoint.from_config(upstream, make_ssl_context(upstream))
-        self._token = TokenSource(token=upstream.token, token_file=upstream.token_file)
-        self._connect_timeout = connect_timeout
-        self._page_size = page_size
-        self._watch_seconds = watch_seconds
-        self._idle_seconds = idle_seconds
-        self._max_backoff = max_backoff
+        self._lw = ListWatch(
+            Endpoint.from_config(upstream, make_ssl_context(upstream)),
+            TokenSource(token=upstream.token, token_file=upstream.token_file),
+            connect_timeout=connect_timeout, user_agent=USER_AGENT, page_size=page_size,
+            watch_seconds=watch_seconds, idle_seconds=idle_seconds, max_backoff=max_backoff)
         self._rediscover = rediscover_seconds
         self._settle_seconds = settle_seconds
-        self._session: aiohttp.ClientSession | None = None
         self._started = False
         self._counted: dict[tuple[str, str], _Counted] = {}
         self._on_usage: UsageCallback | None = None
@@ -422,9 +396,7 @@ class QuotaCounts:
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
         self._started = False
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        self._lw.close()
 
     @staticmethod
     async def _follow(follow: Callable[[], None]) -> None:
@@ -511,9 +483,9 @@ class QuotaCounts:
         for res in listing.get("resources") or ():
             if res.get("name") == resource:
                 if not res.get("namespaced", False):
-                    raise _Failed(f"{resource} is cluster-scoped: it has no namespace quota")
+                    raise Failed(f"{resource} is cluster-scoped: it has no namespace quota")
                 return f"{base}/{resource}"
-        raise _Failed(f"the apiserver serves no {resource} in {base}")
+        raise Failed(f"the apiserver serves no {resource} in {base}")
 
     # --- ResourceQuotas -------------------------------------------------------------------------
 
@@ -556,18 +528,18 @@ class QuotaCounts:
                 listing = await self._get_json(f"/apis/{CRQ_GROUP}/{version}")
                 if not any(r.get("name") == "clusterresourcequotas"
                            for r in listing.get("resources") or ()):
-                    raise _Absent
+                    raise Absent
                 self._crq_path = f"/apis/{CRQ_GROUP}/{version}/clusterresourcequotas"
                 break
             except asyncio.CancelledError:
                 raise
-            except (_Absent, _Failed) as e:  # not served (or not shown to us): none applies
+            except (Absent, Failed) as e:  # not served (or not shown to us): none applies
                 if self._crq_state != "absent":
                     log.info("quota: no ClusterResourceQuota API (%s: %s): none applies",
-                             CRQ_GROUP, _reason(e))
+                             CRQ_GROUP, reason(e))
                 self._crq_state = "absent"
             except Exception as e:  # no answer at all: cannot tell yet
-                log.warning("quota: discovery of %s failed (%s)", CRQ_GROUP, _reason(e))
+                log.warning("quota: discovery of %s failed (%s)", CRQ_GROUP, reason(e))
                 await asyncio.sleep(min(5.0, self._rediscover))
                 continue
             await asyncio.sleep(self._rediscover)
@@ -629,149 +601,10 @@ class QuotaCounts:
         replace: Callable[[list[dict[str, Any]]], None],
         event: Callable[[str, dict[str, Any]], None], *, metadata_only: bool,
     ) -> None:
-        failures = 0
-        while True:
-            try:
-                where = await path()
-                version = await self._list(where, replace, metadata_only)
-                if failures:
-                    log.info("quota: counting %s again", label)
-                failures = 0
-                while version:
-                    started = time.monotonic()
-                    version = await self._watch(where, version, event, metadata_only)
-                    if time.monotonic() - started < 1.0:  # ended at once: do not spin
-                        await asyncio.sleep(1.0)
-            except asyncio.CancelledError:
-                raise
-            except _Gone:
-                continue
-            except Exception as e:
-                failures += 1
-                delay = min(self._max_backoff, 2.0 ** (failures - 1))
-                delay *= 0.5 + random.random() / 2
-                level = logging.WARNING if failures == 1 else logging.DEBUG
-                log.log(level, "quota: counting %s failed (%s); retrying in %.1fs", label,
-                        _reason(e), delay)
-                await asyncio.sleep(delay)
+        await self._lw.run(f"quota: counting {label}", path, replace=replace, event=event,
+                           metadata_only=metadata_only)
 
-    async def _list(self, path: str, replace: Callable[[list[dict[str, Any]]], None],
-                    metadata_only: bool) -> str:
-        items: list[dict[str, Any]] = []
-        token = ""
-        while True:
-            query = f"?limit={self._page_size}" + (f"&continue={quote(token)}" if token else "")
-            page = await self._get_json(path + query,
-                                        accept=LIST_ACCEPT if metadata_only else JSON)
-            items.extend(i for i in page.get("items") or () if isinstance(i, dict))
-            meta = page.get("metadata") or {}
-            token = meta.get("continue") or ""
-            if not token:
-                replace(items)
-                return str(meta.get("resourceVersion") or "")
-
-    async def _watch(self, path: str, resource_version: str,
-                     event: Callable[[str, dict[str, Any]], None], metadata_only: bool) -> str:
-        """One watch stream; returns the resourceVersion to resume from ("" to relist)."""
-        import aiohttp
-
-        session = self._http()
-        seconds = int(self._watch_seconds * (0.8 + random.random() * 0.4))
-        url = (f"{self._endpoint.base}{path}?watch=1&allowWatchBookmarks=true"
-               f"&resourceVersion={quote(resource_version)}&timeoutSeconds={seconds}")
-        timeout = aiohttp.ClientTimeout(total=None, sock_connect=self._connect_timeout or None,
-                                        sock_read=self._idle_seconds or None)
-        headers = self._headers(WATCH_ACCEPT if metadata_only else JSON)
-        async with session.get(URL(url, encoded=True), headers=headers, timeout=timeout,
-                                     allow_redirects=False,
-                                     server_hostname=self._endpoint.server_name) as resp:
-            if resp.status == 410:
-                raise _Gone
-            if resp.status != 200:
-                raise _Failed(await _status_reason(resp))
-            buf = b""
-            try:
-                async for chunk in resp.content.iter_any():
-                    buf += chunk
-                    if b"\n" not in chunk:
-                        if len(buf) > MAX_EVENT_BYTES:
-                            raise _Failed("a watch event larger than 16 MiB")
-                        continue
-                    *lines, buf = buf.split(b"\n")
-                    for line in lines:
-                        if line.strip():
-                            resource_version = _apply(json.loads(line), event, resource_version)
-            except TimeoutError:  # idle: resume (a dead connection fails the next watch)
-                pass
-        return resource_version
-
-    def _headers(self, accept: str) -> dict[str, str]:
-        headers = {"Accept": accept, "User-Agent": USER_AGENT}
-        auth = self._token.authorization()
-        if auth:
-            headers["Authorization"] = auth
-        return headers
-
-    def _http(self) -> aiohttp.ClientSession:
-        """The HTTP session, opened (and aiohttp loaded) once some quota is counted."""
+    async def _get_json(self, path: str) -> dict[str, Any]:
         if not self._started:
-            raise _Failed("the quota counter is closed")
-        if self._session is None:
-            from proxy.relay.session import make_session  # loads aiohttp
-
-            self._session = make_session(self._endpoint, connect_timeout=self._connect_timeout)
-        return self._session
-
-    async def _get_json(self, path: str, *, accept: str = JSON) -> dict[str, Any]:
-        import aiohttp
-
-        session = self._http()
-        timeout = aiohttp.ClientTimeout(total=60, sock_connect=self._connect_timeout or None)
-        async with session.get(URL(self._endpoint.base + path, encoded=True),
-                                     headers=self._headers(accept), timeout=timeout,
-                                     allow_redirects=False,
-                                     server_hostname=self._endpoint.server_name) as resp:
-            if resp.status == 410:
-                raise _Gone
-            if resp.status == 404 and "?" not in path:
-                raise _Absent(f"HTTP 404 for {path}")
-            if resp.status != 200:
-                raise _Failed(await _status_reason(resp))
-            doc = json.loads(await resp.read())
-        if not isinstance(doc, dict):
-            raise _Failed(f"GET {path.partition('?')[0]}: not a JSON object")
-        return doc
-
-
-def _apply(event: dict[str, Any], sink: Callable[[str, dict[str, Any]], None],
-           resource_version: str) -> str:
-    kind = str(event.get("type") or "")
-    obj = event.get("object") or {}
-    if kind == "ERROR":
-        if obj.get("code") == 410:
-            raise _Gone
-        raise _Failed(f"watch error {obj.get('code')}: {str(obj.get('message'))[:200]}")
-    meta = obj.get("metadata") or {}
-    resource_version = str(meta.get("resourceVersion") or resource_version)
-    if kind != "BOOKMARK":
-        sink(kind, obj)
-    return resource_version
-
-
-async def _status_reason(resp: aiohttp.ClientResponse) -> str:
-    """``HTTP 403 for /path: <the Status message>`` (truncated; never a token)."""
-    import aiohttp
-
-    try:
-        message = str(json.loads(await resp.content.read(4096)).get("message", ""))
-    except (ValueError, AttributeError, aiohttp.ClientError):
-        message = ""
-    return f"HTTP {resp.status} for {resp.url.path}" + (f": {message[:200]}" if message else "")
-
-
-def _reason(exc: BaseException) -> str:
-    if isinstance(exc, (_Failed, _Gone, _Absent)):
-        return str(exc) or type(exc).__name__
-    if isinstance(exc, ValueError):
-        return f"bad JSON from the apiserver ({exc})"
-    return describe(exc)
+            raise Failed("the quota counter is closed")
+        return await self._lw.get_json(path)

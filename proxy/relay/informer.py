@@ -35,35 +35,23 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import random
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
-from urllib.parse import quote
 
 from proxy.engine.kinds import is_custom_group, parse_qps
 from proxy.relay.endpoint import Endpoint, TokenSource, make_ssl_context
-from proxy.relay.errors import describe
-from proxy.relay.fast.client import Answer, UpstreamClient, json_lines
+from proxy.relay.listwatch import Failed, ListWatch, reason
 from proxy.relay.upstream import UpstreamConfig
 
 __all__ = ["InformerPool"]
 
 log = logging.getLogger("opgate.informer")
 
-LIST_ACCEPT = "application/json;as=PartialObjectMetadataList;g=meta.k8s.io;v=v1,application/json"
-WATCH_ACCEPT = "application/json;as=PartialObjectMetadata;g=meta.k8s.io;v=v1,application/json"
 USER_AGENT = "opgate-informer"
 MAX_ANNOTATIONS = 8
 DISCOVERY_GAP = 5.0  # seconds between two discoveries of unknown kinds (headers are free text)
-
-
-class _Gone(Exception):
-    """410: the resourceVersion (or continue token) is too old; relist."""
-
-
-class _Failed(Exception):
-    """An answer other than the one expected (status and a short, token-free reason)."""
 
 
 @dataclass(slots=True, eq=False)
@@ -94,16 +82,14 @@ class InformerPool:
         page_size: int = 500, watch_seconds: int = 300, idle_seconds: float = 90.0,
         rediscover_seconds: float = 30.0, max_backoff: float = 60.0,
     ) -> None:
-        self._endpoint = Endpoint.from_config(upstream, make_ssl_context(upstream))
-        self._token = TokenSource(token=upstream.token, token_file=upstream.token_file)
-        self._connect_timeout = connect_timeout
-        self._client: UpstreamClient | None = None
+        endpoint = Endpoint.from_config(upstream, make_ssl_context(upstream))
+        token = TokenSource(token=upstream.token, token_file=upstream.token_file)
+        self._lw = ListWatch(endpoint, token, connect_timeout=connect_timeout,
+                             user_agent=USER_AGENT, page_size=page_size,
+                             watch_seconds=watch_seconds, idle_seconds=idle_seconds,
+                             max_backoff=max_backoff)
         self.max_resources = max_resources
-        self._page_size = page_size
-        self._watch_seconds = watch_seconds
-        self._idle_seconds = idle_seconds
         self._rediscover = rediscover_seconds
-        self._max_backoff = max_backoff
         self._started = False
         self._resources: dict[tuple[str, str], _Resource] = {}
         self._by_kind: dict[str, list[_Resource]] = {}
@@ -149,13 +135,6 @@ class InformerPool:
             self._spawn(r)
         self._discover_later()
 
-    def _http(self) -> UpstreamClient:
-        if self._client is None:
-            self._client = UpstreamClient(self._endpoint, self._token,
-                                          connect_timeout=self._connect_timeout,
-                                          user_agent=USER_AGENT)
-        return self._client
-
     async def close(self) -> None:
         tasks = [r.task for r in self._resources.values() if r.task is not None]
         if self._discovery is not None:
@@ -165,9 +144,7 @@ class InformerPool:
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
         self._started = False
-        if self._client is not None:
-            self._client.close()
-            self._client = None
+        self._lw.close()
 
     # --- interest ----------------------------------------------------------------------
 
@@ -244,7 +221,7 @@ class InformerPool:
                 raise
             except Exception as e:
                 log.warning("informer: discovery of %s failed: %s", ", ".join(sorted(kinds)),
-                            _reason(e))
+                            reason(e))
 
     async def _discover(self, r: _Resource) -> None:
         found = await self._get_json(f"/apis/{r.group}/{r.version}", accept="application/json")
@@ -253,87 +230,38 @@ class InformerPool:
                 r.kind = str(res.get("kind") or "")
                 r.namespaced = bool(res.get("namespaced", True))
         if not r.kind:
-            raise _Failed(f"the apiserver serves no {r.label} in {r.group}/{r.version}")
+            raise Failed(f"the apiserver serves no {r.label} in {r.group}/{r.version}")
         self._by_kind.setdefault(r.kind, []).append(r)
 
     # --- one resource: discover, list, watch --------------------------------------------
 
     async def _run(self, r: _Resource) -> None:
-        while True:
-            try:
-                if not r.kind:
-                    await self._discover(r)
-                if not self._annotations:
-                    return  # the kind is all that is needed until an annotation is wanted
-                resource_version = await self._list(r)
-                while resource_version:
-                    started = time.monotonic()
-                    resource_version = await self._watch(r, resource_version)
-                    if time.monotonic() - started < 1.0:  # ended at once: do not spin
-                        await asyncio.sleep(1.0)
-            except asyncio.CancelledError:
-                raise
-            except _Gone:
-                continue
-            except Exception as e:
-                r.failures += 1
-                delay = min(self._max_backoff, 2.0 ** (r.failures - 1))
-                delay *= 0.5 + random.random() / 2
-                level = logging.WARNING if r.failures == 1 else logging.DEBUG
-                log.log(level, "informer: %s failed (%s); retrying in %.1fs", r.label,
-                        _reason(e), delay)
-                await asyncio.sleep(delay)
+        async def path() -> str | None:
+            if not r.kind:
+                await self._discover(r)
+            # the kind is all that is needed until an annotation is wanted
+            return r.path if self._annotations else None
 
-    async def _list(self, r: _Resource) -> str:
-        objects: dict[tuple[str, str], dict[str, float]] = {}
-        token = ""
-        while True:
-            query = f"?limit={self._page_size}" + (f"&continue={quote(token)}" if token else "")
-            page = await self._get_json(r.path + query, accept=LIST_ACCEPT)
-            for item in page.get("items") or ():
+        def replace(items: list[dict[str, Any]]) -> None:
+            objects: dict[tuple[str, str], dict[str, float]] = {}
+            for item in items:
                 self._keep(objects, item.get("metadata") or {})
-            meta = page.get("metadata") or {}
-            token = meta.get("continue") or ""
-            if not token:
-                r.objects = objects
-                return str(meta.get("resourceVersion") or "")
-
-    async def _watch(self, r: _Resource, resource_version: str) -> str:
-        """One watch stream; returns the resourceVersion to resume from ("" to relist)."""
-        seconds = int(self._watch_seconds * (0.8 + random.random() * 0.4))
-        path = (f"{r.path}?watch=1&allowWatchBookmarks=true"
-                f"&resourceVersion={quote(resource_version)}&timeoutSeconds={seconds}")
-        async with self._http().stream(path, accept=WATCH_ACCEPT,
-                                       idle=self._idle_seconds or None) as (status, chunks):
-            if status == 410:
-                raise _Gone
-            if status != 200:
-                answer = Answer(status, b"".join([c async for c in chunks]))
-                raise _Failed(_status_reason(answer, r.path))
             if r.failures:
-                log.info("informer: watching %s again (%d instances)", r.label, len(r.objects))
-                r.failures = 0
-            try:
-                async for event in json_lines(chunks):
-                    resource_version = self._apply(r, event, resource_version)
-            except TimeoutError:  # idle: resume (a dead connection fails the next watch)
-                pass
-        return resource_version
+                log.info("informer: watching %s again (%d instances)", r.label, len(objects))
+            r.objects = objects
 
-    def _apply(self, r: _Resource, event: dict[str, Any], resource_version: str) -> str:
-        kind = event.get("type")
-        obj = event.get("object") or {}
-        if kind == "ERROR":
-            if obj.get("code") == 410:
-                raise _Gone
-            raise _Failed(f"watch error {obj.get('code')}: {str(obj.get('message'))[:200]}")
+        def failures(streak: int) -> None:
+            r.failures = streak
+
+        await self._lw.run(f"informer: {r.label}", path, replace=replace,
+                           event=partial(self._event, r), failures=failures)
+
+    def _event(self, r: _Resource, kind: str, obj: dict[str, Any]) -> None:
         meta = obj.get("metadata") or {}
-        resource_version = str(meta.get("resourceVersion") or resource_version)
         if kind in ("ADDED", "MODIFIED"):
             self._keep(r.objects, meta)
         elif kind == "DELETED":
             r.objects.pop((meta.get("namespace") or "", meta.get("name") or ""), None)
-        return resource_version
 
     def _keep(self, objects: dict[tuple[str, str], dict[str, float]], meta: dict[str, Any]) -> None:
         key = (meta.get("namespace") or "", meta.get("name") or "")
@@ -349,28 +277,5 @@ class InformerPool:
 
     async def _get_json(self, path: str, *, accept: str) -> dict[str, Any]:
         if not self._started:
-            raise _Failed("the informer pool is closed")
-        answer = await self._http().call("GET", path, accept=accept, within=60)
-        if answer.status == 410:
-            raise _Gone
-        if answer.status != 200:
-            raise _Failed(_status_reason(answer, path))
-        doc = answer.json()
-        if not isinstance(doc, dict):
-            raise _Failed(f"GET {path.partition('?')[0]}: not a JSON object")
-        return doc
-
-
-def _status_reason(answer: Answer, path: str) -> str:
-    """``HTTP 403 for <path>: <the Status message>`` (the message never carries a token)."""
-    message = answer.message()
-    return f"HTTP {answer.status} for {path.partition('?')[0]}" + (
-        f": {message}" if message else "")
-
-
-def _reason(exc: BaseException) -> str:
-    if isinstance(exc, (_Failed, _Gone)):
-        return str(exc) or type(exc).__name__
-    if isinstance(exc, ValueError):
-        return f"bad JSON from the apiserver ({exc})"
-    return describe(exc)
+            raise Failed("the informer pool is closed")
+        return await self._lw.get_json(path, accept=accept)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from functools import partial
 from typing import Any
 
 import pytest
@@ -21,7 +22,8 @@ from proxy.middlewares import instance
 from proxy.middlewares.instance import InstanceResolver, MemoryInstanceOverrides
 from proxy.middlewares.ratelimit import RateLimit, parse_section
 from proxy.relay import UpstreamConfig
-from proxy.relay.informer import LIST_ACCEPT, WATCH_ACCEPT, InformerPool, _Failed, _Gone
+from proxy.relay.informer import InformerPool
+from proxy.relay.listwatch import LIST_ACCEPT, WATCH_ACCEPT, Failed, Gone, apply_event
 from proxy.stores.memory import MemoryStore
 
 JSON = "application/json"
@@ -228,30 +230,33 @@ def test_informer_applies_events_and_keeps_only_valid_wanted_annotations() -> No
     p._add("demo.opgate.dev", "v1", "widgets", kind="Widget")
     r = p._resources[("demo.opgate.dev", "widgets")]
 
+    def apply(doc: dict[str, Any], rv: str) -> str:
+        return apply_event(doc, partial(p._event, r), rv)
+
     def event(kind: str, name: str, rv: str, **annotations: str) -> dict[str, Any]:
         return {"type": kind, "object": {"kind": "PartialObjectMetadata", "metadata": {
             "namespace": "a", "name": name, "resourceVersion": rv,
             "annotations": {"opgate.dev/qps": annotations.get("qps"), "big": "x" * 1000}
             if "qps" in annotations else {"big": "x"}}}}
 
-    assert p._apply(r, event("ADDED", "w1", "5", qps="20"), "1") == "5"
-    assert p._apply(r, event("ADDED", "w2", "6", qps="fast"), "5") == "6"
-    assert p._apply(r, event("ADDED", "w3", "7"), "6") == "7"
+    assert apply(event("ADDED", "w1", "5", qps="20"), "1") == "5"
+    assert apply(event("ADDED", "w2", "6", qps="fast"), "5") == "6"
+    assert apply(event("ADDED", "w3", "7"), "6") == "7"
     assert r.objects == {("a", "w1"): {"opgate.dev/qps": 20.0}}  # never the other annotations
     assert p.get("a", "Widget", "w1", "opgate.dev/qps") == 20.0
     assert p.get("a", "Widget", "w2", "opgate.dev/qps") is None
-    p._apply(r, event("MODIFIED", "w1", "8", qps="-3"), "7")
+    apply(event("MODIFIED", "w1", "8", qps="-3"), "7")
     assert p.get("a", "Widget", "w1", "opgate.dev/qps") is None
-    p._apply(r, event("MODIFIED", "w1", "9", qps="2.5"), "8")
+    apply(event("MODIFIED", "w1", "9", qps="2.5"), "8")
     assert p.get("a", "Widget", "w1", "opgate.dev/qps") == 2.5
     bookmark = {"type": "BOOKMARK", "object": {"metadata": {"resourceVersion": "12"}}}
-    assert p._apply(r, bookmark, "9") == "12"
-    p._apply(r, event("DELETED", "w1", "13"), "12")
+    assert apply(bookmark, "9") == "12"
+    apply(event("DELETED", "w1", "13"), "12")
     assert p.get("a", "Widget", "w1", "opgate.dev/qps") is None
-    with pytest.raises(_Gone):
-        p._apply(r, {"type": "ERROR", "object": {"kind": "Status", "code": 410}}, "13")
-    with pytest.raises(_Failed):
-        p._apply(r, {"type": "ERROR", "object": {"kind": "Status", "code": 500}}, "13")
+    with pytest.raises(Gone):
+        apply({"type": "ERROR", "object": {"kind": "Status", "code": 410}}, "13")
+    with pytest.raises(Failed):
+        apply({"type": "ERROR", "object": {"kind": "Status", "code": 500}}, "13")
     assert p.kind_of("demo.opgate.dev", "widgets") == "Widget"
     assert p.kind_of("demo.opgate.dev", "gadgets") is None
     assert not p.cluster_scoped("Widget")
