@@ -23,6 +23,7 @@ Updates come from the event loop's thread only (as every hot-path update does).
 from __future__ import annotations
 
 import asyncio
+import atexit
 import os
 from bisect import bisect_left
 from collections.abc import Iterable
@@ -37,13 +38,13 @@ _MULTIPROCESS = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR")
                      or os.environ.get("prometheus_multiproc_dir"))
 
 _dirty: list[_Child] = []
-_flush_scheduled = False
+_flush_loop: asyncio.AbstractEventLoop | None = None  # the loop a flush is scheduled on
 
 
 def flush() -> None:
     """Hand every pending sum to its prometheus_client child."""
-    global _flush_scheduled
-    _flush_scheduled = False
+    global _flush_loop
+    _flush_loop = None
     while _dirty:
         pending = _dirty[:]
         _dirty.clear()
@@ -51,17 +52,20 @@ def flush() -> None:
             child.flush()
 
 
+if _MULTIPROCESS:  # a worker that stops between an update and the next loop iteration
+    atexit.register(flush)
+
+
 def _schedule() -> None:
-    global _flush_scheduled
-    if _flush_scheduled:
-        return
+    global _flush_loop
     try:
         loop = asyncio.get_running_loop()
     except RuntimeError:  # no loop in this thread: nothing would run a deferred flush
         flush()
         return
-    _flush_scheduled = True
-    loop.call_soon(flush)
+    if _flush_loop is not loop:
+        _flush_loop = loop
+        loop.call_soon(flush)
 
 
 class _Child:

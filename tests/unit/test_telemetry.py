@@ -124,3 +124,22 @@ def test_multiprocess_mode_hands_updates_over_after_each_loop_iteration(
     assert asyncio.run(go()) == (0.0, 2.0)
     deferred.labels("get").inc()  # no running loop: handed over at once
     assert target._value.get() == 3.0
+
+
+def test_multiprocess_mode_flushes_on_a_new_loop_after_an_old_one_closed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A flush scheduled on a loop that closed before running it does not stall later ones."""
+    monkeypatch.setattr(telemetry, "_MULTIPROCESS", True)
+    _, _, deferred = pair(Counter, "verb")
+    target = deferred.labels("get")._target
+    old = asyncio.new_event_loop()
+    old.close()
+    monkeypatch.setattr(telemetry, "_flush_loop", old)
+
+    async def update() -> float:
+        deferred.labels("get").inc()
+        await asyncio.sleep(0)
+        return float(target._value.get())
+
+    assert asyncio.run(update()) == 1.0
