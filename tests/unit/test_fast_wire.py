@@ -55,3 +55,15 @@ def test_switch_head_keeps_the_upgrade() -> None:
                        extra=[])
     assert head == (b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: SPDY/3.1\r\n"
                     b"X-Stream-Protocol-Version: v4.channel.k8s.io\r\nConnection: Upgrade\r\n\r\n")
+
+
+def test_request_head_adds_opgates_token_only_when_the_client_sent_none() -> None:
+    def head(headers: list[tuple[bytes, bytes]]) -> bytes:
+        return request_head(method=b"GET", target=b"/api", host=b"up", headers=headers,
+                            named=frozenset(), drop=(), allow_impersonation=False,
+                            authorization=b"Bearer opgate", framing=b"")[0]
+
+    assert b"Authorization: Bearer opgate\r\n" in head([(b"Accept", b"*/*")])
+    own = head([(b"authorization", b"Bearer client")])
+    assert b"authorization: Bearer client\r\n" in own and b"opgate" not in own
+

@@ -102,10 +102,15 @@ class Exchange:
             self._timer = None
 
     def _schedule(self) -> None:
-        waiting = not self.head.done()
-        due = [d for d in (self._head_by if waiting else 0.0, self._total_by,
-                           0.0 if waiting or not self._idle else self._last + self._idle) if d]
-        self._timer = self._loop.call_at(min(due), self._tick) if due else None
+        if not self.head.done():  # the head's deadline, or the whole call's if sooner
+            due = self._head_by
+            if self._total_by and (not due or self._total_by < due):
+                due = self._total_by
+        else:  # the whole call's deadline, or the body's silence if sooner
+            due = self._total_by
+            if self._idle and (not due or self._last + self._idle < due):
+                due = self._last + self._idle
+        self._timer = self._loop.call_at(due, self._tick) if due else None
 
     def _tick(self) -> None:
         self._timer = None

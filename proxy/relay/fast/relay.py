@@ -189,8 +189,7 @@ class FastRelay:
             framing = b"Content-Length: " + req.content_length + b"\r\n"
         else:
             framing = b""
-        client_auth = any(n.lower() == b"authorization" for n, _ in req.headers)
-        auth = None if client_auth else self._token.authorization()
+        auth = self._token.authorization()
         allowed = ctx.allow_impersonation or bool(
             getattr(ctx.policies, "allow_impersonation", False)
         )

@@ -125,6 +125,7 @@ def request_head(
     ``named`` are the client's ``Connection`` tokens, ``drop`` the lower-case ``str`` names the
     middlewares removed, ``framing`` the ``Content-Length``/``Transfer-Encoding`` line(s). With
     ``upgrade`` the client's ``Upgrade`` header is kept and ``Connection: Upgrade`` sent.
+    ``authorization`` (opgate's own) is added only when the client sent no ``Authorization``.
     """
     parts = [method, b" ", target, b" HTTP/1.1\r\nHost: ", host, b"\r\n"]
     dropped = {d.encode("latin-1") for d in drop} if drop else _NOTHING
@@ -142,8 +143,8 @@ def request_head(
                 continue
         if (named and low in named) or (dropped and low in dropped):
             continue
-        if authorization is not None and low == b"authorization":
-            continue
+        if low == b"authorization":
+            authorization = None  # the client's own credentials go upstream, not opgate's
         parts += (name, b": ", value, b"\r\n")
     if authorization is not None:
         parts += (b"Authorization: ", authorization, b"\r\n")
@@ -167,8 +168,8 @@ def response_head(
     for name, value in headers:
         low = name.lower()
         if low in _HOP or low.startswith(b"proxy-") or low == b"content-length":
-            if low == b"connection":
-                named = connection_tokens(headers)
+            if low == b"connection":  # names beyond the standard hop-by-hop ones (rare)
+                named = connection_tokens(headers) - _HOP
             continue
         parts += (name, b": ", value, b"\r\n")
     if named:  # rare: names the upstream listed in Connection are hop-by-hop too
