@@ -253,6 +253,32 @@ PATHS = [
 
 
 @pytest.mark.asyncio
+async def test_pipelined_requests_are_answered_in_order_on_one_connection() -> None:
+    async def named(request: web.BaseRequest) -> web.StreamResponse:
+        if request.path.endswith("/slow"):
+            await asyncio.sleep(0.2)  # the first answer takes longest: order must still hold
+        return web.Response(body=request.path.encode(), content_type="text/plain")
+
+    up = await AiohttpUpstream(named).start()
+    try:
+        async with running_proxy(up.url) as proxy:
+            host, port = proxy.listener.address.rsplit(":", 1)
+            reader, writer = await asyncio.open_connection(host, int(port))
+            paths = ["/api/v1/slow", "/api/v1/a", "/api/v1/b"]
+            writer.write(b"".join(b"GET %s HTTP/1.1\r\nHost: x\r\n\r\n" % p.encode()
+                                  for p in paths))
+            bodies = []
+            for _ in paths:
+                status, headers = await asyncio.wait_for(read_head(reader), 5)
+                assert " 200 " in status
+                bodies.append((await reader.readexactly(int(headers["content-length"]))).decode())
+            writer.close()
+    finally:
+        await up.close()
+    assert bodies == paths
+
+
+@pytest.mark.asyncio
 async def test_paths_and_queries_arrive_byte_identical() -> None:
     async def echo(request: web.BaseRequest) -> web.StreamResponse:
         return web.Response(text=request.raw_path, headers={"X-Served-By": "upstream"})
