@@ -387,16 +387,11 @@ class QuotaCounts:
         self._spawn_quotas()
 
     async def close(self) -> None:
-        tasks = [c.task for c in self._counted.values() if c.task is not None]
-        tasks += [t for t in (self._rq_task, self._crq_task, self._ns_task, self._follow_task)
-                  if t is not None]
+        tasks = [c.task for c in self._counted.values()]
+        tasks += [self._rq_task, self._crq_task, self._ns_task, self._follow_task]
         self._follow_task = None
-        for task in tasks:
-            task.cancel()
-        if tasks:
-            await asyncio.gather(*tasks, return_exceptions=True)
         self._started = False
-        self._lw.close()
+        await self._lw.stop(tasks)
 
     @staticmethod
     async def _follow(follow: Callable[[], None]) -> None:

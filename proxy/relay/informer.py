@@ -136,15 +136,8 @@ class InformerPool:
         self._discover_later()
 
     async def close(self) -> None:
-        tasks = [r.task for r in self._resources.values() if r.task is not None]
-        if self._discovery is not None:
-            tasks.append(self._discovery)
-        for task in tasks:
-            task.cancel()
-        if tasks:
-            await asyncio.gather(*tasks, return_exceptions=True)
         self._started = False
-        self._lw.close()
+        await self._lw.stop([*(r.task for r in self._resources.values()), self._discovery])
 
     # --- interest ----------------------------------------------------------------------
 

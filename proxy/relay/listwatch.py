@@ -16,7 +16,7 @@ import asyncio
 import logging
 import random
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 from urllib.parse import quote
 
@@ -102,6 +102,15 @@ class ListWatch:
         if self._client is not None:
             self._client.close()
             self._client = None
+
+    async def stop(self, tasks: Iterable[asyncio.Task[None] | None]) -> None:
+        """Cancel the loops (``run``) in ``tasks``, wait for them, close the connections."""
+        running = [t for t in tasks if t is not None]
+        for task in running:
+            task.cancel()
+        if running:
+            await asyncio.gather(*running, return_exceptions=True)
+        self.close()
 
     async def get_json(self, path: str, *, accept: str = JSON) -> dict[str, Any]:
         answer = await self.client().call("GET", path, accept=accept, within=60)
