@@ -28,6 +28,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import select
 import shutil
 import signal
 import socket
@@ -334,11 +335,14 @@ def worker_main(argv: list[str]) -> int:
         settings.listen, admin_listen="unix:" + admin_socket(run_dir, index)))
     from proxy.app import serve
 
-    supervisor = os.getppid()
-    code = serve(settings, reuse_port=True, parent_fd=parent_fd, tag=f"worker {index}")
-    if os.getppid() != supervisor:  # it died without cleaning up: the last worker out does
-        shutil.rmtree(run_dir, ignore_errors=True)
-    return code
+    try:
+        return serve(settings, reuse_port=True, parent_fd=parent_fd, tag=f"worker {index}")
+    finally:
+        # the supervisor died without cleaning up: the last worker out does. Asked of the pipe
+        # (readable only at EOF: nobody writes to it), not of getppid(): a dying process closes
+        # its files before its children are given a new parent
+        if select.select([parent_fd], [], [], 0)[0]:
+            shutil.rmtree(run_dir, ignore_errors=True)
 
 
 if __name__ == "__main__":
