@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import sys
 from collections.abc import Callable, Mapping, Sequence
@@ -31,7 +32,7 @@ from proxy.engine.check import check
 from proxy.engine.policies import PolicyStore
 from proxy.engine.reload import watch_policies
 from proxy.engine.schema import SectionParser
-from proxy.middlewares import faults, identity, quota, ratelimit
+from proxy.middlewares import audit, faults, identity, quota, ratelimit
 from proxy.middlewares.accesslog import AccessLog, AccessWriter
 from proxy.middlewares.metrics import Metrics
 from proxy.relay import RelaySettings, relay_core, resolve_upstream, serve_api
@@ -48,7 +49,8 @@ log = logging.getLogger("opgate")
 def section_parsers() -> Mapping[str, SectionParser]:
     """The ``spec`` sections this build understands, each owned by its middleware."""
     return {identity.SECTION: identity.parse_section, ratelimit.SECTION: ratelimit.parse_section,
-            faults.SECTION: faults.parse_section, quota.SECTION: quota.parse_section}
+            faults.SECTION: faults.parse_section, quota.SECTION: quota.parse_section,
+            audit.SECTION: audit.parse_section}
 
 
 def check_paths(paths: Sequence[str]) -> int:
@@ -108,12 +110,32 @@ def serve(
         return 2
     try:
         with asyncio.Runner(loop_factory=factory) as runner:
-            return runner.run(_serve(settings, reuse_port=reuse_port, parent_fd=parent_fd))
+            return runner.run(_serve(settings, reuse_port=reuse_port, parent_fd=parent_fd,
+                                     tag=tag))
     except KeyboardInterrupt:
         return 0
 
 
-async def _serve(settings: Settings, *, reuse_port: bool, parent_fd: int | None) -> int:
+def open_audit_log(settings: Settings, *, tag: str = "") -> tuple[
+        AccessWriter, audit.QueuedStream | None] | None:
+    """The audit log's batched writer (and, for a file, the thread that writes and rotates it);
+    each worker of ``--workers N`` writes its own file (``audit.log`` -> ``audit.worker1.log``)."""
+    path = settings.log.audit_log
+    if not path:
+        return None
+    if path == "-":
+        return AccessWriter(sys.stdout), None
+    if tag:
+        stem, ext = os.path.splitext(path)
+        path = f"{stem}.{tag.replace(' ', '')}{ext}"
+    stream = audit.QueuedStream(audit.RotatingFile(
+        path, max_bytes=settings.log.audit_log_maxsize * 1024 * 1024,
+        max_backups=settings.log.audit_log_maxbackup))
+    return AccessWriter(stream), stream
+
+
+async def _serve(settings: Settings, *, reuse_port: bool, parent_fd: int | None,
+                 tag: str = "") -> int:
     up = settings.upstream
     try:
         upstream = resolve_upstream(url=up.url, kubeconfig=up.kubeconfig, ca_file=up.ca_file,
@@ -128,6 +150,11 @@ async def _serve(settings: Settings, *, reuse_port: bool, parent_fd: int | None)
                   store.last_error)
         return 1
 
+    try:
+        audit_log = open_audit_log(settings, tag=tag)
+    except OSError as exc:
+        log.error("cannot open the audit log %s: %s", settings.log.audit_log, exc)
+        return 2
     rl = settings.ratelimit
     buckets = build_store(redis_url=rl.redis_url, password_file=rl.redis_password_file,
                           timeout=rl.redis_timeout, replicas=rl.replicas)
@@ -135,15 +162,20 @@ async def _serve(settings: Settings, *, reuse_port: bool, parent_fd: int | None)
     informers = InformerPool(upstream, connect_timeout=up.connect_timeout)
     access_writer = AccessWriter(sys.stdout) if settings.log.access_log else None
     after = [Metrics(), AccessLog(writer=access_writer)] if access_writer else [Metrics()]
+    auditor = audit.Audit(write=audit_log[0].write) if audit_log else None
+    if auditor is None and store.current.section(audit.SECTION):
+        log.warning("the policies have spec.audit but no --audit-log is set: no audit events "
+                    "are written")
     authn = UpstreamAuthenticator(upstream, connect_timeout=up.connect_timeout)
     # object counts for spec.quotas: list+watch of the quota'd resources and the quotas
     counts = QuotaCounts(upstream, connect_timeout=up.connect_timeout)
     quotas = quota.Quota(counts=counts)
     quotas.prepare(store.current)  # start counting now, not at the first create
-    # who calls, then what may be injected, then how fast, then how many; metrics and the log
-    # see the outcome
+    # who calls, then what may be injected, then how fast, then how many; the audit log,
+    # metrics and the access log see the outcome
     chain = Chain([identity.IdentityCheck(authenticator=authn), faults.Faults(),
-                   ratelimit.RateLimit(store=buckets, overrides=informers), quotas, *after])
+                   ratelimit.RateLimit(store=buckets, overrides=informers), quotas,
+                   *([auditor] if auditor else []), *after])
     relay_settings = RelaySettings(
         connect_timeout=up.connect_timeout, header_timeout=up.header_timeout,
         request_timeout=up.request_timeout, watch_idle_timeout=up.watch_idle_timeout)
@@ -210,6 +242,11 @@ async def _serve(settings: Settings, *, reuse_port: bool, parent_fd: int | None)
         await buckets.close()
         if access_writer is not None:
             access_writer.close()
+        if auditor is not None and audit_log is not None:
+            auditor.close()
+            audit_log[0].close()
+            if audit_log[1] is not None:
+                audit_log[1].close()
     return 0
 
 

@@ -42,6 +42,17 @@ def worker_count(text: str) -> int:
     return count
 
 
+def non_negative(text: str) -> int:
+    """``--audit-log-maxsize`` / ``--audit-log-maxbackup``: a whole number, 0 or more."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
+    return value
+
+
 def loop_name(text: str) -> str:
     name = text.strip().lower()
     if name not in LOOPS:
@@ -155,6 +166,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add(g, "--log-level", default="info", metavar="LEVEL",
          help="debug, info, warning or error")
     _add(g, "--no-access-log", kind=bool, help="do not write one JSON line per request")
+    _add(g, "--audit-log", metavar="PATH",
+         help="write audit.k8s.io/v1 Events (one JSON line each) to this file, - for stdout; "
+         "what is recorded follows the policies' spec.audit, without one every call at "
+         "Metadata level (default: no audit log)")
+    _add(g, "--audit-log-maxsize", kind=non_negative, default="100", metavar="MB",
+         help="rotate the audit log file before it grows past this size (0: never)")
+    _add(g, "--audit-log-maxbackup", kind=non_negative, default="5", metavar="N",
+         help="rotated audit log files kept (0: all)")
 
     check = sub.add_parser("check", help="validate policy files offline",
                            description="Validate policy files; print file:line: message per "
@@ -186,7 +205,10 @@ def settings_from(args: argparse.Namespace) -> Settings:
         ratelimit=RateLimitSettings(redis_url=args.redis_url, redis_timeout=args.redis_timeout,
                                     replicas=args.replicas,
                                     redis_password_file=args.redis_password_file),
-        log=LogSettings(level=args.log_level, access_log=not args.no_access_log),
+        log=LogSettings(level=args.log_level, access_log=not args.no_access_log,
+                        audit_log=args.audit_log or None,
+                        audit_log_maxsize=args.audit_log_maxsize,
+                        audit_log_maxbackup=args.audit_log_maxbackup),
         runtime=RuntimeSettings(workers=args.workers, loop=args.loop, relay=args.relay),
     )
 

@@ -49,6 +49,9 @@ class RateLimitSettings:
 class LogSettings:
     level: str = "info"
     access_log: bool = True
+    audit_log: str | None = None  # a file, "-" for stdout; None: no audit log
+    audit_log_maxsize: int = 100  # MB before the audit log is rotated (0: never)
+    audit_log_maxbackup: int = 5  # rotated audit logs kept (0: all)
 
 
 @dataclass(frozen=True, slots=True)

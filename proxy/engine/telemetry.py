@@ -277,3 +277,11 @@ DRYRUN_DENIALS = Counter(
     "opgate_dryrun_denials_total", "Denials a dryrun policy would have made.", ["middleware"],
     registry=REGISTRY,
 )
+AUDIT_EVENTS = Deferred(Counter(
+    "opgate_audit_events_total", "Audit events handed to the audit log, by level.", ["level"],
+    registry=REGISTRY,
+))
+AUDIT_DROPPED = Counter(
+    "opgate_audit_dropped_total", "Audit events dropped: the audit log writer fell behind or "
+    "failed.", registry=REGISTRY,
+)

@@ -15,7 +15,8 @@ SERVE_FLAGS = [
     "--upstream-ca", "--upstream-insecure", "--token-file", "--policies", "--redis-url",
     "--connect-timeout", "--header-timeout", "--request-timeout", "--watch-idle-timeout",
     "--redis-timeout", "--redis-password-file", "--replicas", "--log-level", "--no-access-log",
-    "--workers", "--loop", "--relay",
+    "--workers", "--loop", "--relay", "--audit-log", "--audit-log-maxsize",
+    "--audit-log-maxbackup",
 ]
 
 
@@ -26,6 +27,7 @@ def test_defaults_are_secure() -> None:
     assert s.upstream.insecure is False
     assert s.ratelimit.redis_url is None
     assert s.log.access_log is True
+    assert (s.log.audit_log, s.log.audit_log_maxsize, s.log.audit_log_maxbackup) == (None, 100, 5)
 
 
 @pytest.mark.parametrize(("var", "value", "read"), [
@@ -41,6 +43,9 @@ def test_defaults_are_secure() -> None:
     ("OPGATE_WORKERS", "3", lambda s: s.runtime.workers),
     ("OPGATE_LOOP", "asyncio", lambda s: s.runtime.loop),
     ("OPGATE_RELAY", "aiohttp", lambda s: s.runtime.relay),
+    ("OPGATE_AUDIT_LOG", "/var/log/opgate/audit.log", lambda s: s.log.audit_log),
+    ("OPGATE_AUDIT_LOG_MAXSIZE", "3", lambda s: s.log.audit_log_maxsize),
+    ("OPGATE_AUDIT_LOG_MAXBACKUP", "3", lambda s: s.log.audit_log_maxbackup),
 ])
 def test_environment_variables(monkeypatch: pytest.MonkeyPatch, var: str, value: str,
                                read: object) -> None:
@@ -52,7 +57,8 @@ def test_environment_variables(monkeypatch: pytest.MonkeyPatch, var: str, value:
         expected = True
     elif var == "OPGATE_HEADER_TIMEOUT":
         expected = 2.5
-    elif var in ("OPGATE_REPLICAS", "OPGATE_WORKERS"):
+    elif var in ("OPGATE_REPLICAS", "OPGATE_WORKERS", "OPGATE_AUDIT_LOG_MAXSIZE",
+                 "OPGATE_AUDIT_LOG_MAXBACKUP"):
         expected = 3
     elif var == "OPGATE_POLICIES":
         expected = (value,)

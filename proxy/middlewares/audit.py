@@ -1,0 +1,462 @@
+"""The audit log: one ``audit.k8s.io/v1`` ``Event`` per line, as kube-apiserver writes it.
+
+What a call records is decided by ``spec.audit`` (:mod:`proxy.middlewares.audit_spec`, the
+apiserver's audit Policy); without any such section every call is recorded at ``Metadata``.
+The events are the apiserver's own format (``kind: Event``, ``apiVersion: audit.k8s.io/v1``), so
+the tools that read its ``--audit-log-path`` files read opgate's too:
+
+* ``auditID`` is opgate's trace id; ``verb`` the apiserver's audit verb (``get``, ``list``,
+  ``watch``, ``create``, ``update``, ``patch``, ``delete``, ``deletecollection``; the lower-case
+  HTTP method for non-resource URLs); ``requestURI`` path and query as sent (a query parameter
+  whose name contains ``token`` is redacted).
+* ``user`` is the identity opgate verified (``spec.identity``): ``{}`` when none was verified,
+  with the annotation ``opgate.dev/user: unverified``. ``impersonatedUser`` when the call
+  forwards ``Impersonate-User``. ``sourceIPs`` is left out: the relay does not tell middlewares
+  the peer's address (on a loopback sidecar it is the controller's 127.0.0.1).
+* ``responseStatus`` has the code; for an answer opgate gave itself (a denial, throttling, a
+  fault, a quota, the relay's own 4xx/5xx) also ``status``, ``message``, ``reason``, ``details``
+  of the Status it sent. The apiserver's own error bodies are not read (only their code).
+* ``annotations``: ``opgate.dev/decision`` (allowed, denied, throttled, quota, fault,
+  unauthorized, error), ``opgate.dev/reason`` (the message of opgate's own answer: it names the
+  rule and the policy file), ``opgate.dev/audit-rule`` (``file:line`` of the audit rule that set
+  the level), ``opgate.dev/error`` when the relay recorded one.
+* Levels: ``Metadata``; ``Request`` adds ``requestObject``, the JSON request body of resource
+  requests (read only for calls a rule may log at Request; bounded by the relay's 3 MiB, the
+  apiserver's own limit; a body that is not JSON, e.g. protobuf, is left out with the annotation
+  ``opgate.dev/request-object``; a TokenReview's ``spec.token`` is redacted);
+  ``RequestResponse`` is accepted and logs what ``Request`` does: **responseObject is not
+  recorded** (the relay streams response bodies and does not hand them to middlewares).
+* Stages: ``ResponseComplete`` when a call ends. Long-running calls (watch, exec, attach,
+  port-forward, logs, proxy) also get ``ResponseStarted`` once their response head went out
+  (seen on the context, at most ``POLL_SECONDS`` late). ``RequestReceived`` is never emitted (as
+  if every policy had ``omitStages: [RequestReceived]``), nor ``Panic``.
+
+Nothing here blocks a call: an event is built in the exit hook and handed to an
+:class:`~proxy.middlewares.accesslog.AccessWriter` (batched, as the access log); for a file, its
+batches go to a writer thread through :class:`QueuedStream`, which drops whole batches (counted
+in ``opgate_audit_dropped_total``) rather than hold more than ``MAX_PENDING_BYTES``.
+:class:`RotatingFile` rotates by size as the apiserver's ``--audit-log-maxsize`` /
+``--audit-log-maxbackup`` do (backups named ``audit-2006-01-02T15-04-05.000.log``, UTC).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import logging
+import os
+import re
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import IO, Any
+from urllib.parse import quote
+
+from proxy.engine import telemetry
+from proxy.engine.context import RequestContext
+from proxy.engine.status import StatusError
+from proxy.middlewares.audit_spec import (
+    SECTION,
+    AuditPlan,
+    Decision,
+    at_least,
+    build_plan,
+    parse_section,
+)
+
+__all__ = ["MAX_PENDING_BYTES", "POLL_SECONDS", "SECTION", "Audit", "QueuedStream",
+           "RotatingFile", "micro_time", "parse_section"]
+
+log = logging.getLogger("opgate.audit")
+
+POLL_SECONDS = 0.1  # how often open long-running calls are checked for their response head
+MAX_PENDING_BYTES = 8 * 1024 * 1024  # events waiting for the writer thread, at most
+CLIENT_GONE = 499  # what the relay records for a call whose client left before any response
+_REASONS = {400: "BadRequest", 401: "Unauthorized", 403: "Forbidden", 404: "NotFound",
+            409: "Conflict", 413: "RequestEntityTooLarge", 429: "TooManyRequests",
+            500: "InternalError", 503: "ServiceUnavailable", 504: "Timeout"}
+_SECRET_PARAM = re.compile(r"token|password|secret", re.IGNORECASE)
+_PATH_SAFE = "/:@!$&'()*+,;=-._~"
+_NEEDS_QUOTE = re.compile(r"[^A-Za-z0-9/:@!$&'()*+,;=\-._~]")
+_BODY_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
+REDACTED = "REDACTED"
+
+
+def micro_time(wall: float) -> str:
+    """``metav1.MicroTime`` as JSON: RFC 3339, UTC, six fractional digits."""
+    second = int(wall)
+    micros = min(int((wall - second) * 1_000_000), 999_999)  # truncated, as Go formats it
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second)) + f".{micros:06d}Z"
+
+
+def request_uri(path: str, query: str) -> str:
+    """The request URI as the client sent it (path re-escaped), secrets in the query redacted."""
+    uri = quote(path, safe=_PATH_SAFE) if _NEEDS_QUOTE.search(path) else path
+    if not query:
+        return uri
+    if _SECRET_PARAM.search(query):
+        parts = []
+        for part in query.split("&"):
+            name, eq, _ = part.partition("=")
+            parts.append(f"{name}={REDACTED}" if eq and _SECRET_PARAM.search(name) else part)
+        query = "&".join(parts)
+    return f"{uri}?{query}"
+
+
+def _status(ctx: RequestContext) -> dict[str, Any]:
+    """``responseStatus`` (a ``metav1.Status``, fields in its JSON order)."""
+    answer: StatusError | None = getattr(ctx, "answer", None)
+    code = ctx.status_code
+    if answer is not None:
+        out: dict[str, Any] = {"metadata": {}, "status": "Failure", "message": answer.message,
+                               "reason": answer.reason or _REASONS.get(answer.code, "")}
+        if answer.details:
+            out["details"] = answer.details
+        out["code"] = answer.code
+        return out
+    if ctx.decision != "allowed" and code >= 400:  # opgate answered, before ctx.answer existed
+        out = {"metadata": {}, "status": "Failure"}
+        if ctx.error:
+            out["message"] = ctx.error
+        reason = _REASONS.get(code)
+        if reason:
+            out["reason"] = reason
+        out["code"] = code
+        return out
+    return {"metadata": {}, "code": code}
+
+
+def _request_object(ctx: RequestContext, decision: Decision,
+                    notes: dict[str, str]) -> Any | None:
+    """The request body as JSON for ``requestObject`` (None, with a note, when it cannot be)."""
+    body = ctx.body
+    if body is None:
+        if ctx.bytes_in and ctx.method in _BODY_METHODS:
+            notes["opgate.dev/request-object"] = "omitted: the body was not read"
+        return None
+    if not body:
+        return None
+    ctype = (ctx.headers.get("content-type") or "").lower()
+    if "protobuf" in ctype or "cbor" in ctype:
+        notes["opgate.dev/request-object"] = f"omitted: not JSON ({ctype.split(';')[0]})"
+        return None
+    try:
+        obj = json.loads(body)
+    except ValueError:
+        notes["opgate.dev/request-object"] = (
+            f"omitted: not JSON ({ctype.split(';')[0] or 'no content type'})")
+        return None
+    info = ctx.info
+    if isinstance(obj, dict):
+        if info.resource == "tokenreviews" and info.api_group == "authentication.k8s.io":
+            spec = obj.get("spec")
+            if isinstance(spec, dict) and "token" in spec:
+                obj["spec"] = {**spec, "token": REDACTED}
+        if decision.omit_managed_fields:
+            meta = obj.get("metadata")
+            if isinstance(meta, dict) and "managedFields" in meta:
+                obj["metadata"] = {k: v for k, v in meta.items() if k != "managedFields"}
+    return obj
+
+
+def _body_name(ctx: RequestContext) -> str:
+    """A create's object name from its JSON body (as the apiserver completes objectRef)."""
+    body = ctx.body
+    if not body or ctx.info.verb != "create" or not body.lstrip().startswith(b"{"):
+        return ""
+    try:
+        meta = json.loads(body).get("metadata")
+    except (ValueError, AttributeError):
+        return ""
+    name = meta.get("name") if isinstance(meta, dict) else None
+    return name if isinstance(name, str) else ""
+
+
+@dataclass(slots=True)
+class _Open:
+    """A long-running call between its entry hook and its end."""
+
+    ctx: RequestContext
+    decision: Decision
+    started_sent: bool = False
+
+
+class Audit:
+    """The audit middleware (module docstring). ``write`` takes one line (with its newline)."""
+
+    name = "audit"
+    needs_body = True  # narrowed per call by wants_body: only calls a rule may log at Request
+    fail_open = True
+
+    def __init__(self, *, write: Callable[[str], None],
+                 clock: Callable[[], float] = time.time) -> None:
+        self._write = write
+        self._clock = clock
+        self._plan_for: object = None
+        self._plan = AuditPlan()
+        self._open: dict[int, _Open] = {}
+        self._timer: asyncio.TimerHandle | None = None
+        self._counters: dict[str, Any] = {}
+
+    def plan(self, policies: object) -> AuditPlan:
+        if policies is not self._plan_for:
+            section = getattr(policies, "section", None)
+            self._plan = build_plan(section(SECTION) if section is not None else ())
+            self._plan_for = policies  # held: identity stays meaningful
+        return self._plan
+
+    def wants_body(self, ctx: RequestContext) -> bool:
+        return self.plan(ctx.policies).may_want_body(ctx.info)
+
+    async def entry(self, ctx: RequestContext) -> None:
+        """Remember long-running calls, to record ResponseStarted when their head goes out."""
+        if not ctx.info.is_long_running:
+            return
+        decision = self.plan(ctx.policies).decide(ctx.info, ctx.identity)
+        if decision.level == "None" or "ResponseStarted" in decision.omit_stages:
+            return
+        self._open[id(ctx)] = _Open(ctx, decision)
+        if self._timer is None:
+            self._timer = asyncio.get_running_loop().call_later(POLL_SECONDS, self._poll)
+
+    def _poll(self) -> None:
+        self._timer = None
+        for key, item in list(self._open.items()):
+            ctx = item.ctx
+            if ctx.finished:
+                continue  # the exit hook decides
+            if ctx.status_code and not item.started_sent:
+                item.started_sent = True
+                self._emit(ctx, item.decision, "ResponseStarted", self._clock())
+            if item.started_sent:
+                del self._open[key]
+        if any(not item.started_sent for item in self._open.values()):
+            self._timer = asyncio.get_running_loop().call_later(POLL_SECONDS, self._poll)
+
+    async def exit(self, ctx: RequestContext) -> None:
+        item = self._open.pop(id(ctx), None) if self._open else None
+        if item is not None and item.ctx is ctx:
+            decision = item.decision
+            if not item.started_sent and ctx.status_code and ctx.status_code != CLIENT_GONE:
+                self._emit(ctx, decision, "ResponseStarted", self._clock())
+        else:
+            decision = self.plan(ctx.policies).decide(ctx.info, ctx.identity)
+            if decision.level == "None":
+                return
+        if "ResponseComplete" in decision.omit_stages:
+            return
+        end = ctx.wall_time + ((ctx.finished or time.monotonic()) - ctx.started)
+        self._emit(ctx, decision, "ResponseComplete", end)
+
+    def event(self, ctx: RequestContext, decision: Decision, stage: str,
+              stamp: float) -> dict[str, Any]:
+        """The ``audit.k8s.io/v1`` Event, keys in the apiserver's JSON order."""
+        info = ctx.info
+        notes: dict[str, str] = {}
+        ev: dict[str, Any] = {"kind": "Event", "apiVersion": "audit.k8s.io/v1",
+                              "level": decision.level, "auditID": ctx.trace_id, "stage": stage,
+                              "requestURI": request_uri(ctx.path, ctx.query), "verb": info.verb}
+        identity = ctx.identity
+        if identity is not None:
+            user: dict[str, Any] = {"username": identity.user}
+            if identity.uid:
+                user["uid"] = identity.uid
+            if identity.groups:
+                user["groups"] = list(identity.groups)
+            ev["user"] = user
+        else:
+            ev["user"] = {}
+            notes["opgate.dev/user"] = "unverified"
+        impersonated = ctx.headers.get("impersonate-user")
+        if impersonated and (ctx.allow_impersonation
+                             or getattr(ctx.policies, "allow_impersonation", False)):
+            ev["impersonatedUser"] = {"username": impersonated}
+        agent = ctx.headers.get("user-agent")
+        if agent:
+            ev["userAgent"] = agent
+        if info.is_resource_request:
+            ref: dict[str, str] = {"resource": info.resource}
+            if info.namespace:
+                ref["namespace"] = info.namespace
+            name = info.name or _body_name(ctx)
+            if name:
+                ref["name"] = name
+            if info.api_group:
+                ref["apiGroup"] = info.api_group
+            if info.api_version:
+                ref["apiVersion"] = info.api_version
+            if info.subresource:
+                ref["subresource"] = info.subresource
+            ev["objectRef"] = ref
+        if ctx.status_code and (stage == "ResponseComplete" or ctx.status_code != CLIENT_GONE):
+            ev["responseStatus"] = _status(ctx)
+        if (at_least(decision.level, "Request") and info.is_resource_request
+                and stage == "ResponseComplete"):
+            obj = _request_object(ctx, decision, notes)
+            if obj is not None:
+                ev["requestObject"] = obj
+        ev["requestReceivedTimestamp"] = micro_time(ctx.wall_time)
+        ev["stageTimestamp"] = micro_time(max(stamp, ctx.wall_time))
+        annotations = {"opgate.dev/decision": ctx.decision}
+        answer: StatusError | None = getattr(ctx, "answer", None)
+        if answer is not None:
+            annotations["opgate.dev/reason"] = answer.message
+        if decision.rule:
+            annotations["opgate.dev/audit-rule"] = decision.rule
+        if ctx.error:
+            annotations["opgate.dev/error"] = ctx.error
+        annotations.update(notes)
+        ev["annotations"] = annotations
+        return ev
+
+    def _emit(self, ctx: RequestContext, decision: Decision, stage: str, stamp: float) -> None:
+        line = json.dumps(self.event(ctx, decision, stage, stamp), ensure_ascii=False,
+                          separators=(",", ":"), default=str)
+        self._write(line + "\n")
+        counter = self._counters.get(decision.level)
+        if counter is None:
+            counter = self._counters[decision.level] = telemetry.AUDIT_EVENTS.labels(
+                decision.level)
+        counter.inc()
+
+    def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+
+# --- where the lines go ------------------------------------------------------------------------
+
+class RotatingFile:
+    """An append-only file rotated by size, as the apiserver's audit log (lumberjack) does.
+
+    Before a write would take the file past ``max_bytes`` (0: never), it is renamed to
+    ``<name>-<UTC time 2006-01-02T15-04-05.000><ext>`` next to it and a new one opened; only the
+    newest ``max_backups`` such files are kept (0: all). New files are created mode 0600.
+    """
+
+    def __init__(self, path: str, *, max_bytes: int = 0, max_backups: int = 0,
+                 now: Callable[[], float] = time.time) -> None:
+        self.path = path
+        self.max_bytes = max_bytes
+        self.max_backups = max_backups
+        self._now = now
+        folder, base = os.path.split(path)
+        self._dir = folder or "."
+        self._stem, self._ext = os.path.splitext(base)
+        stamp = r"(\d{4}-\d\d-\d\dT\d\d-\d\d-\d\d\.\d{3})(?:-\d+)?"
+        self._backup = re.compile(re.escape(self._stem) + "-" + stamp + re.escape(self._ext))
+        self._file = self._open()
+        self.size = os.fstat(self._file.fileno()).st_size
+
+    def _open(self) -> IO[bytes]:
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        return os.fdopen(fd, "ab")
+
+    def write(self, data: str) -> None:
+        raw = data.encode("utf-8")
+        if self.max_bytes and self.size and self.size + len(raw) > self.max_bytes:
+            self.rotate()
+        self._file.write(raw)
+        self.size += len(raw)
+
+    def flush(self) -> None:
+        self._file.flush()
+
+    def backups(self) -> list[str]:
+        """The rotated files, oldest first."""
+        found = []
+        for name in os.listdir(self._dir):
+            m = self._backup.fullmatch(name)
+            if m:
+                found.append((m.group(1), name))
+        return [os.path.join(self._dir, name) for _, name in sorted(found)]
+
+    def rotate(self) -> None:
+        self._file.close()
+        stamp = datetime.fromtimestamp(self._now(), UTC).strftime("%Y-%m-%dT%H-%M-%S.%f")[:-3]
+        target = os.path.join(self._dir, f"{self._stem}-{stamp}{self._ext}")
+        n = 1
+        while os.path.exists(target):
+            target = os.path.join(self._dir, f"{self._stem}-{stamp}-{n}{self._ext}")
+            n += 1
+        try:
+            os.rename(self.path, target)
+        finally:
+            self._file = self._open()
+            self.size = os.fstat(self._file.fileno()).st_size
+        if self.max_backups:
+            for old in self.backups()[:-self.max_backups]:
+                try:
+                    os.remove(old)
+                except OSError as exc:
+                    log.warning("cannot remove old audit log %s: %s", old, exc)
+
+    def close(self) -> None:
+        self._file.close()
+
+
+class QueuedStream:
+    """A stream for :class:`~proxy.middlewares.accesslog.AccessWriter` whose ``write`` never
+    blocks: batches go to a writer thread; past ``max_pending`` bytes waiting, a batch is dropped
+    and its lines counted in ``opgate_audit_dropped_total`` (as are lines a failed write lost)."""
+
+    def __init__(self, target: RotatingFile | IO[str], *,
+                 max_pending: int = MAX_PENDING_BYTES) -> None:
+        self._target = target
+        self._max = max_pending
+        self._queue: collections.deque[str] = collections.deque()
+        self._pending = 0
+        self._cond = threading.Condition()
+        self._closing = False
+        self._failed_at = 0.0
+        self._thread = threading.Thread(target=self._run, name="opgate-audit-writer",
+                                        daemon=True)
+        self._thread.start()
+
+    def write(self, data: str) -> None:
+        with self._cond:
+            if self._closing or self._pending + len(data) > self._max:
+                telemetry.AUDIT_DROPPED.inc(data.count("\n"))
+                return
+            self._queue.append(data)
+            self._pending += len(data)
+            self._cond.notify()
+
+    def flush(self) -> None:
+        """Nothing: the writer thread flushes after each batch."""
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._closing:
+                    self._cond.wait()
+                if not self._queue:
+                    return
+                data = "".join(self._queue)
+                self._queue.clear()
+            try:
+                self._target.write(data)
+                self._target.flush()
+            except (OSError, ValueError) as exc:
+                telemetry.AUDIT_DROPPED.inc(data.count("\n"))
+                now = time.monotonic()
+                if now - self._failed_at > 10:
+                    self._failed_at = now
+                    log.error("cannot write the audit log: %s (events dropped)", exc)
+            with self._cond:
+                self._pending -= len(data)
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Write what is queued (``timeout`` at most), then close the target."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify()
+        self._thread.join(timeout)
+        if not self._thread.is_alive():
+            close = getattr(self._target, "close", None)
+            if close is not None:
+                close()

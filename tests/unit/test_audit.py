@@ -1,0 +1,465 @@
+"""The audit middleware: audit.k8s.io/v1 Events in the apiserver's shape, the stages, bodies at
+Request level, no token ever, rotation by size, and a writer that drops instead of blocking."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from multidict import CIMultiDict
+
+from proxy.app import section_parsers
+from proxy.engine import telemetry
+from proxy.engine.chain import Chain
+from proxy.engine.context import Deny, Identity, RequestContext
+from proxy.engine.policies import EMPTY, PolicySet, build_policy_set
+from proxy.engine.requestinfo import parse_request_info
+from proxy.engine.status import forbidden
+from proxy.middlewares import audit as audit_mod
+from proxy.middlewares.accesslog import AccessWriter
+from proxy.middlewares.audit import (
+    Audit,
+    QueuedStream,
+    RotatingFile,
+    micro_time,
+    request_uri,
+)
+
+TOKEN = "eyJhbGciOiJSUzI1NiJ9.c2VjcmV0LXRva2Vu.c2lnbmF0dXJl"
+SA = Identity(user="system:serviceaccount:ops:op", uid="4d2c-11",
+              groups=("system:serviceaccounts", "system:serviceaccounts:ops",
+                      "system:authenticated"), source="serviceaccount")
+MICRO = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}Z")
+# audit.k8s.io/v1 Event: every field, in the order the apiserver's JSON has them
+EVENT_FIELDS = ["kind", "apiVersion", "level", "auditID", "stage", "requestURI", "verb", "user",
+                "impersonatedUser", "sourceIPs", "userAgent", "objectRef", "responseStatus",
+                "requestObject", "responseObject", "requestReceivedTimestamp", "stageTimestamp",
+                "annotations"]
+REQUIRED = {"kind", "apiVersion", "level", "auditID", "stage", "requestURI", "verb", "user",
+            "requestReceivedTimestamp", "stageTimestamp"}
+OBJECT_REF_FIELDS = ["resource", "namespace", "name", "uid", "apiGroup", "apiVersion",
+                     "resourceVersion", "subresource"]
+
+
+def policies(audit: str = "") -> PolicySet:
+    if not audit:
+        return EMPTY
+    text = ("apiVersion: opgate.dev/v1alpha1\nkind: Policy\nmetadata: {name: p}\nspec:\n"
+            "  audit:\n" + audit)
+    return build_policy_set([("p.yaml", text.encode())], parsers=section_parsers())
+
+
+def make_ctx(method: str, path: str, query: str = "", *, pset: PolicySet = EMPTY,
+             headers: dict[str, str] | None = None, body: bytes | None = None) -> RequestContext:
+    hdrs: CIMultiDict[str] = CIMultiDict({"Authorization": f"Bearer {TOKEN}",
+                                          "User-Agent": "kubectl/v1.33.0 (linux/amd64)"})
+    hdrs.update(headers or {})
+    ctx = RequestContext(info=parse_request_info(method, path, query), method=method, path=path,
+                         query=query, headers=hdrs, policies=pset, trace_id="5a1f-f1c")
+    ctx.body = body
+    return ctx
+
+
+class Lines:
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def __call__(self, line: str) -> None:
+        assert line.endswith("\n") and "\n" not in line[:-1]
+        self.lines.append(line)
+
+    @property
+    def events(self) -> list[dict[str, Any]]:
+        return [json.loads(line) for line in self.lines]
+
+
+def finish(ctx: RequestContext, code: int, seconds: float = 0.012) -> None:
+    ctx.status_code = code
+    ctx.finished = ctx.started + seconds
+
+
+def run_call(auditor: Audit, ctx: RequestContext, code: int = 200) -> None:
+    async def call() -> None:
+        assert await auditor.entry(ctx) is None
+        finish(ctx, code)
+        await auditor.exit(ctx)
+    asyncio.run(call())
+
+
+def check_shape(ev: dict[str, Any]) -> None:
+    """What the apiserver's Event schema demands, and its field order."""
+    assert REQUIRED <= set(ev)
+    assert set(ev) <= set(EVENT_FIELDS)
+    assert list(ev) == [k for k in EVENT_FIELDS if k in ev]
+    assert (ev["kind"], ev["apiVersion"]) == ("Event", "audit.k8s.io/v1")
+    assert ev["level"] in ("Metadata", "Request", "RequestResponse")
+    assert ev["stage"] in ("ResponseStarted", "ResponseComplete")
+    assert MICRO.fullmatch(ev["requestReceivedTimestamp"])
+    assert MICRO.fullmatch(ev["stageTimestamp"])
+    assert ev["stageTimestamp"] >= ev["requestReceivedTimestamp"]
+    if "objectRef" in ev:
+        assert list(ev["objectRef"]) == [k for k in OBJECT_REF_FIELDS if k in ev["objectRef"]]
+    if "responseStatus" in ev:
+        keys = list(ev["responseStatus"])
+        assert (keys[0], keys[-1]) == ("metadata", "code")
+    assert all(isinstance(v, str) for v in ev.get("annotations", {}).values())
+
+
+def test_metadata_event_for_a_verified_caller() -> None:
+    out = Lines()
+    auditor = Audit(write=out)
+    ctx = make_ctx("GET", "/apis/apps/v1/namespaces/team-a/deployments/web")
+    ctx.identity = SA
+    ctx.wall_time = 1_764_480_600.25
+    run_call(auditor, ctx)
+    (ev,) = out.events
+    check_shape(ev)
+    assert ev == {
+        "kind": "Event", "apiVersion": "audit.k8s.io/v1", "level": "Metadata",
+        "auditID": "5a1f-f1c", "stage": "ResponseComplete",
+        "requestURI": "/apis/apps/v1/namespaces/team-a/deployments/web", "verb": "get",
+        "user": {"username": "system:serviceaccount:ops:op", "uid": "4d2c-11",
+                 "groups": ["system:serviceaccounts", "system:serviceaccounts:ops",
+                            "system:authenticated"]},
+        "userAgent": "kubectl/v1.33.0 (linux/amd64)",
+        "objectRef": {"resource": "deployments", "namespace": "team-a", "name": "web",
+                      "apiGroup": "apps", "apiVersion": "v1"},
+        "responseStatus": {"metadata": {}, "code": 200},
+        "requestReceivedTimestamp": "2025-11-30T05:30:00.250000Z",
+        "stageTimestamp": "2025-11-30T05:30:00.262000Z",
+        "annotations": {"opgate.dev/decision": "allowed"},
+    }
+
+
+@pytest.mark.parametrize(("method", "path", "query", "verb"), [
+    ("GET", "/api/v1/namespaces/a/pods", "", "list"),
+    ("GET", "/api/v1/namespaces/a/pods", "watch=true", "watch"),
+    ("POST", "/api/v1/namespaces/a/pods", "", "create"),
+    ("PUT", "/api/v1/namespaces/a/pods/p", "", "update"),
+    ("PATCH", "/api/v1/namespaces/a/pods/p", "", "patch"),
+    ("DELETE", "/api/v1/namespaces/a/pods/p", "", "delete"),
+    ("DELETE", "/api/v1/namespaces/a/pods", "", "deletecollection"),
+    ("GET", "/healthz", "", "get"),
+    ("POST", "/logs", "", "post"),
+])
+def test_verbs_are_the_apiservers(method: str, path: str, query: str, verb: str) -> None:
+    out = Lines()
+    ctx = make_ctx(method, path, query)
+    asyncio.run(_exit(Audit(write=out), ctx, 200))
+    (ev,) = out.events
+    check_shape(ev)
+    assert ev["verb"] == verb
+    assert ("objectRef" in ev) is path.startswith("/api/")
+
+
+async def _exit(auditor: Audit, ctx: RequestContext, code: int) -> None:
+    finish(ctx, code)
+    await auditor.exit(ctx)
+
+
+def test_unverified_caller_subresource_and_cluster_scope() -> None:
+    out = Lines()
+    ctx = make_ctx("GET", "/api/v1/nodes/n1/proxy/metrics")
+    asyncio.run(_exit(Audit(write=out), ctx, 200))
+    (ev,) = out.events
+    check_shape(ev)
+    assert ev["user"] == {}
+    assert ev["annotations"]["opgate.dev/user"] == "unverified"
+    assert ev["objectRef"] == {"resource": "nodes", "name": "n1", "apiVersion": "v1",
+                               "subresource": "proxy"}
+
+
+def test_a_denial_is_recorded_with_its_status() -> None:
+    """Through a real Chain: an earlier middleware denies; the audit exit hook records it."""
+    out = Lines()
+    status = forbidden('opgate: rule spec.identity.rules[1] (p.yaml:12) denies "delete"')
+
+    class Denier:
+        name, needs_body = "identity", False
+
+        async def entry(self, ctx: RequestContext) -> Deny:
+            ctx.identity = SA
+            return Deny(status, "denied")
+
+    auditor = Audit(write=out)
+    chain = Chain([Denier(), auditor])
+    ctx = make_ctx("DELETE", "/api/v1/namespaces/kube-system/configmaps/c")
+
+    async def call() -> None:
+        denied = await chain.entry(ctx)
+        assert denied is status
+        finish(ctx, denied.code)  # what the relay does with it
+        await chain.exit(ctx)
+    asyncio.run(call())
+    (ev,) = out.events
+    check_shape(ev)
+    assert ev["user"]["username"] == SA.user
+    assert ev["annotations"]["opgate.dev/decision"] == "denied"
+    assert ev["responseStatus"]["code"] == 403
+    assert ev["responseStatus"]["status"] == "Failure"
+    assert ev["responseStatus"]["reason"] == "Forbidden"
+    if hasattr(ctx, "answer"):  # the chain stores the Status it answered with
+        assert ev["responseStatus"]["message"] == status.message
+        assert ev["annotations"]["opgate.dev/reason"] == status.message
+
+
+def test_request_level_records_the_request_object() -> None:
+    out = Lines()
+    pset = policies("    omitManagedFields: true\n"
+                    "    rules:\n      - level: Request\n        verbs: [create, update]\n")
+    auditor = Audit(write=out)
+    obj = {"apiVersion": "v1", "kind": "ConfigMap",
+           "metadata": {"name": "cfg", "managedFields": [{"manager": "kubectl"}]},
+           "data": {"k": "v"}}
+    ctx = make_ctx("POST", "/api/v1/namespaces/a/configmaps", pset=pset,
+                   headers={"Content-Type": "application/json"},
+                   body=json.dumps(obj).encode())
+    assert auditor.wants_body(ctx)
+    ctx.identity = SA
+    run_call(auditor, ctx, 201)
+    (ev,) = out.events
+    check_shape(ev)
+    assert ev["level"] == "Request"
+    assert ev["objectRef"]["name"] == "cfg"  # completed from the body, as the apiserver does
+    assert ev["requestObject"] == {"apiVersion": "v1", "kind": "ConfigMap",
+                                   "metadata": {"name": "cfg"}, "data": {"k": "v"}}
+    assert ev["responseStatus"] == {"metadata": {}, "code": 201}
+    assert ev["annotations"]["opgate.dev/audit-rule"] == "p.yaml:8"
+    # a get under the same policy: no rule matches, the default with rules is None: no event
+    get = make_ctx("GET", "/api/v1/namespaces/a/configmaps/cfg", pset=pset)
+    assert not auditor.wants_body(get)
+    run_call(auditor, get)
+    assert len(out.lines) == 1
+
+
+def test_non_json_bodies_are_left_out_with_a_note() -> None:
+    out = Lines()
+    pset = policies("    level: Request\n")
+    ctx = make_ctx("POST", "/api/v1/namespaces/a/configmaps", pset=pset,
+                   headers={"Content-Type": "application/vnd.kubernetes.protobuf"},
+                   body=b"k8s\x00\n\x0fv1\x12\tConfigMap")
+    run_call(Audit(write=out), ctx, 201)
+    (ev,) = out.events
+    check_shape(ev)
+    assert "requestObject" not in ev
+    assert ev["annotations"]["opgate.dev/request-object"] == \
+        "omitted: not JSON (application/vnd.kubernetes.protobuf)"
+
+
+def test_request_response_level_logs_the_request_only() -> None:
+    out = Lines()
+    pset = policies("    level: RequestResponse\n")
+    ctx = make_ctx("PATCH", "/apis/apps/v1/namespaces/a/deployments/web/scale", pset=pset,
+                   headers={"Content-Type": "application/merge-patch+json"},
+                   body=b'{"spec":{"replicas":3}}')
+    run_call(Audit(write=out), ctx)
+    (ev,) = out.events
+    check_shape(ev)
+    assert ev["level"] == "RequestResponse"
+    assert ev["requestObject"] == {"spec": {"replicas": 3}}
+    assert "responseObject" not in ev
+
+
+def test_no_token_ever_reaches_the_log() -> None:
+    out = Lines()
+    pset = policies("    level: Request\n")
+    auditor = Audit(write=out)
+    review = json.dumps({"apiVersion": "authentication.k8s.io/v1", "kind": "TokenReview",
+                         "spec": {"token": TOKEN, "audiences": ["api"]}}).encode()
+    calls = [
+        make_ctx("POST", "/apis/authentication.k8s.io/v1/tokenreviews", pset=pset, body=review,
+                 headers={"Content-Type": "application/json"}),
+        make_ctx("GET", "/api/v1/namespaces/a/pods/p/exec",
+                 f"command=sh&access_token={TOKEN}&stdin=true", pset=pset,
+                 headers={"Sec-WebSocket-Protocol":
+                          f"base64url.bearer.authorization.k8s.io.{TOKEN}"}),
+        make_ctx("GET", "/api/v1/namespaces/a/configmaps", f"id_token={TOKEN}", pset=pset),
+    ]
+    for ctx in calls:
+        ctx.identity = SA
+        run_call(auditor, ctx, 201)
+    text = "".join(out.lines)
+    assert TOKEN not in text
+    assert "Bearer" not in text and "uthorization" not in text
+    review_ev, exec_ev, list_ev = [e for e in out.events if e["stage"] == "ResponseComplete"]
+    assert review_ev["requestObject"]["spec"] == {"token": "REDACTED", "audiences": ["api"]}
+    assert exec_ev["requestURI"] == (
+        "/api/v1/namespaces/a/pods/p/exec?command=sh&access_token=REDACTED&stdin=true")
+    assert list_ev["requestURI"] == "/api/v1/namespaces/a/configmaps?id_token=REDACTED"
+
+
+def test_request_uri_keeps_the_query_and_escapes_the_path() -> None:
+    assert request_uri("/api/v1/namespaces/a/pods", "limit=500&continue=abc%3D") == \
+        "/api/v1/namespaces/a/pods?limit=500&continue=abc%3D"
+    assert request_uri("/api/v1/namespaces/a/configmaps/a b", "") == \
+        "/api/v1/namespaces/a/configmaps/a%20b"
+
+
+def test_micro_time_is_rfc3339_with_microseconds() -> None:
+    assert micro_time(0.0) == "1970-01-01T00:00:00.000000Z"
+    assert micro_time(1_764_480_600.1234567) == "2025-11-30T05:30:00.123456Z"
+
+
+def test_level_none_and_omitted_stages_write_nothing() -> None:
+    out = Lines()
+    auditor = Audit(write=out)
+    none = policies("    level: None\n")
+    run_call(auditor, make_ctx("GET", "/api/v1/namespaces/a/pods/p", pset=none))
+    omit = policies("    omitStages: [ResponseComplete]\n")
+    run_call(auditor, make_ctx("GET", "/api/v1/namespaces/a/pods/p", pset=omit))
+    assert out.lines == []
+
+
+def test_events_are_counted_by_level() -> None:
+    def count(level: str) -> float:
+        telemetry.flush()
+        return telemetry.REGISTRY.get_sample_value("opgate_audit_events_total",
+                                                   {"level": level}) or 0.0
+    before = count("Metadata")
+    run_call(Audit(write=Lines()), make_ctx("GET", "/api/v1/namespaces/a/pods/p"))
+    assert count("Metadata") == before + 1
+
+
+# --- long-running calls: ResponseStarted, then ResponseComplete ----------------------------
+
+def test_watch_gets_response_started_when_its_head_goes_out(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(audit_mod, "POLL_SECONDS", 0.01)
+    out = Lines()
+    auditor = Audit(write=out)
+    ctx = make_ctx("GET", "/api/v1/namespaces/a/configmaps", "watch=true&resourceVersion=10")
+    ctx.identity = SA
+
+    async def call() -> None:
+        await auditor.entry(ctx)
+        await asyncio.sleep(0.05)
+        assert out.lines == []  # no head yet
+        ctx.status_code = 200  # the relay, when the upstream's head went out
+        await asyncio.sleep(0.05)
+        assert [e["stage"] for e in out.events] == ["ResponseStarted"]
+        await asyncio.sleep(0.05)
+        ctx.finished = time.monotonic()
+        await auditor.exit(ctx)
+        auditor.close()
+    asyncio.run(call())
+    started, complete = out.events
+    for ev in (started, complete):
+        check_shape(ev)
+        assert ev["auditID"] == "5a1f-f1c" and ev["verb"] == "watch"
+    assert (started["stage"], complete["stage"]) == ("ResponseStarted", "ResponseComplete")
+    assert started["responseStatus"] == {"metadata": {}, "code": 200}
+    assert started["stageTimestamp"] <= complete["stageTimestamp"]
+    assert started["requestReceivedTimestamp"] == complete["requestReceivedTimestamp"]
+
+
+def test_short_watch_still_gets_both_stages_and_omit_stages_applies() -> None:
+    out = Lines()
+    auditor = Audit(write=out)
+    run_call(auditor, make_ctx("GET", "/api/v1/namespaces/a/pods/p/log", "follow=true"))
+    assert [e["stage"] for e in out.events] == ["ResponseStarted", "ResponseComplete"]
+    out.lines.clear()
+    pset = policies("    omitStages: [ResponseStarted]\n")
+    run_call(auditor, make_ctx("GET", "/api/v1/pods", "watch=1", pset=pset))
+    assert [e["stage"] for e in out.events] == ["ResponseComplete"]
+    out.lines.clear()
+    gone = make_ctx("GET", "/api/v1/pods", "watch=1")
+    run_call(auditor, gone, 499)  # the client left before any head: no ResponseStarted
+    assert [e["stage"] for e in out.events] == ["ResponseComplete"]
+
+
+# --- the file: rotation, and a writer that never blocks the loop ---------------------------
+
+def test_rotation_by_size_keeps_max_backups(tmp_path: Path) -> None:
+    clock = iter(1_764_480_600.0 + i for i in range(100))
+    path = tmp_path / "audit.log"
+    f = RotatingFile(str(path), max_bytes=100, max_backups=2, now=lambda: next(clock))
+    line = "x" * 39 + "\n"  # 40 bytes: two per file
+    for _ in range(9):
+        f.write(line)
+    f.flush()
+    assert path.read_text() == line  # 9 = 2+2+2+2+1
+    backups = f.backups()
+    assert [os.path.basename(b) for b in backups] == [
+        "audit-2025-11-30T05-30-02.000.log", "audit-2025-11-30T05-30-03.000.log"]
+    assert all(Path(b).read_text() == line * 2 for b in backups)
+    assert oct(path.stat().st_mode & 0o777) == "0o600"
+    f.close()
+    # reopening appends and knows the size
+    g = RotatingFile(str(path), max_bytes=100, max_backups=0)
+    assert g.size == 40
+    g.close()
+
+
+def test_zero_max_size_never_rotates(tmp_path: Path) -> None:
+    f = RotatingFile(str(tmp_path / "a.log"), max_bytes=0)
+    for _ in range(100):
+        f.write("y" * 99 + "\n")
+    f.close()
+    assert f.backups() == []
+    assert (tmp_path / "a.log").stat().st_size == 10_000
+
+
+class _Stuck:
+    """A target whose writes block until released (a full disk, a hung NFS mount)."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.data: list[str] = []
+
+    def write(self, data: str) -> None:
+        self.release.wait(5)
+        self.data.append(data)
+
+    def flush(self) -> None:
+        pass
+
+
+def test_a_stuck_writer_drops_and_counts_instead_of_blocking() -> None:
+    def dropped() -> float:
+        return telemetry.REGISTRY.get_sample_value("opgate_audit_dropped_total") or 0.0
+
+    target = _Stuck()
+    stream = QueuedStream(target, max_pending=1000)  # type: ignore[arg-type]
+    before = dropped()
+    line = "z" * 99 + "\n"
+    started = time.monotonic()
+    for _ in range(30):
+        stream.write(line)  # never waits for the stuck target
+    assert time.monotonic() - started < 0.5
+    assert dropped() >= before + 19
+    target.release.set()
+    stream.close()
+    written = "".join(target.data).count("\n")
+    assert written + (dropped() - before) == 30
+    assert 1 <= written <= 11
+
+
+def test_the_whole_path_to_a_file(tmp_path: Path) -> None:
+    """Audit → AccessWriter (batched) → QueuedStream (thread) → RotatingFile."""
+    path = tmp_path / "audit.log"
+    stream = QueuedStream(RotatingFile(str(path), max_bytes=1024 * 1024, max_backups=1))
+    writer = AccessWriter(stream)
+    auditor = Audit(write=writer.write)
+
+    async def calls() -> None:
+        for i in range(20):
+            ctx = make_ctx("DELETE", f"/api/v1/namespaces/a/configmaps/c{i}")
+            ctx.identity = SA
+            finish(ctx, 200)
+            await auditor.exit(ctx)
+        await asyncio.sleep(0.1)  # the batch goes out within AccessWriter's 50 ms
+    asyncio.run(calls())
+    writer.close()
+    stream.close()
+    events = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [e["objectRef"]["name"] for e in events] == [f"c{i}" for i in range(20)]
+    for ev in events:
+        check_shape(ev)
+    assert TOKEN not in path.read_text()
