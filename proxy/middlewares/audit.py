@@ -117,7 +117,7 @@ def _status(ctx: RequestContext) -> dict[str, Any]:
             out["details"] = answer.details
         out["code"] = answer.code
         return out
-    if ctx.decision != "allowed" and code >= 400:  # opgate answered, before ctx.answer existed
+    if code >= 400 and (ctx.decision != "allowed" or ctx.error):  # opgate's own answer
         out = {"metadata": {}, "status": "Failure"}
         if ctx.error:
             out["message"] = ctx.error

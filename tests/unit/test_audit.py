@@ -463,3 +463,20 @@ def test_the_whole_path_to_a_file(tmp_path: Path) -> None:
     for ev in events:
         check_shape(ev)
     assert TOKEN not in path.read_text()
+
+
+def test_the_relays_own_errors_carry_their_message() -> None:
+    out = Lines()
+    ctx = make_ctx("GET", "/api/v1/namespaces/a/pods/p")
+    ctx.error = "upstream unreachable: connection refused"
+    asyncio.run(_exit(Audit(write=out), ctx, 503))
+    (ev,) = out.events
+    check_shape(ev)
+    assert ev["responseStatus"]["code"] == 503
+    assert ev["responseStatus"]["reason"] == "ServiceUnavailable"
+    assert ev["annotations"]["opgate.dev/error"] == ctx.error
+    # an apiserver error relayed as it came: only its code (opgate does not read the body)
+    out.lines.clear()
+    relayed = make_ctx("GET", "/api/v1/namespaces/a/pods/gone")
+    asyncio.run(_exit(Audit(write=out), relayed, 404))
+    assert out.events[0]["responseStatus"] == {"metadata": {}, "code": 404}

@@ -44,6 +44,11 @@ next to their controller container (and "opgate.volumes" in the pod's volumes).
     {{- if not .Values.sidecar.accessLog }}
     - --no-access-log
     {{- end }}
+    {{- if .Values.sidecar.audit.enabled }}
+    - --audit-log={{ .Values.sidecar.audit.path }}
+    - --audit-log-maxsize={{ .Values.sidecar.audit.maxSizeMB }}
+    - --audit-log-maxbackup={{ .Values.sidecar.audit.maxBackups }}
+    {{- end }}
     {{- if .Values.redis.url }}
     - --redis-url={{ .Values.redis.url }}
     - --replicas={{ .Values.redis.replicas }}
@@ -82,6 +87,9 @@ next to their controller container (and "opgate.volumes" in the pod's volumes).
     {{- if .Values.redis.passwordSecret.name }}
     - {name: opgate-redis, mountPath: /etc/opgate/redis, readOnly: true}
     {{- end }}
+    {{- if and .Values.sidecar.audit.enabled (ne .Values.sidecar.audit.path "-") }}
+    - {name: opgate-audit, mountPath: {{ dir .Values.sidecar.audit.path | quote }}}
+    {{- end }}
 {{- end -}}
 
 {{- define "opgate.volumes" -}}
@@ -92,5 +100,10 @@ next to their controller container (and "opgate.volumes" in the pod's volumes).
 - name: opgate-redis
   secret:
     secretName: {{ .Values.redis.passwordSecret.name }}
+{{- end }}
+{{- if and .Values.sidecar.audit.enabled (ne .Values.sidecar.audit.path "-") }}
+- name: opgate-audit
+  emptyDir:
+    sizeLimit: {{ .Values.sidecar.audit.sizeLimit }}
 {{- end }}
 {{- end -}}
