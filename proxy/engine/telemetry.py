@@ -14,9 +14,12 @@ The metrics updated on every call (requests, durations, in-flight, watches, rate
 decisions) are :class:`Deferred`: their children add up in plain floats, without
 prometheus_client's lock (nor, in multiprocess mode, its ``getpid`` and mmap write per update),
 and hand the sums to the real prometheus_client children in :func:`flush`. ``flush`` runs before
-anything reads ``REGISTRY`` (a collector registered first does it) and, in multiprocess mode,
-once per event-loop iteration that updated one (the supervisor reads the files, not this
-process), so what ``/metrics`` shows is exactly what it would be with an update per call.
+anything reads ``REGISTRY`` (a collector registered first does it), so what ``/metrics`` shows
+is exactly what it would be with an update per call. In multiprocess mode the supervisor reads
+the files, not this process: there ``flush`` runs ``FLUSH_EVERY`` (50 ms) after an update, and
+at exit, so the supervisor's ``/metrics`` is at most that much behind, and a worker killed by
+SIGKILL loses at most its last 50 ms of counts (a flush per loop iteration measured ~15% more
+CPU per call with 2 workers).
 Updates come from the event loop's thread only (as every hot-path update does).
 """
 
@@ -37,6 +40,7 @@ from prometheus_client.metrics import MetricWrapperBase
 _MULTIPROCESS = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR")
                      or os.environ.get("prometheus_multiproc_dir"))
 
+FLUSH_EVERY = 0.05  # seconds a worker's updates may wait before they reach the shared files
 _dirty: list[_Child] = []
 _flush_loop: asyncio.AbstractEventLoop | None = None  # the loop a flush is scheduled on
 
@@ -65,7 +69,7 @@ def _schedule() -> None:
         return
     if _flush_loop is not loop:
         _flush_loop = loop
-        loop.call_soon(flush)
+        loop.call_later(FLUSH_EVERY, flush)
 
 
 class _Child:

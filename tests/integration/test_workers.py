@@ -178,7 +178,9 @@ async def test_both_workers_serve_and_metrics_add_up(opgate: OpgateProcess) -> N
     served_by = _trace_prefixes(opgate.stdout())
     assert len(served_by) == 200
     assert len(set(served_by)) == 2, "both workers must have served calls"
-    status, metrics = await _get(opgate.admin_url + "/metrics")
+    # each worker hands its counts to the shared files within telemetry.FLUSH_EVERY
+    status, metrics = await _until(lambda: _get(opgate.admin_url + "/metrics"),
+                                   lambda r: _requests_total(r[1]) == 200)
     assert status == 200
     assert _requests_total(metrics) == 200
     assert "opgate_inflight_requests 0.0" in metrics  # a live-sum gauge, no per-pid label

@@ -106,7 +106,7 @@ def test_registry_readers_see_pending_updates_without_a_flush() -> None:
     assert telemetry.REGISTRY.get_sample_value("opgate_inflight_requests") == 0
 
 
-def test_multiprocess_mode_hands_updates_over_after_each_loop_iteration(
+def test_multiprocess_mode_hands_updates_over_within_flush_every(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """With --workers the supervisor reads the files, not this process: no scrape flushes them."""
@@ -114,14 +114,16 @@ def test_multiprocess_mode_hands_updates_over_after_each_loop_iteration(
     _, _, deferred = pair(Counter, "verb")
     target = deferred.labels("get")._target
 
-    async def go() -> tuple[float, float]:
+    async def go() -> tuple[float, float, float]:
         deferred.labels("get").inc()
         deferred.labels("get").inc()
         pending = target._value.get()
         await asyncio.sleep(0)
-        return pending, target._value.get()
+        still = target._value.get()  # not per loop iteration: at most FLUSH_EVERY later
+        await asyncio.sleep(telemetry.FLUSH_EVERY * 2)
+        return pending, still, target._value.get()
 
-    assert asyncio.run(go()) == (0.0, 2.0)
+    assert asyncio.run(go()) == (0.0, 0.0, 2.0)
     deferred.labels("get").inc()  # no running loop: handed over at once
     assert target._value.get() == 3.0
 
@@ -139,7 +141,7 @@ def test_multiprocess_mode_flushes_on_a_new_loop_after_an_old_one_closed(
 
     async def update() -> float:
         deferred.labels("get").inc()
-        await asyncio.sleep(0)
+        await asyncio.sleep(telemetry.FLUSH_EVERY * 2)
         return float(target._value.get())
 
     assert asyncio.run(update()) == 1.0
