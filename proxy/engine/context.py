@@ -77,6 +77,8 @@ class RequestContext:
     response_headers: list[tuple[str, str]] = field(default_factory=list)
     allow_impersonation: bool = False
     decision: str = "allowed"
+    # the Status opgate answered with itself instead of a relayed response (set by the relay)
+    answer: StatusError | None = None
     # the outcome, filled in by the relay before the exit hooks
     status_code: int = 0
     bytes_in: int = 0

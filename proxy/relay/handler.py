@@ -170,6 +170,7 @@ class Relay:
         *,
         close: bool = False,
     ) -> web.StreamResponse:
+        ctx.answer = status
         ctx.status_code = status.code
         resp, size = await send_status(request, status, extra=ctx.response_headers, close=close)
         ctx.bytes_out = size

@@ -181,7 +181,7 @@ class Recorder:
         self.exits.append(
             {"path": ctx.path, "code": ctx.status_code, "in": ctx.bytes_in, "out": ctx.bytes_out,
              "upstream": ctx.upstream_seconds, "finished": ctx.finished, "error": ctx.error,
-             "decision": ctx.decision}
+             "decision": ctx.decision, "answer": ctx.answer}
         )
 
 
@@ -215,7 +215,10 @@ async def test_middleware_deny_delay_crash_and_exit_hooks() -> None:
     by_path = {e["path"]: e for e in rec.exits}
     assert by_path["/api/v1/deny"]["code"] == 403
     assert by_path["/api/v1/deny"]["decision"] == "denied"
+    assert by_path["/api/v1/deny"]["answer"].message == "denied by test"  # for the audit log
     assert by_path["/api/v1/crash"]["code"] == 500
+    assert by_path["/api/v1/crash"]["answer"].reason == "InternalError"
+    assert by_path["/api/v1/delay"]["answer"] is None  # relayed, not answered by opgate
     post = by_path["/api/v1/namespaces/a/pods"]
     assert post["code"] == 200
     assert post["in"] == 1234

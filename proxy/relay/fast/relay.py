@@ -169,6 +169,7 @@ class FastRelay:
         self, req: Request, ctx: RequestContext, status: StatusError, *, close: bool = False
     ) -> None:
         body = status.body()
+        ctx.answer = status
         ctx.status_code = status.code
         ctx.bytes_out = len(body)
         lines = [status_line(status.code)]
