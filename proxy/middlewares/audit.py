@@ -57,7 +57,6 @@ from urllib.parse import quote
 
 from proxy.engine import telemetry
 from proxy.engine.context import RequestContext
-from proxy.engine.status import StatusError
 from proxy.middlewares.audit_spec import (
     SECTION,
     AuditPlan,
@@ -108,7 +107,7 @@ def request_uri(path: str, query: str) -> str:
 
 def _status(ctx: RequestContext) -> dict[str, Any]:
     """``responseStatus`` (a ``metav1.Status``, fields in its JSON order)."""
-    answer: StatusError | None = getattr(ctx, "answer", None)
+    answer = ctx.answer
     code = ctx.status_code
     if answer is not None:
         out: dict[str, Any] = {"metadata": {}, "status": "Failure", "message": answer.message,
@@ -117,7 +116,7 @@ def _status(ctx: RequestContext) -> dict[str, Any]:
             out["details"] = answer.details
         out["code"] = answer.code
         return out
-    if code >= 400 and (ctx.decision != "allowed" or ctx.error):  # opgate's own answer
+    if code >= 400 and (ctx.decision != "allowed" or ctx.error):  # e.g. the client went away
         out = {"metadata": {}, "status": "Failure"}
         if ctx.error:
             out["message"] = ctx.error
@@ -301,9 +300,8 @@ class Audit:
         ev["requestReceivedTimestamp"] = micro_time(ctx.wall_time)
         ev["stageTimestamp"] = micro_time(max(stamp, ctx.wall_time))
         annotations = {"opgate.dev/decision": ctx.decision}
-        answer: StatusError | None = getattr(ctx, "answer", None)
-        if answer is not None:
-            annotations["opgate.dev/reason"] = answer.message
+        if ctx.answer is not None:
+            annotations["opgate.dev/reason"] = ctx.answer.message
         if decision.rule:
             annotations["opgate.dev/audit-rule"] = decision.rule
         if ctx.error:

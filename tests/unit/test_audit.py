@@ -21,7 +21,7 @@ from proxy.engine.chain import Chain
 from proxy.engine.context import Deny, Identity, RequestContext
 from proxy.engine.policies import EMPTY, PolicySet, build_policy_set
 from proxy.engine.requestinfo import parse_request_info
-from proxy.engine.status import forbidden
+from proxy.engine.status import forbidden, service_unavailable
 from proxy.middlewares import audit as audit_mod
 from proxy.middlewares.accesslog import AccessWriter
 from proxy.middlewares.audit import (
@@ -195,7 +195,8 @@ def test_a_denial_is_recorded_with_its_status() -> None:
     async def call() -> None:
         denied = await chain.entry(ctx)
         assert denied is status
-        finish(ctx, denied.code)  # what the relay does with it
+        ctx.answer = denied  # what the relay does with it
+        finish(ctx, denied.code)
         await chain.exit(ctx)
     asyncio.run(call())
     (ev,) = out.events
@@ -205,9 +206,8 @@ def test_a_denial_is_recorded_with_its_status() -> None:
     assert ev["responseStatus"]["code"] == 403
     assert ev["responseStatus"]["status"] == "Failure"
     assert ev["responseStatus"]["reason"] == "Forbidden"
-    if hasattr(ctx, "answer"):  # the chain stores the Status it answered with
-        assert ev["responseStatus"]["message"] == status.message
-        assert ev["annotations"]["opgate.dev/reason"] == status.message
+    assert ev["responseStatus"]["message"] == status.message
+    assert ev["annotations"]["opgate.dev/reason"] == status.message
 
 
 def test_request_level_records_the_request_object() -> None:
@@ -469,12 +469,21 @@ def test_the_relays_own_errors_carry_their_message() -> None:
     out = Lines()
     ctx = make_ctx("GET", "/api/v1/namespaces/a/pods/p")
     ctx.error = "upstream unreachable: connection refused"
+    ctx.answer = service_unavailable("opgate: the apiserver is unreachable: connection refused")
     asyncio.run(_exit(Audit(write=out), ctx, 503))
     (ev,) = out.events
     check_shape(ev)
     assert ev["responseStatus"]["code"] == 503
     assert ev["responseStatus"]["reason"] == "ServiceUnavailable"
+    assert ev["responseStatus"]["message"] == ctx.answer.message
     assert ev["annotations"]["opgate.dev/error"] == ctx.error
+    # a client that left mid-response: no answer of opgate's, the relay's note
+    out.lines.clear()
+    gone = make_ctx("GET", "/api/v1/namespaces/a/pods/p")
+    gone.error = "client went away"
+    asyncio.run(_exit(Audit(write=out), gone, 499))
+    assert out.events[0]["responseStatus"] == {"metadata": {}, "status": "Failure",
+                                               "message": "client went away", "code": 499}
     # an apiserver error relayed as it came: only its code (opgate does not read the body)
     out.lines.clear()
     relayed = make_ctx("GET", "/api/v1/namespaces/a/pods/gone")
