@@ -73,6 +73,7 @@ log = logging.getLogger("opgate.audit")
 
 POLL_SECONDS = 0.1  # how often open long-running calls are checked for their response head
 MAX_PENDING_BYTES = 8 * 1024 * 1024  # events waiting for the writer thread, at most
+MEMO_SIZE = 4096  # calls whose requestURI and objectRef are remembered
 CLIENT_GONE = 499  # what the relay records for a call whose client left before any response
 _REASONS = {400: "BadRequest", 401: "Unauthorized", 403: "Forbidden", 404: "NotFound",
             409: "Conflict", 413: "RequestEntityTooLarge", 429: "TooManyRequests",
@@ -82,13 +83,19 @@ _PATH_SAFE = "/:@!$&'()*+,;=-._~"
 _NEEDS_QUOTE = re.compile(r"[^A-Za-z0-9/:@!$&'()*+,;=\-._~]")
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 REDACTED = "REDACTED"
+_ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
+
+
+_second: list[Any] = [-1, ""]  # the last second formatted, and its text
 
 
 def micro_time(wall: float) -> str:
     """``metav1.MicroTime`` as JSON: RFC 3339, UTC, six fractional digits."""
     second = int(wall)
     micros = min(int((wall - second) * 1_000_000), 999_999)  # truncated, as Go formats it
-    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second)) + f".{micros:06d}Z"
+    if second != _second[0]:
+        _second[0], _second[1] = second, time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second))
+    return f"{_second[1]}.{micros:06d}Z"
 
 
 def request_uri(path: str, query: str) -> str:
@@ -199,6 +206,7 @@ class Audit:
         self._open: dict[int, _Open] = {}
         self._timer: asyncio.TimerHandle | None = None
         self._counters: dict[str, Any] = {}
+        self._parts: dict[tuple[int, str], tuple[Any, str, dict[str, str] | None]] = {}
 
     def plan(self, policies: object) -> AuditPlan:
         if policies is not self._plan_for:
@@ -255,9 +263,10 @@ class Audit:
         """The ``audit.k8s.io/v1`` Event, keys in the apiserver's JSON order."""
         info = ctx.info
         notes: dict[str, str] = {}
+        uri, ref = self._info_parts(ctx)
         ev: dict[str, Any] = {"kind": "Event", "apiVersion": "audit.k8s.io/v1",
                               "level": decision.level, "auditID": ctx.trace_id, "stage": stage,
-                              "requestURI": request_uri(ctx.path, ctx.query), "verb": info.verb}
+                              "requestURI": uri, "verb": info.verb}
         identity = ctx.identity
         if identity is not None:
             user: dict[str, Any] = {"username": identity.user}
@@ -276,19 +285,13 @@ class Audit:
         agent = ctx.headers.get("user-agent")
         if agent:
             ev["userAgent"] = agent
-        if info.is_resource_request:
-            ref: dict[str, str] = {"resource": info.resource}
-            if info.namespace:
-                ref["namespace"] = info.namespace
-            name = info.name or _body_name(ctx)
-            if name:
-                ref["name"] = name
-            if info.api_group:
-                ref["apiGroup"] = info.api_group
-            if info.api_version:
-                ref["apiVersion"] = info.api_version
-            if info.subresource:
-                ref["subresource"] = info.subresource
+        if ref is not None:
+            if not info.name and ctx.body:
+                name = _body_name(ctx)
+                if name:  # in objectRef's field order: after namespace
+                    ref = {**{k: v for k, v in ref.items() if k in ("resource", "namespace")},
+                           "name": name,
+                           **{k: v for k, v in ref.items() if k not in ("resource", "namespace")}}
             ev["objectRef"] = ref
         if ctx.status_code and (stage == "ResponseComplete" or ctx.status_code != CLIENT_GONE):
             ev["responseStatus"] = _status(ctx)
@@ -310,9 +313,35 @@ class Audit:
         ev["annotations"] = annotations
         return ev
 
+    def _info_parts(self, ctx: RequestContext) -> tuple[str, dict[str, str] | None]:
+        """``requestURI`` and ``objectRef`` of a call, remembered per RequestInfo (shared by
+        identical calls) and query."""
+        info = ctx.info
+        key = (id(info), ctx.query)
+        hit = self._parts.get(key)
+        if hit is not None and hit[0] is info:
+            return hit[1], hit[2]
+        ref: dict[str, str] | None = None
+        if info.is_resource_request:
+            ref = {"resource": info.resource}
+            if info.namespace:
+                ref["namespace"] = info.namespace
+            if info.name:
+                ref["name"] = info.name
+            if info.api_group:
+                ref["apiGroup"] = info.api_group
+            if info.api_version:
+                ref["apiVersion"] = info.api_version
+            if info.subresource:
+                ref["subresource"] = info.subresource
+        uri = request_uri(ctx.path, ctx.query)
+        if len(self._parts) >= MEMO_SIZE:
+            self._parts.clear()
+        self._parts[key] = (info, uri, ref)
+        return uri, ref
+
     def _emit(self, ctx: RequestContext, decision: Decision, stage: str, stamp: float) -> None:
-        line = json.dumps(self.event(ctx, decision, stage, stamp), ensure_ascii=False,
-                          separators=(",", ":"), default=str)
+        line = _ENCODER.encode(self.event(ctx, decision, stage, stamp))
         self._write(line + "\n")
         counter = self._counters.get(decision.level)
         if counter is None:
