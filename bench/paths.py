@@ -177,7 +177,8 @@ def start_opgate(
         policies.mkdir(exist_ok=True)
         policy = policies / "bench.yaml"
         write_policy(policy, probe=False)
-        argv += ["--policies", str(policies)]
+        # the audit log at its default level (Metadata for every call), to a file
+        argv += ["--policies", str(policies), "--audit-log", str(work / f"audit-{name}.log")]
         if redis_url:
             argv += ["--redis-url", redis_url]
     else:

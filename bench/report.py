@@ -180,7 +180,8 @@ def markdown(results: dict[str, Any]) -> str:
            + ("a quota on configmaps, counted by list+watch and checked on creates, which the "
               "bench never makes; " if results.get("quota") else
               "no quota: this build has no quota middleware; ")
-           + "rate limits in Redis with leasing; metrics; access log to a file), "
+           + "rate limits in Redis with leasing; metrics; access log and audit log (Metadata "
+           "level, every call) to files), "
            "`kubectl-proxy`, `nginx-proxy` (the practical limit)"
            + (", `opgate-aiohttp` (the full chain on `--relay aiohttp`)"
               if AIOHTTP in results.get("plan", {}).get("paths", ()) else "") + ". "
