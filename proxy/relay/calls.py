@@ -3,6 +3,8 @@ whether a call's body is read for the middlewares."""
 
 from __future__ import annotations
 
+import itertools
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -10,7 +12,7 @@ from typing import Protocol
 from proxy.engine.chain import Chain
 from proxy.engine.context import RequestContext
 
-__all__ = ["PolicyStoreLike", "RelaySettings", "body_predicate"]
+__all__ = ["PolicyStoreLike", "RelaySettings", "body_predicate", "trace_ids"]
 
 
 class PolicyStoreLike(Protocol):
@@ -46,3 +48,11 @@ def body_predicate(chain: Chain) -> Callable[[RequestContext], bool]:
     if len(checks) == 1:
         return checks[0]
     return lambda ctx: any(check(ctx) for check in checks)
+
+
+def trace_ids(marker: str) -> Callable[[], str]:
+    """Trace ids of one relay core in this process: a random prefix, ``marker`` (which core),
+    then a counter in hex (unique per process without a syscall or a lock per call)."""
+    prefix = os.urandom(4).hex() + marker
+    counter = itertools.count(1)
+    return lambda: f"{prefix}{next(counter):x}"

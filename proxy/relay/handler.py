@@ -14,9 +14,7 @@ still run, in a task of their own, bounded, so metrics count the call.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
-import os
 import time
 
 import aiohttp
@@ -30,7 +28,7 @@ from proxy.engine.requestinfo import parse_request_info
 from proxy.engine.status import StatusError, internal_error
 from proxy.relay import errors, tunnel
 from proxy.relay.aftercare import CLIENT_GONE, Aftercare
-from proxy.relay.calls import PolicyStoreLike, RelaySettings, body_predicate
+from proxy.relay.calls import PolicyStoreLike, RelaySettings, body_predicate, trace_ids
 from proxy.relay.headers import for_upstream, is_upgrade_request, response_headers
 from proxy.relay.response import (
     BufferedRelayResponse,
@@ -47,10 +45,7 @@ __all__ = ["PolicyStoreLike", "Relay", "RelaySettings"]  # the last two from cal
 
 log = logging.getLogger("opgate.relay")
 
-
-
-_trace_prefix = os.urandom(4).hex() + "-"
-_trace_counter = itertools.count(1)
+_next_trace_id = trace_ids("-")
 
 
 class Relay:
@@ -111,7 +106,7 @@ class Relay:
             query=query,
             headers=request.headers,
             policies=self._policies.current,  # type: ignore[arg-type]
-            trace_id=f"{_trace_prefix}{next(_trace_counter):x}",
+            trace_id=_next_trace_id(),
         )
         resp = await self._after.track(ctx, self._serve(request, ctx))
         if self._after.has_hooks:

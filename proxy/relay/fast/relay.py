@@ -16,9 +16,7 @@ connect, response head, the whole call (not for long-running calls), a watch's s
 
 from __future__ import annotations
 
-import itertools
 import logging
-import os
 import time
 from functools import partial
 from urllib.parse import unquote
@@ -31,7 +29,7 @@ from proxy.engine.requestinfo import parse_request_info
 from proxy.engine.status import StatusError, internal_error
 from proxy.relay import errors
 from proxy.relay.aftercare import Aftercare
-from proxy.relay.calls import PolicyStoreLike, RelaySettings, body_predicate
+from proxy.relay.calls import PolicyStoreLike, RelaySettings, body_predicate, trace_ids
 from proxy.relay.endpoint import Endpoint, TokenSource, make_ssl_context
 from proxy.relay.fast.exchange import Exchange
 from proxy.relay.fast.request import Request
@@ -47,8 +45,7 @@ log = logging.getLogger("opgate.relay")
 PROBE_TIMEOUT = 3.0
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 _LAST_CHUNK = b"0\r\n\r\n"
-_trace_prefix = os.urandom(4).hex() + "-f"
-_trace_counter = itertools.count(1)
+_next_trace_id = trace_ids("-f")
 
 
 class FastRelay:
@@ -126,7 +123,7 @@ class FastRelay:
             query=query,
             headers=WireHeaders(req.headers),
             policies=self._policies.current,  # type: ignore[arg-type]
-            trace_id=f"{_trace_prefix}{next(_trace_counter):x}",
+            trace_id=_next_trace_id(),
         )
         await self._after.track(ctx, self._serve(req, ctx))
         if self._after.has_hooks:

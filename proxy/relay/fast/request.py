@@ -13,7 +13,7 @@ from proxy.relay.fast.wire import Headers
 if TYPE_CHECKING:
     from proxy.relay.fast.server import ClientConnection
 
-__all__ = ["BODY_HIGH_WATER", "Flow", "Request"]
+__all__ = ["BODY_HIGH_WATER", "Flow", "FlowForwarding", "Request"]
 
 BODY_HIGH_WATER = 256 * 1024  # request body buffered before the upstream is ready
 
@@ -23,6 +23,20 @@ class Flow(Protocol):
 
     def pause_reading(self) -> None: ...
     def resume_reading(self) -> None: ...
+
+
+class FlowForwarding:
+    """For a protocol: while its transport's write buffer is full, pause what feeds it."""
+
+    flow: Flow | None = None  # the other side of the relay, set per exchange
+
+    def pause_writing(self) -> None:
+        if self.flow is not None:
+            self.flow.pause_reading()
+
+    def resume_writing(self) -> None:
+        if self.flow is not None:
+            self.flow.resume_reading()
 
 
 class Request:

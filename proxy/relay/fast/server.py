@@ -31,7 +31,7 @@ from typing import Any, cast
 
 import httptools
 
-from proxy.relay.fast.request import BODY_HIGH_WATER, Flow, Request
+from proxy.relay.fast.request import BODY_HIGH_WATER, Flow, FlowForwarding, Request
 from proxy.relay.fast.wire import Headers
 
 __all__ = ["ClientConnection", "FastServer", "Handler"]
@@ -69,7 +69,7 @@ _TOO_LARGE = _status(
 Handler = Callable[[Request], Coroutine[Any, Any, None]]
 
 
-class ClientConnection(asyncio.Protocol):
+class ClientConnection(FlowForwarding, asyncio.Protocol):
     """One client connection: parse requests, run the handler for each, in order."""
 
     def __init__(self, handler: Handler, server: FastServer | None = None) -> None:
@@ -90,7 +90,7 @@ class ClientConnection(asyncio.Protocol):
         self._raw_sink: Callable[[bytes], None] | None = None
         self._raw_closed: Callable[[], None] | None = None
         self._idle: asyncio.TimerHandle | None = None
-        self.loop = self._loop = asyncio.get_event_loop()
+        self.loop = asyncio.get_event_loop()
 
     @property
     def busy(self) -> bool:
@@ -136,14 +136,6 @@ class ClientConnection(asyncio.Protocol):
         if current is not None and current.task is not None and current.cancellable:
             current.task.cancel()
         self._queue.clear()
-
-    def pause_writing(self) -> None:
-        if self.flow is not None:
-            self.flow.pause_reading()
-
-    def resume_writing(self) -> None:
-        if self.flow is not None:
-            self.flow.resume_reading()
 
     # --- httptools callbacks -------------------------------------------------------
     def on_message_begin(self) -> None:
@@ -197,7 +189,7 @@ class ClientConnection(asyncio.Protocol):
     # --- running handlers ----------------------------------------------------------
     def _start(self, req: Request) -> None:
         self._current = req
-        req.task = self._loop.create_task(self._handler(req))
+        req.task = self.loop.create_task(self._handler(req))
         req.task.add_done_callback(self._finished)
 
     def _finished(self, task: asyncio.Task[None]) -> None:
@@ -224,7 +216,7 @@ class ClientConnection(asyncio.Protocol):
             self.close()
 
     def _arm_idle(self) -> None:
-        self._idle = self._loop.call_later(KEEPALIVE, self._idle_expired)
+        self._idle = self.loop.call_later(KEEPALIVE, self._idle_expired)
 
     def _cancel_idle(self) -> None:
         if self._idle is not None:

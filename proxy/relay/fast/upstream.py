@@ -25,7 +25,7 @@ from typing import Protocol, cast
 import httptools
 
 from proxy.relay.errors import ConnectTimeout
-from proxy.relay.fast.request import Flow
+from proxy.relay.fast.request import Flow, FlowForwarding
 from proxy.relay.fast.wire import Headers
 
 __all__ = ["Exchange", "UpstreamConnection", "UpstreamPool", "status_of"]
@@ -45,7 +45,7 @@ class Exchange(Protocol):
     def on_lost(self, exc: BaseException) -> None: ...
 
 
-class UpstreamConnection(asyncio.Protocol):
+class UpstreamConnection(FlowForwarding, asyncio.Protocol):
     """One connection to the upstream, lent to one exchange at a time."""
 
     def __init__(self, pool: UpstreamPool) -> None:
@@ -153,14 +153,6 @@ class UpstreamConnection(asyncio.Protocol):
             exchange.on_complete()
         else:
             exchange.on_lost(exc or ConnectionResetError("the upstream closed the connection"))
-
-    def pause_writing(self) -> None:
-        if self.flow is not None:
-            self.flow.pause_reading()
-
-    def resume_writing(self) -> None:
-        if self.flow is not None:
-            self.flow.resume_reading()
 
     # --- httptools callbacks -------------------------------------------------------
     def on_message_begin(self) -> None:
