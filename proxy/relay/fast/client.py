@@ -124,15 +124,17 @@ class UpstreamClient:
     """GETs, POSTs and watches against the upstream with opgate's own credentials."""
 
     def __init__(self, endpoint: Endpoint, token: TokenSource, *, connect_timeout: float,
-                 user_agent: str = "opgate") -> None:
+                 user_agent: str = "opgate", pool: UpstreamPool | None = None) -> None:
+        """``pool``: connections to share (the relay's, for its readiness probe); by default
+        a pool of its own."""
         self._endpoint = endpoint
         self._token = token
         self._host = endpoint.host_header.encode("latin-1")
         self._prefix = endpoint.prefix.encode("latin-1")
         self._agent = user_agent.encode("latin-1")
-        self.pool = UpstreamPool(host=endpoint.host, port=endpoint.port, tls=endpoint.tls,
-                                 server_hostname=endpoint.server_name,
-                                 connect_timeout=connect_timeout, max_idle=4)
+        self.pool = pool or UpstreamPool(
+            host=endpoint.host, port=endpoint.port, tls=endpoint.tls,
+            server_hostname=endpoint.server_name, connect_timeout=connect_timeout, max_idle=4)
 
     def close(self) -> None:
         self.pool.close()

@@ -31,10 +31,11 @@ from proxy.relay import errors
 from proxy.relay.aftercare import Aftercare
 from proxy.relay.calls import PolicyStoreLike, RelaySettings, body_predicate, trace_ids
 from proxy.relay.endpoint import Endpoint, TokenSource, make_ssl_context
+from proxy.relay.fast.client import UpstreamClient
 from proxy.relay.fast.exchange import Exchange
 from proxy.relay.fast.request import Request
 from proxy.relay.fast.server import FastServer
-from proxy.relay.fast.upstream import UpstreamConnection, UpstreamPool, status_of
+from proxy.relay.fast.upstream import UpstreamConnection, UpstreamPool
 from proxy.relay.fast.wire import WireHeaders, connection_tokens, request_head, status_line
 from proxy.relay.upstream import UpstreamConfig
 
@@ -43,6 +44,7 @@ __all__ = ["FastRelay"]
 log = logging.getLogger("opgate.relay")
 
 PROBE_TIMEOUT = 3.0
+PROBE_LIMIT = 1 << 20  # a readyz or version answer is a few hundred bytes
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 _LAST_CHUNK = b"0\r\n\r\n"
 _next_trace_id = trace_ids("-f")
@@ -76,6 +78,9 @@ class FastRelay:
         self._token = TokenSource(token=upstream.token, token_file=upstream.token_file)
         self._wants_body = body_predicate(chain) if chain.needs_body else None
         self._after = Aftercare(chain)
+        self._probe = UpstreamClient(endpoint, self._token, pool=self.pool,
+                                     connect_timeout=settings.connect_timeout,
+                                     user_agent="opgate-readyz")
 
     async def start(self) -> None:
         """Nothing to start (connections open on demand); the same interface as ``Relay``."""
@@ -91,19 +96,16 @@ class FastRelay:
     async def upstream_ready(self) -> tuple[bool, str]:
         """Whether the apiserver answers ``GET /readyz``, else ``/version`` (some RBAC set-ups
         hide readyz): any 200 is ready. Over the relay's own pool, 3 s at most each."""
-        auth = self._token.authorization()
-        extra = b"Authorization: " + auth.encode("latin-1") + b"\r\n" if auth else b""
         last = ""
         for path in ("/readyz", "/version"):
-            head = b"GET %s HTTP/1.1\r\nHost: %s\r\nAccept: application/json\r\n%s\r\n" % (
-                self._prefix + path.encode(), self._host, extra)
             try:
-                status = await status_of(self.pool, head, within=PROBE_TIMEOUT)
+                answer = await self._probe.call("GET", path, within=PROBE_TIMEOUT,
+                                                limit=PROBE_LIMIT)
             except (OSError, TimeoutError, httptools.HttpParserError) as e:
                 return False, f"upstream unreachable: {errors.describe(e)}"
-            if status == 200:
+            if answer.status == 200:
                 return True, f"upstream {path} answered 200"
-            last = f"upstream {path} answered {status}"
+            last = f"upstream {path} answered {answer.status}"
         return False, last
 
     # --- one call ----------------------------------------------------------------------

@@ -28,7 +28,7 @@ from proxy.relay.errors import ConnectTimeout
 from proxy.relay.fast.request import Flow, FlowForwarding
 from proxy.relay.fast.wire import Headers
 
-__all__ = ["Exchange", "UpstreamConnection", "UpstreamPool", "status_of"]
+__all__ = ["Exchange", "UpstreamConnection", "UpstreamPool"]
 
 WRITE_HIGH_WATER = 64 * 1024
 
@@ -214,52 +214,6 @@ class UpstreamConnection(FlowForwarding, asyncio.Protocol):
             self.close()
         if exchange is not None:
             exchange.on_complete()
-
-
-class _StatusOnly:
-    """An exchange that keeps only the status of a small response (the readiness probe)."""
-
-    def __init__(self) -> None:
-        self.done: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-        self._status = 0
-
-    def on_head(
-        self, status: int, reason: bytes, headers: Headers, *, length: bytes | None, chunked: bool
-    ) -> None:
-        self._status = status
-
-    def on_switch(self, reason: bytes, headers: Headers) -> None:
-        self.on_lost(ConnectionError("unexpected 101"))
-
-    def on_body(self, chunk: bytes) -> None:
-        pass
-
-    def on_complete(self) -> None:
-        if not self.done.done():
-            self.done.set_result(self._status)
-
-    def on_lost(self, exc: BaseException) -> None:
-        if not self.done.done():
-            self.done.set_exception(exc)
-
-
-async def status_of(pool: UpstreamPool, head: bytes, *, within: float) -> int:
-    """Send ``head`` (a body-less request) over ``pool``; the response's status code."""
-    async with asyncio.timeout(within):
-        for attempt in (0, 1):
-            conn, reused = await pool.acquire()
-            exchange = _StatusOnly()
-            try:
-                conn.send(exchange, head)
-                return await exchange.done
-            except OSError:
-                conn.close()
-                if attempt or not reused or conn.received:
-                    raise
-            except BaseException:
-                conn.close()
-                raise
-    raise AssertionError("unreachable")
 
 
 class UpstreamPool:
