@@ -19,8 +19,9 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from proxy.engine.chain import Chain
 from proxy.engine.context import RequestContext
-from proxy.relay import RelaySettings, serve_api
+from proxy.relay import RelaySettings, UpstreamConfig, serve_api
 from proxy.relay.fast import FastRelay, server
 from tests.integration.fakes import (
     AiohttpUpstream,
@@ -389,8 +390,7 @@ async def test_shutdown_finishes_calls_in_flight_and_ends_watches_at_once() -> N
         return await ok_handler(request)
 
     up = await AiohttpUpstream(handler).start()
-    relay = FastRelay(upstream=UpstreamConfigForTest(up.url), chain=_empty_chain(),
-                      policies=Policies())
+    relay = FastRelay(upstream=UpstreamConfig(url=up.url), chain=Chain([]), policies=Policies())
     listener = await serve_api(relay, listen="127.0.0.1:0", shutdown_timeout=5.0)
     url = f"http://{listener.address}"
     try:
@@ -414,18 +414,6 @@ async def test_shutdown_finishes_calls_in_flight_and_ends_watches_at_once() -> N
     finally:
         await relay.close()
         await up.close()
-
-
-def UpstreamConfigForTest(url: str) -> Any:
-    from proxy.relay import UpstreamConfig
-
-    return UpstreamConfig(url=url)
-
-
-def _empty_chain() -> Any:
-    from proxy.engine.chain import Chain
-
-    return Chain([])
 
 
 @pytest.mark.asyncio
