@@ -84,12 +84,12 @@ class ClientConnection(FlowForwarding, asyncio.Protocol):
         self._queue: deque[Request] = deque()
         self._url = b""
         self._headers: Headers = []
-        self._head_size = 0
         self._read_paused = False
         self._raw: list[bytes] | None = None  # after an upgrade: bytes not yet tunnelled
         self._raw_sink: Callable[[bytes], None] | None = None
         self._raw_closed: Callable[[], None] | None = None
-        self._idle: asyncio.TimerHandle | None = None
+        self._idle: asyncio.TimerHandle | None = None  # one per connection, re-armed lazily
+        self._last = 0.0  # when the last request was answered (or the connection opened)
         self.loop = asyncio.get_event_loop()
 
     @property
@@ -139,10 +139,8 @@ class ClientConnection(FlowForwarding, asyncio.Protocol):
 
     # --- httptools callbacks -------------------------------------------------------
     def on_message_begin(self) -> None:
-        self._cancel_idle()
         self._url = b""
         self._headers = []
-        self._head_size = 0
 
     def on_url(self, url: bytes) -> None:
         self._url += url
@@ -207,7 +205,7 @@ class ClientConnection(FlowForwarding, asyncio.Protocol):
         if self._queue:
             self._start(self._queue.popleft())
         else:
-            self._arm_idle()
+            self._last = self.loop.time()  # the idle timer reads it: no timer per request
         self.resume_reading()
 
     def _refuse(self, answer: bytes) -> None:
@@ -216,17 +214,24 @@ class ClientConnection(FlowForwarding, asyncio.Protocol):
             self.close()
 
     def _arm_idle(self) -> None:
-        self._idle = self.loop.call_later(KEEPALIVE, self._idle_expired)
+        self._last = self.loop.time()
+        self._idle = self.loop.call_later(KEEPALIVE, self._idle_check)
 
     def _cancel_idle(self) -> None:
         if self._idle is not None:
             self._idle.cancel()
             self._idle = None
 
-    def _idle_expired(self) -> None:
-        self._idle = None
-        if self._current is None and self._parsing is None:
+    def _idle_check(self) -> None:
+        """Close after ``KEEPALIVE`` seconds without a request being answered or in flight
+        (a head still arriving counts as idle); otherwise look again when that could be."""
+        now = self.loop.time()
+        if self._current is None and self._parsing is None and now - self._last >= KEEPALIVE:
+            self._idle = None
             self.close()
+            return
+        due = self._last + KEEPALIVE if self._current is None else now + KEEPALIVE
+        self._idle = self.loop.call_at(max(due, now + 0.001), self._idle_check)
 
     # --- the tunnel after an upgrade -----------------------------------------------
     def _raw_received(self, data: bytes) -> None:
