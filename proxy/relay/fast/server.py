@@ -22,9 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import ssl
-import stat
 from collections import deque
 from collections.abc import Callable, Coroutine
 from typing import Any, cast
@@ -311,10 +309,7 @@ class FastServer:
         return [s.getsockname()[:2] for s in server.sockets]
 
     async def listen_unix(self, path: str, *, tls: ssl.SSLContext | None) -> None:
-        loop = asyncio.get_running_loop()
-        with contextlib.suppress(FileNotFoundError):
-            if stat.S_ISSOCK(os.stat(path).st_mode):
-                os.unlink(path)  # a stale socket of an earlier run
+        loop = asyncio.get_running_loop()  # (it replaces a stale socket file of an earlier run)
         self._server = await loop.create_unix_server(self._protocol, path, ssl=tls, backlog=1024)
 
     async def close(self, grace: float) -> None:
