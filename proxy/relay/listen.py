@@ -115,7 +115,7 @@ class _CertReloader:
 def server_tls_context(cert: str, key: str) -> ssl.SSLContext:
     ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     ctx.load_cert_chain(cert, key)
-    ctx.set_alpn_protocols(["http/1.1"])  # aiohttp speaks HTTP/1.1 only
+    ctx.set_alpn_protocols(["http/1.1"])  # both relay cores speak HTTP/1.1 only
     return ctx
 
 
