@@ -138,6 +138,66 @@ def test_metadata_event_for_a_verified_caller() -> None:
     }
 
 
+_ODD_AGENT = 'kubectl "quoted" \\ \u00e9\u4e2d\x01'
+
+
+@pytest.mark.parametrize("case", [
+    "plain", "unverified", "odd-agent", "no-agent", "rule", "query-secret", "escaped-path",
+    "cluster-scope", "non-resource", "client-gone", "upstream-500", "create-named",
+    "create-from-body", "denied", "error", "request-level", "impersonated", "no-status",
+])
+def test_joined_lines_equal_the_encoded_event(case: str) -> None:
+    """``Audit.line`` joins remembered JSON fragments in the common case: the text must be
+    exactly what encoding :meth:`Audit.event` gives, for every case, twice (memo miss, hit)."""
+    path, method, query, body = "/api/v1/namespaces/a/configmaps/c", "GET", "", None
+    headers: dict[str, str] = {}
+    pset, code = EMPTY, 200
+    if case == "odd-agent":
+        headers["User-Agent"] = _ODD_AGENT
+    if case == "rule":
+        pset = policies("    rules:\n      - level: Metadata\n        verbs: [get]\n")
+    if case == "query-secret":
+        query = "access_token=abc&labelSelector=a%3Db"
+    if case == "escaped-path":
+        path = "/api/v1/namespaces/a/configmaps/w\u00e9ird name"
+    if case == "cluster-scope":
+        path = "/apis/rbac.authorization.k8s.io/v1/clusterroles/admin"
+    if case == "non-resource":
+        path = "/version"
+    if case == "client-gone":
+        code = audit_mod.CLIENT_GONE
+    if case == "upstream-500":
+        code = 500
+    if case.startswith("create"):
+        method, code = "POST", 201
+        path = "/api/v1/namespaces/a/configmaps" + ("/c" if case == "create-named" else "")
+        body = b'{"metadata":{"name":"from-body"}}'
+    if case == "request-level":
+        pset = policies("    rules:\n      - level: Request\n")
+        method, body = "PUT", b'{"metadata":{"name":"c"}}'
+    if case == "impersonated":
+        headers["Impersonate-User"] = "jane"
+    ctx = make_ctx(method, path, query, pset=pset, headers=headers, body=body)
+    if case == "no-agent":
+        del ctx.headers["User-Agent"]
+    if case != "unverified":
+        ctx.identity = SA
+    ctx.wall_time = 1_764_480_600.25
+    finish(ctx, 0 if case == "no-status" else code)
+    if case == "denied":
+        ctx.answer = forbidden("denied by rule r in p.yaml")
+        ctx.decision, ctx.status_code = "denied", 403
+    if case == "error":
+        ctx.error, ctx.status_code = "upstream reset", 502
+    auditor = Audit(write=Lines())
+    decision = auditor.plan(ctx.policies).decide(ctx.info, ctx.identity)
+    for _ in range(2):
+        expected = audit_mod._ENCODER.encode(
+            auditor.event(ctx, decision, "ResponseComplete", ctx.wall_time + 0.5))
+        assert auditor.line(ctx, decision, "ResponseComplete", ctx.wall_time + 0.5) == expected
+    check_shape(json.loads(expected))
+
+
 @pytest.mark.parametrize(("method", "path", "query", "verb"), [
     ("GET", "/api/v1/namespaces/a/pods", "", "list"),
     ("GET", "/api/v1/namespaces/a/pods", "watch=true", "watch"),
