@@ -1,4 +1,5 @@
-"""The storage protocol the rate limiter decides through, shared by every backend.
+"""The storage protocol the rate limiter and the quota reservations go through, shared by every
+backend.
 
 A rate-limit decision is one call, :meth:`Store.acquire`, over all the buckets a request must pass
 (one per matching rule). It is all-or-nothing: when any bucket denies, no bucket is charged. The
@@ -6,6 +7,12 @@ algorithm is GCRA ("virtual scheduling"), kept as one number per bucket: the the
 time (TAT) in integer microseconds. :func:`gcra_step` is the reference arithmetic; the Redis
 script ``gcra.lua`` performs exactly the same operations on the same IEEE doubles, so the
 in-process and the Redis backends agree decision for decision (the table tests check it).
+
+Quota reservations (:meth:`Store.reserve`, :meth:`Store.settle`) are a second, separate table:
+per scope (``<group>/<resource>/<namespace>``) a set of members ``<name>|<token>`` each with an
+expiry time. :func:`reserve_step` / :func:`settle_step` are the reference operations; the Redis
+script ``quota.lua`` performs the same ones, so a single process (the in-process store) and
+several replicas sharing Redis count reservations alike (the table tests check it too).
 """
 
 from __future__ import annotations
@@ -18,12 +25,16 @@ from typing import Protocol, runtime_checkable
 __all__ = [
     "BucketRequest",
     "KeyVerdict",
+    "Reservation",
+    "Reserved",
     "Store",
     "StoreUnavailable",
     "Verdict",
     "decide",
     "gcra_step",
     "interval_us",
+    "reserve_step",
+    "settle_step",
 ]
 
 US = 1_000_000
@@ -84,12 +95,56 @@ class Verdict:
         return max((k.retry_after for k in self.keys if not k.allowed), default=0.0)
 
 
+@dataclass(frozen=True, slots=True)
+class Reservation:
+    """Admit one create against ``limit`` and reserve room for it, in one atomic step.
+
+    ``scope`` is ``<group>/<resource>/<namespace>`` (the Redis hash tag: one key, one slot);
+    ``member`` is ``<name>|<token>`` (name ``""`` when the apiserver will generate it; the
+    token is unique per create). ``observed`` is how many objects the caller's own watch shows;
+    ``seen`` lists the names (and ``|<token>`` entries) whose objects that watch already shows,
+    so their reservations are not counted twice. ``used`` = ``observed`` + the live reservations
+    not in ``seen``; the create is allowed when ``limit < 0`` (none) or ``used + 1 <= limit``,
+    and then ``member`` lives ``ttl`` seconds (unless ``check_only``: a dry-run create).
+    ``fail_open`` says what happens while the shared store is down: reserve in-process (True)
+    or "unavailable" (False).
+    """
+
+    scope: str
+    member: str
+    observed: int
+    limit: int
+    ttl: float
+    seen: tuple[str, ...] = ()
+    check_only: bool = False
+    fail_open: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class Reserved:
+    """The answer to a :class:`Reservation`: ``used`` before this create; ``backend`` is
+    ``redis``, ``local`` or ``fallback``; ``unavailable`` as in :class:`Verdict`."""
+
+    allowed: bool
+    used: int
+    backend: str = "local"
+    unavailable: bool = False
+
+
 @runtime_checkable
 class Store(Protocol):
-    """A rate-limit backend. ``acquire`` never raises for a store outage once wrapped in
-    :class:`proxy.stores.breaker.ResilientStore`; bare backends raise :class:`StoreUnavailable`."""
+    """A rate-limit and quota-reservation backend. ``acquire``, ``reserve`` and ``settle`` never
+    raise for a store outage once wrapped in :class:`proxy.stores.breaker.ResilientStore`; bare
+    backends raise :class:`StoreUnavailable`."""
 
     async def acquire(self, requests: Sequence[BucketRequest]) -> Verdict: ...
+
+    async def reserve(self, request: Reservation) -> Reserved: ...
+
+    async def settle(self, scope: str, member: str, ttl: float | None) -> None:
+        """A reservation's create answered: ``ttl`` ``None`` drops it (failed), else it now
+        expires within ``ttl`` seconds (never later than it already would)."""
+        ...
 
     def health(self) -> dict[str, object]: ...
 
@@ -170,3 +225,40 @@ def verdict_from(
         for ok, granted, remaining, retry, reset in results
     )
     return Verdict(allowed=allowed, keys=keys, backend=backend)
+
+
+# --- quota reservations ------------------------------------------------------------------------
+
+def _counted(member: str, seen: frozenset[str] | set[str]) -> bool:
+    name, _, token = member.partition("|")
+    return not ((name and name in seen) or ("|" + token) in seen)
+
+
+def reserve_step(
+    members: dict[str, float], now: float, request: Reservation
+) -> tuple[bool, int]:
+    """One :class:`Reservation` against ``members`` (member -> expiry, µs), changed in place:
+    ``(allowed, used)``. Mirrors ``quota.lua``: expired members (expiry <= now) are dropped
+    first, then the live ones not in ``seen`` are counted."""
+    for member in [m for m, expiry in members.items() if expiry <= now]:
+        del members[member]
+    seen = frozenset(request.seen)
+    used = request.observed + sum(1 for m in members if _counted(m, seen))
+    allowed = request.limit < 0 or used + 1 <= request.limit
+    if allowed and not request.check_only:
+        members[request.member] = now + float(round(request.ttl * US))
+    return allowed, used
+
+
+def settle_step(members: dict[str, float], now: float, member: str, ttl: float | None) -> bool:
+    """Drop ``member`` (``ttl`` None) or let it expire within ``ttl`` s, never later than it
+    would; ``False`` when it is not (or no longer) there. Mirrors ``quota.lua``."""
+    expiry = members.get(member)
+    if expiry is None or expiry <= now:
+        members.pop(member, None)
+        return False
+    if ttl is None:
+        del members[member]
+    else:
+        members[member] = min(expiry, now + float(round(ttl * US)))
+    return True

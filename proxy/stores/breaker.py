@@ -8,6 +8,12 @@ rules get an "unavailable" verdict (the middleware answers 503). Every ``reset_a
 background ping probes the store (half-open); the first success closes the circuit, with no
 restart of anything. Transitions are logged and counted (``opgate_redis_errors_total``,
 ``opgate_ratelimit_backend{backend}``), and :meth:`ResilientStore.health` reports them.
+
+Quota reservations share the breaker: while it is open (or when a call fails), a reservation
+whose entries all have ``failure: open`` is admitted and reserved in-process (this replica's
+reservations only, as without Redis), and one with a ``failure: closed`` entry is
+"unavailable" (503). Settlements go to both tables (a member is only in one of them); while the
+circuit is open the Redis one is skipped and its members expire by themselves.
 """
 
 from __future__ import annotations
@@ -20,7 +26,15 @@ from dataclasses import replace
 from typing import Any
 
 from proxy.engine import telemetry
-from proxy.stores.base import BucketRequest, KeyVerdict, Store, StoreUnavailable, Verdict
+from proxy.stores.base import (
+    BucketRequest,
+    KeyVerdict,
+    Reservation,
+    Reserved,
+    Store,
+    StoreUnavailable,
+    Verdict,
+)
 from proxy.stores.memory import MemoryStore
 
 __all__ = ["CircuitBreaker", "ResilientStore", "set_backend_gauge"]
@@ -129,6 +143,34 @@ class ResilientStore:
         verdict = await self.fallback.acquire(local)
         return replace(verdict, backend="fallback")
 
+    async def reserve(self, request: Reservation) -> Reserved:
+        if self.breaker.allows():
+            try:
+                reserved = await self.primary.reserve(request)
+            except StoreUnavailable as exc:
+                if self.breaker.failure(str(exc)):
+                    self._opened()
+            else:
+                self.breaker.success()
+                return reserved
+        elif self.breaker.probe_due():
+            self._probe = asyncio.get_running_loop().create_task(self._run_probe())
+        if not request.fail_open:
+            return Reserved(allowed=False, used=0, backend="fallback", unavailable=True)
+        return replace(self.fallback.reserve_now(request), backend="fallback")
+
+    async def settle(self, scope: str, member: str, ttl: float | None) -> None:
+        self.fallback.settle_now(scope, member, ttl)
+        if not self.breaker.allows():
+            return  # its Redis members expire by themselves
+        try:
+            await self.primary.settle(scope, member, ttl)
+        except StoreUnavailable as exc:
+            if self.breaker.failure(str(exc)):
+                self._opened()
+        else:
+            self.breaker.success()
+
     async def _run_probe(self) -> None:
         ping = getattr(self.primary, "ping", None)
         try:
@@ -150,7 +192,8 @@ class ResilientStore:
         set_backend_gauge("fallback")
         log.warning(
             "rate-limit store unavailable after %d failures (%s): failure=open rules use "
-            "in-process buckets at qps/%d, failure=closed rules answer 503; probing every %.1fs",
+            "in-process buckets at qps/%d (and quotas in-process reservations), failure=closed "
+            "rules and quotas answer 503; probing every %.1fs",
             self.breaker.consecutive, self.breaker.last_error, self.replicas,
             self.breaker.reset_after,
         )

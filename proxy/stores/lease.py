@@ -22,7 +22,16 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
-from proxy.stores.base import US, BucketRequest, KeyVerdict, Store, Verdict, interval_us
+from proxy.stores.base import (
+    US,
+    BucketRequest,
+    KeyVerdict,
+    Reservation,
+    Reserved,
+    Store,
+    Verdict,
+    interval_us,
+)
 
 __all__ = ["LeasingStore"]
 
@@ -248,6 +257,13 @@ class LeasingStore:
                         if v.expires > now or v.since > idle or k in self._inflight}
         self._denied = {k: v for k, v in self._denied.items() if v[0] > now}
         self._next_sweep = now + 5 * self.ttl
+
+    async def reserve(self, request: Reservation) -> Reserved:
+        """Quota reservations are never leased: straight to the shared store."""
+        return await self.inner.reserve(request)
+
+    async def settle(self, scope: str, member: str, ttl: float | None) -> None:
+        await self.inner.settle(scope, member, ttl)
 
     def forget(self) -> None:
         """Drop every lease and cached denial (after an outage: the store's view wins again)."""

@@ -1,9 +1,11 @@
-"""The in-process rate-limit backend: GCRA buckets in a dict, one process's view only.
+"""The in-process backend: GCRA buckets and quota reservations in dicts, one process's view only.
 
 Used when no Redis is configured (one replica), as the fallback while Redis is unreachable
 (rules with ``failure: open`` then run at ``qps / replicas``), and by the unit tests. The
 arithmetic is :func:`proxy.stores.base.decide`, the same as ``gcra.lua``; the clock is
 injectable (a function returning seconds, monotonic by default) so tests control time.
+Quota reservations follow :func:`proxy.stores.base.reserve_step` / :func:`settle_step`, the
+same operations as ``quota.lua``.
 """
 
 from __future__ import annotations
@@ -15,10 +17,14 @@ from proxy.stores.base import (
     US,
     BucketRequest,
     KeyVerdict,
+    Reservation,
+    Reserved,
     Verdict,
     decide,
     gcra_step,
     interval_us,
+    reserve_step,
+    settle_step,
     verdict_from,
 )
 
@@ -35,6 +41,7 @@ class MemoryStore:
     def __init__(self, *, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
         self._tats: dict[str, float] = {}
+        self._reserved: dict[str, dict[str, float]] = {}  # scope -> member -> expiry (µs)
         self._next_sweep = 0.0
         self.calls = 0
 
@@ -69,9 +76,51 @@ class MemoryStore:
         return verdict_from(allowed, results, backend=self.backend)
 
     def _sweep(self, now: float) -> None:
-        """Forget buckets that are full again (TAT passed): same outcome, bounded memory."""
+        """Forget buckets that are full again (TAT passed) and expired reservations: same
+        outcome, bounded memory."""
         self._tats = {k: v for k, v in self._tats.items() if v > now}
+        for scope, members in list(self._reserved.items()):
+            live = {m: e for m, e in members.items() if e > now}
+            if live:
+                self._reserved[scope] = live
+            else:
+                del self._reserved[scope]
         self._next_sweep = now + SWEEP_EVERY_US
+
+    # --- quota reservations ---------------------------------------------------------------
+
+    async def reserve(self, request: Reservation, now: float | None = None) -> Reserved:
+        return self.reserve_now(request, now)
+
+    def reserve_now(self, request: Reservation, now: float | None = None) -> Reserved:
+        """Admit and reserve in one step (nothing here ever waits); ``now`` in µs (tests)."""
+        at = self.now_us() if now is None else float(now)
+        members = self._reserved.setdefault(request.scope, {})
+        allowed, used = reserve_step(members, at, request)
+        if not members:
+            del self._reserved[request.scope]
+        if at >= self._next_sweep:
+            self._sweep(at)
+        return Reserved(allowed=allowed, used=used, backend=self.backend)
+
+    async def settle(self, scope: str, member: str, ttl: float | None,
+                     now: float | None = None) -> None:
+        self.settle_now(scope, member, ttl, now)
+
+    def settle_now(self, scope: str, member: str, ttl: float | None,
+                   now: float | None = None) -> bool:
+        members = self._reserved.get(scope)
+        if members is None:
+            return False
+        found = settle_step(members, self.now_us() if now is None else float(now), member, ttl)
+        if not members:
+            del self._reserved[scope]
+        return found
+
+    def reservations(self, scope: str, now: float | None = None) -> dict[str, float]:
+        """The live members of ``scope`` and their expiries (µs): for tests and health."""
+        at = self.now_us() if now is None else float(now)
+        return {m: e for m, e in self._reserved.get(scope, {}).items() if e > at}
 
     def __len__(self) -> int:
         return len(self._tats)
@@ -81,3 +130,4 @@ class MemoryStore:
 
     async def close(self) -> None:
         self._tats.clear()
+        self._reserved.clear()

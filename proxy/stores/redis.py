@@ -14,6 +14,11 @@ Connections come from a URL: ``redis://`` / ``rediss://`` (TLS) / ``unix://``, C
 ``redis+sentinel://[:password@]host:port[,host:port]/mastername[/db]`` (``rediss+sentinel`` for
 TLS). Every call is bounded by ``timeout``; a failure raises :class:`StoreUnavailable` (the
 breaker in :mod:`proxy.stores.breaker` decides what then happens).
+
+Quota reservations are one ``EVALSHA`` of ``quota.lua`` per admitted create (admit and reserve
+at once, against Redis ``TIME``) and one per settlement, on the sorted set
+``<quota_prefix>{<group>/<resource>/<namespace>}`` (one key: one Cluster slot), whose members
+expire by themselves and whose key expires with its last member.
 """
 
 from __future__ import annotations
@@ -33,13 +38,24 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
 from proxy.engine import telemetry
-from proxy.stores.base import BucketRequest, StoreUnavailable, Verdict, interval_us, verdict_from
+from proxy.stores.base import (
+    US,
+    BucketRequest,
+    Reservation,
+    Reserved,
+    StoreUnavailable,
+    Verdict,
+    interval_us,
+    verdict_from,
+)
 
-__all__ = ["SCRIPT", "RedisStore", "connect"]
+__all__ = ["QUOTA_SCRIPT", "SCRIPT", "RedisStore", "connect"]
 
 log = logging.getLogger("opgate.ratelimit.store")
 SCRIPT = importlib.resources.files("proxy.stores").joinpath("gcra.lua").read_text("utf-8")
+QUOTA_SCRIPT = importlib.resources.files("proxy.stores").joinpath("quota.lua").read_text("utf-8")
 DEFAULT_PREFIX = "opgate:rl:"
+DEFAULT_QUOTA_PREFIX = "opgate:quota:"
 WARM_BUDGET = 0.25  # seconds, once per process (see RedisStore._warm_up)
 WARM_CONNECTIONS = 4
 _FIELDS = 5  # per-key values in the script's reply
@@ -141,24 +157,27 @@ class RedisStore:
 
     def __init__(
         self, client: Any, *, cluster: bool = False, timeout: float = 0.05,
-        prefix: str = DEFAULT_PREFIX, url: str = "",
+        prefix: str = DEFAULT_PREFIX, url: str = "", quota_prefix: str = DEFAULT_QUOTA_PREFIX,
     ) -> None:
         self.client = client
         self.cluster = cluster
         self.timeout = timeout
         self.prefix = prefix
+        self.quota_prefix = quota_prefix
         self.url = _redacted(url)
         self.calls = 0  # script calls made (the benchmark reads it)
         self._script = client.register_script(SCRIPT)
+        self._quota_script = client.register_script(QUOTA_SCRIPT)
         self._warm: asyncio.Task[None] | None = None
 
     @classmethod
     def from_url(
         cls, url: str, *, password: str | None = None, timeout: float = 0.05,
-        prefix: str = DEFAULT_PREFIX,
+        prefix: str = DEFAULT_PREFIX, quota_prefix: str = DEFAULT_QUOTA_PREFIX,
     ) -> RedisStore:
         client, cluster = connect(url, password=password, timeout=timeout)
-        return cls(client, cluster=cluster, timeout=timeout, prefix=prefix, url=url)
+        return cls(client, cluster=cluster, timeout=timeout, prefix=prefix, url=url,
+                   quota_prefix=quota_prefix)
 
     def redis_key(self, request: BucketRequest) -> str:
         return f"{self.prefix}{{{request.shard or request.key}}}:{request.key}"
@@ -228,6 +247,44 @@ class RedisStore:
         ]
         return values[0] == 1, results  # type: ignore[return-value]
 
+    # --- quota reservations ---------------------------------------------------------------
+
+    def quota_key(self, scope: str) -> str:
+        return f"{self.quota_prefix}{{{scope}}}"
+
+    async def reserve(self, request: Reservation, now: float | None = None) -> Reserved:
+        """Admit and reserve atomically (``quota.lua``); ``now`` (µs) replaces Redis TIME, for
+        tests only."""
+        args: list[Any] = ["" if now is None else int(now), "reserve", request.member,
+                           request.observed, request.limit, round(request.ttl * US),
+                           "1" if request.check_only else "0", *request.seen]
+        reply = await self._quota_call(request.scope, args)
+        return Reserved(allowed=int(reply[0]) == 1, used=int(reply[1]), backend=self.backend)
+
+    async def settle(self, scope: str, member: str, ttl: float | None,
+                     now: float | None = None) -> None:
+        await self.settle_found(scope, member, ttl, now)
+
+    async def settle_found(self, scope: str, member: str, ttl: float | None,
+                           now: float | None = None) -> bool:
+        args: list[Any] = ["" if now is None else int(now), "settle", member,
+                           -1 if ttl is None else round(ttl * US)]
+        reply = await self._quota_call(scope, args)
+        return int(reply[0]) == 1
+
+    async def _quota_call(self, scope: str, args: list[Any]) -> list[Any]:
+        if self._warm is None or not self._warm.done():
+            await self._warm_up()
+        self.calls += 1
+        try:
+            async with asyncio.timeout(self.timeout):
+                reply: list[Any] = await self._quota_script(keys=[self.quota_key(scope)],
+                                                            args=args)
+        except (RedisError, OSError, TimeoutError) as exc:
+            telemetry.REDIS_ERRORS.inc()
+            raise StoreUnavailable(f"redis: {type(exc).__name__}: {exc}") from exc
+        return reply
+
     async def _warm_up(self) -> None:
         """Once, on first use: load the script and open a few connections with a budget of
         ``WARM_BUDGET`` s instead of ``timeout``, shared by every caller of a cold start. A burst
@@ -241,6 +298,7 @@ class RedisStore:
         try:
             async with asyncio.timeout(max(self.timeout, WARM_BUDGET)):
                 self._script.sha = await self.client.script_load(SCRIPT)
+                self._quota_script.sha = await self.client.script_load(QUOTA_SCRIPT)
                 if not self.cluster:
                     await asyncio.gather(*(self.client.ping() for _ in range(WARM_CONNECTIONS)))
         except (RedisError, OSError, TimeoutError) as exc:
