@@ -169,7 +169,8 @@ async def _serve(settings: Settings, *, reuse_port: bool, parent_fd: int | None,
     authn = UpstreamAuthenticator(upstream, connect_timeout=up.connect_timeout)
     # object counts for spec.quotas: list+watch of the quota'd resources and the quotas
     counts = QuotaCounts(upstream, connect_timeout=up.connect_timeout)
-    quotas = quota.Quota(counts=counts)
+    # reservations in the same store as the buckets: with --redis-url shared by every replica
+    quotas = quota.Quota(counts=counts, store=buckets)
     quotas.prepare(store.current)  # start counting now, not at the first create
     # who calls, then what may be injected, then how fast, then how many; the audit log,
     # metrics and the access log see the outcome

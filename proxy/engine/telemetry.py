@@ -270,6 +270,12 @@ IDENTITY_DENIALS = Counter(
 POLICY_RELOADS = Counter(
     "opgate_policy_reloads_total", "Policy reload attempts.", ["result"], registry=REGISTRY,
 )
+QUOTA_RESERVATIONS = Counter(
+    "opgate_quota_reservations_total",
+    "Quota'd creates admitted and reserved, by the store that reserved them (redis: shared by "
+    "every replica; local: no Redis configured; fallback: in-process while Redis is down).",
+    ["backend"], registry=REGISTRY,
+)
 REDIS_ERRORS = Counter(
     "opgate_redis_errors_total", "Failed or timed-out Redis calls.", registry=REGISTRY,
 )

@@ -38,10 +38,13 @@ its namespaces are bounded by the policies' ``namespaces`` patterns).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import random
-from collections.abc import Callable, Mapping, Sequence
+import secrets
+from collections.abc import Callable, Coroutine, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from proxy.engine import telemetry
@@ -58,6 +61,8 @@ from proxy.middlewares.quota_spec import (
     parse_section,
     qualified,
 )
+from proxy.stores.base import Reservation, Store
+from proxy.stores.memory import MemoryStore
 
 __all__ = ["SECTION", "MemoryQuotaCounts", "Quota", "QuotaCounts", "denial_message",
            "generate_name", "parse_section"]
@@ -68,6 +73,9 @@ log = logging.getLogger("opgate.quota")
 _NAME_ALPHABET = "bcdfghjklmnpqrstvwxz2456789"
 _MAX_GENERATED_PREFIX = 63 - 5
 STATE_KEY = "quota"
+RESERVE_SECONDS = 60.0  # a reservation expires by itself this long after its create came in,
+SETTLE_SECONDS = 30.0  # this long after the create answered 2xx (or no answer),
+LINGER_SECONDS = 5.0  # and this long after this replica's watch showed the object
 
 AlignedQuota = tuple[str, str, Mapping[str, int]]
 """``(kind, name, hard)``: a ResourceQuota or ClusterResourceQuota and its count limits."""
@@ -89,8 +97,17 @@ class QuotaCounts(Protocol):
         Replaces the previous interest; idempotent; never blocks."""
         ...
 
-    def used(self, group: str, resource: str, namespace: str) -> int | None:
-        """Objects in the namespace plus the reserved ones; ``None`` until synced."""
+    def observed(self, group: str, resource: str, namespace: str) -> int | None:
+        """Objects in the namespace as the watch shows them; ``None`` until synced."""
+        ...
+
+    def exists(self, group: str, resource: str, namespace: str, name: str) -> bool | None:
+        """Whether the watch shows this object; ``None`` until synced."""
+        ...
+
+    def seen(self, group: str, resource: str, namespace: str) -> Sequence[str]:
+        """Names that appeared lately (and ``|<token>`` of this replica's generateName creates
+        whose object appeared): their reservations must not be counted a second time."""
         ...
 
     def aligned(self, namespace: str, *, resource_quotas: bool,
@@ -99,12 +116,12 @@ class QuotaCounts(Protocol):
         when the cluster serves no such API); ``None`` until synced."""
         ...
 
-    def reserve(self, group: str, resource: str, namespace: str, name: str,
-                generate_name: str) -> object:
-        """Count an admitted create until :meth:`settle` or its watch event."""
+    def expect(self, group: str, resource: str, namespace: str, name: str, generate_name: str,
+               token: str, on_seen: Callable[[], None] | None = None) -> object:
+        """Wait for the object of an admitted create; ``on_seen`` runs when it appears."""
         ...
 
-    def settle(self, reservation: object, created: bool | None) -> None:
+    def settle(self, expected: object, created: bool | None) -> None:
         """The create answered: ``True`` 2xx, ``False`` failed, ``None`` unknown (timeout)."""
         ...
 
@@ -172,17 +189,55 @@ def _is_json(ctx: RequestContext) -> bool:
     return ctype is not None and ctype.partition(";")[0].strip().lower() == "application/json"
 
 
+_APPLY_TYPES = frozenset({"application/apply-patch+yaml", "application/apply-patch+json",
+                          "application/apply-patch+cbor"})
+
+
+def _is_apply(ctx: RequestContext) -> bool:
+    """A server-side apply: a PATCH whose body is an apply configuration."""
+    ctype = ctx.headers.get("Content-Type")
+    return ctype is not None and ctype.partition(";")[0].strip().lower() in _APPLY_TYPES
+
+
 def _dry_run(ctx: RequestContext) -> bool:
     return "dryRun=" in ctx.query
 
 
-def _outcome(code: int) -> bool | None:
-    """Whether a create answered ``code`` made the object (``None``: cannot tell)."""
+def _outcome(code: int, apply: bool = False) -> bool | None:
+    """Whether a create answered ``code`` made the object (``None``: cannot tell). An apply
+    answered 200 updated an object that existed after all: not a create."""
+    if apply and code == 200:
+        return False
     if 200 <= code < 300:
         return True
     if code == 0 or code == 504:  # no answer, or the apiserver/opgate gave up waiting
         return None
     return False
+
+
+def effective_limit(b: BoundQuota, group: str, resource: str,
+                    aligned: Sequence[AlignedQuota]) -> int | None:
+    """The smallest limit an entry applies (its ``max`` and its aligned quotas' hard counts);
+    ``None`` when nothing limits it here. ``exceeded_limit`` names the one a create exceeds."""
+    keys = [count_key(group, resource)]
+    legacy = legacy_key(group, resource)
+    if legacy:
+        keys.append(legacy)
+    limits = [b.rule.max] if b.rule.max is not None else []
+    for kind, _name, hard in aligned:
+        if kind in b.rule.align_with:
+            limits.extend(hard[k] for k in keys if k in hard)
+    return min(limits) if limits else None
+
+
+@dataclass(slots=True)
+class _Held:
+    """What the exit hook settles: the store's member and what the counter waits for."""
+
+    scope: str
+    member: str
+    expected: object
+    apply: bool
 
 
 class Quota:
@@ -191,12 +246,19 @@ class Quota:
     fail_open = False
     sections = (SECTION,)
 
-    def __init__(self, *, counts: QuotaCounts | None = None,
-                 rng: random.Random | None = None) -> None:
+    def __init__(self, *, counts: QuotaCounts | None = None, store: Store | None = None,
+                 rng: random.Random | None = None, reserve_seconds: float = RESERVE_SECONDS,
+                 settle_seconds: float = SETTLE_SECONDS,
+                 linger_seconds: float = LINGER_SECONDS) -> None:
         self.counts: QuotaCounts = counts or MemoryQuotaCounts()
+        self.store: Store = store if store is not None else MemoryStore()
+        self.reserve_seconds = reserve_seconds
+        self.settle_seconds = settle_seconds
+        self.linger_seconds = linger_seconds
         self._rng = rng
         self._plan_for: object = None
         self._plan: dict[tuple[str, str], list[BoundQuota]] = {}
+        self._background: set[asyncio.Task[None]] = set()
 
     # --- the policy set's entries, and what the counter must watch for them ------------------
 
@@ -221,8 +283,10 @@ class Quota:
 
     def _matched(self, ctx: RequestContext) -> list[BoundQuota] | None:
         info = ctx.info
-        if (info.verb != "create" or info.subresource or not info.namespace
-                or not info.is_resource_request):
+        if info.subresource or not info.namespace or not info.is_resource_request:
+            return None
+        if info.verb != "create" and not (
+                info.verb == "patch" and info.name and _is_apply(ctx)):
             return None
         bound = self._plan_of(ctx.policies).get((info.api_group, info.resource))
         if not bound:
@@ -241,14 +305,17 @@ class Quota:
             return None
         info = ctx.info
         group, resource, namespace = info.api_group, info.resource, info.namespace
-        used = self.counts.used(group, resource, namespace)
+        apply = info.verb == "patch"
+        if apply and self.counts.exists(group, resource, namespace, info.name):
+            return None  # an apply to an object that exists is an update, not a create
+        observed = self.counts.observed(group, resource, namespace)
         rq = any(RESOURCE_QUOTA in b.rule.align_with for b in matched)
         crq = any(CLUSTER_RESOURCE_QUOTA in b.rule.align_with for b in matched)
         aligned = (self.counts.aligned(namespace, resource_quotas=rq, cluster_quotas=crq)
                    if rq or crq else ())
-        names: tuple[str, str] | None = None
+        checked: list[BoundQuota] = []
         for b in matched:
-            if used is None or (aligned is None and b.rule.align_with):
+            if observed is None or (aligned is None and b.rule.align_with):
                 if b.dryrun or b.fail_open:
                     log.debug("quota %s of policy %s: counts not synced; %s lets %s through",
                               b.quota_name, b.policy, "dryrun" if b.dryrun else "failure: open",
@@ -258,11 +325,31 @@ class Quota:
                     f"opgate: the object counts of {qualified(group, resource)} are not synced "
                     f'with the apiserver yet and quota "{b.quota_name}" of policy "{b.policy}" '
                     f"({b.where}) fails closed; retry later"), "unavailable")
-            over = exceeded_limit(b, group, resource, used, aligned or ())
+            checked.append(b)
+        if observed is None or not checked:
+            return None
+        aligned = aligned or ()
+        enforced = [b for b in checked if not b.dryrun]
+        limits = [x for b in enforced
+                  if (x := effective_limit(b, group, resource, aligned)) is not None]
+        names = (info.name, "") if apply else _body_name(ctx)
+        token = secrets.token_hex(8)
+        scope = f"{group}/{resource}/{namespace}"
+        member = f"{names[0] or info.name}|{token}"
+        reserved = await self.store.reserve(Reservation(
+            scope=scope, member=member, observed=observed, limit=min(limits, default=-1),
+            ttl=self.reserve_seconds, seen=tuple(self.counts.seen(group, resource, namespace)),
+            check_only=_dry_run(ctx), fail_open=all(b.fail_open for b in enforced)))
+        if reserved.unavailable:
+            b = next(b for b in enforced if not b.fail_open)
+            return Deny(service_unavailable(
+                f'opgate: the quota store is unavailable and quota "{b.quota_name}" of policy '
+                f'"{b.policy}" ({b.where}) fails closed; retry later'), "unavailable")
+        used = reserved.used
+        for b in checked:
+            over = exceeded_limit(b, group, resource, used, aligned)
             if over is None:
                 continue
-            if names is None:
-                names = _body_name(ctx)
             name = names[0] or info.name or (
                 generate_name(names[1], self._rng) if names[1] else "")
             quota_name, keys = over
@@ -271,8 +358,12 @@ class Quota:
                 telemetry.DRYRUN_DENIALS.labels("quota").inc()
                 log.info("dryrun: quota %s of policy %s would deny %s: %s", b.quota_name,
                          b.policy, ctx.path, message)
-                ctx.warn(f'quota "{b.quota_name}" of policy "{b.policy}" would deny this create '
-                         f"(dryrun): {message}")
+                ctx.warn(f'quota "{b.quota_name}" of policy "{b.policy}" would deny this '
+                         f"{'apply' if apply else 'create'} (dryrun): {message}")
+                continue
+            if reserved.allowed:  # cannot be: the store checked the smallest of these limits
+                log.error("quota %s: the store admitted %s at used=%d", b.quota_name, ctx.path,
+                          used)
                 continue
             telemetry.QUOTA_DENIALS.labels(qualified(group, resource)).inc()
             log.debug("quota %s of policy %s (%s) denies %s: %s", b.quota_name, b.policy,
@@ -282,17 +373,35 @@ class Quota:
                 details["group"] = group
             details["kind"] = resource
             return Deny(forbidden(message, details=details), "quota")
-        if used is not None and not _dry_run(ctx):
-            if names is None:
-                names = _body_name(ctx)
-            ctx.state[STATE_KEY] = self.counts.reserve(
-                group, resource, namespace, names[0] or info.name, names[1])
+        if reserved.allowed and not _dry_run(ctx):
+            telemetry.QUOTA_RESERVATIONS.labels(reserved.backend).inc()
+            store = self.store
+
+            def seen() -> None:  # its object is in our watch: let its reservation go soon
+                self._spawn(store.settle(scope, member, self.linger_seconds))
+
+            expected = self.counts.expect(group, resource, namespace, names[0], names[1],
+                                          token, seen)
+            ctx.state[STATE_KEY] = _Held(scope, member, expected, apply)
         return None
 
     async def exit(self, ctx: RequestContext) -> None:
-        reservation = ctx.state.pop(STATE_KEY, None)
-        if reservation is not None:
-            self.counts.settle(reservation, _outcome(ctx.status_code))
+        held: _Held | None = ctx.state.pop(STATE_KEY, None)
+        if held is None:
+            return
+        created = _outcome(ctx.status_code, held.apply)
+        self.counts.settle(held.expected, created)
+        await self.store.settle(held.scope, held.member,
+                                None if created is False else self.settle_seconds)
+
+    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
+        try:
+            task = asyncio.get_running_loop().create_task(work)
+        except RuntimeError:  # no loop (a test feeding events by hand): nothing to tell
+            work.close()
+            return
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
 
 def _namespace_filter(bound: list[BoundQuota]) -> Callable[[str], bool]:
@@ -305,13 +414,15 @@ def _report_usage(group: str, resource: str, namespace: str, count: int) -> None
 
 
 class MemoryQuotaCounts:
-    """Counts and quotas set by hand (tests, ``opgate demo``); every pair is synced at once
-    unless :meth:`unsync` says otherwise."""
+    """Objects and quotas set by hand (tests, ``opgate demo``); every pair is synced at once
+    unless :meth:`unsync` says otherwise. :meth:`add` plays a watch event."""
 
     def __init__(self) -> None:
-        self.counts: dict[tuple[str, str, str], int] = {}
+        self.names: dict[tuple[str, str, str], set[str]] = {}
+        self.recent: dict[tuple[str, str, str], list[str]] = {}
         self.quotas: list[tuple[str, str, frozenset[str] | None, dict[str, int]]] = []
-        self.reserved: dict[int, tuple[str, str, str]] = {}
+        self.expected: dict[int, tuple[tuple[str, str, str], str, str, str,
+                                       Callable[[], None] | None]] = {}
         self.unsynced: set[tuple[str, str]] = set()
         self.quotas_synced = True
         self.interest: dict[str, Any] = {}
@@ -319,7 +430,24 @@ class MemoryQuotaCounts:
         self._next = 0
 
     def set(self, group: str, resource: str, namespace: str, count: int) -> None:
-        self.counts[(group, resource, namespace)] = count
+        """``count`` objects (named ``existing-<i>``) in the namespace, none seen lately."""
+        self.names[(group, resource, namespace)] = {f"existing-{i}" for i in range(count)}
+
+    def add(self, group: str, resource: str, namespace: str, name: str,
+            generate_name: str = "") -> None:
+        """An object appeared in the watch."""
+        key = (group, resource, namespace)
+        self.names.setdefault(key, set()).add(name)
+        self.recent.setdefault(key, []).append(name)
+        for handle, (where, want, prefix, token, on_seen) in list(self.expected.items()):
+            if where == key and ((want and want == name) or (
+                    not want and generate_name and prefix == generate_name)):
+                del self.expected[handle]
+                if not want:
+                    self.recent[key].append("|" + token)
+                if on_seen is not None:
+                    on_seen()
+                break
 
     def unsync(self, group: str, resource: str) -> None:
         self.unsynced.add((group, resource))
@@ -337,11 +465,18 @@ class MemoryQuotaCounts:
         self.interest = {"resources": dict(resources), "resource_quotas": resource_quotas,
                          "cluster_quotas": cluster_quotas}
 
-    def used(self, group: str, resource: str, namespace: str) -> int | None:
+    def observed(self, group: str, resource: str, namespace: str) -> int | None:
         if (group, resource) in self.unsynced:
             return None
-        pending = sum(1 for r in self.reserved.values() if r == (group, resource, namespace))
-        return self.counts.get((group, resource, namespace), 0) + pending
+        return len(self.names.get((group, resource, namespace), ()))
+
+    def exists(self, group: str, resource: str, namespace: str, name: str) -> bool | None:
+        if (group, resource) in self.unsynced:
+            return None
+        return name in self.names.get((group, resource, namespace), ())
+
+    def seen(self, group: str, resource: str, namespace: str) -> Sequence[str]:
+        return tuple(self.recent.get((group, resource, namespace), ()))
 
     def aligned(self, namespace: str, *, resource_quotas: bool,
                 cluster_quotas: bool) -> Sequence[AlignedQuota] | None:
@@ -350,14 +485,14 @@ class MemoryQuotaCounts:
         return [(kind, name, hard) for kind, name, where, hard in self.quotas
                 if where is None or namespace in where]
 
-    def reserve(self, group: str, resource: str, namespace: str, name: str,
-                generate_name: str) -> object:
+    def expect(self, group: str, resource: str, namespace: str, name: str, generate_name: str,
+               token: str, on_seen: Callable[[], None] | None = None) -> object:
         self._next += 1
-        self.reserved[self._next] = (group, resource, namespace)
+        self.expected[self._next] = ((group, resource, namespace), name,
+                                     "" if name else generate_name, token, on_seen)
         return self._next
 
-    def settle(self, reservation: object, created: bool | None) -> None:
+    def settle(self, expected: object, created: bool | None) -> None:
         self.settled.append(created)
-        key = self.reserved.pop(reservation, None)  # type: ignore[call-overload]
-        if key is not None and created:
-            self.counts[key] = self.counts.get(key, 0) + 1
+        if created is False:
+            self.expected.pop(expected, None)  # type: ignore[call-overload]

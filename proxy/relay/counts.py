@@ -10,20 +10,23 @@ and the namespaces' labels and annotations (metadata only) that their selectors 
 API is absent nothing fails: no ClusterResourceQuota applies (it is looked for again every
 ``rediscover_seconds``).
 
-A create the middleware admitted is *reserved* (:class:`Reservation`) from its entry hook on:
-counted in :meth:`QuotaCounts.used` until the watch reports the object (``ADDED`` with its name,
-or for a ``generateName`` create the next new object with that prefix), or the create fails
-(:meth:`QuotaCounts.settle` ``False``). A reservation whose create succeeded (or whose outcome
-is unknown) but whose object the watch never showed expires after ``settle_seconds`` (it was
-deleted at once, or a relist counted it); one still in flight after ``inflight_seconds``.
-This is what keeps a burst of concurrent creates from overshooting between a 201 and its watch
-event.
+It keeps the names, not only the count, of each namespace's objects (one short string per
+object), so the middleware can tell a server-side apply that creates an object from one that
+updates it (:meth:`QuotaCounts.exists`). The reservations themselves live in the store
+(:meth:`proxy.stores.base.Store.reserve`: Redis when configured, so shared by every replica);
+this module tells the middleware what its watch shows: :meth:`QuotaCounts.observed` (objects),
+:meth:`QuotaCounts.seen` (names that appeared lately, whose reservations must not be counted a
+second time) and, through :meth:`QuotaCounts.expect`, when the object of one of this replica's
+admitted creates appears (``ADDED`` with its name, or for a ``generateName`` create the next new
+object with that prefix; a relist shows named ones too), so its reservation can be let go. One
+whose create failed is not waited for; one created (or unknown) at most ``settle_seconds`` more;
+one still in flight after ``INFLIGHT_SECONDS``.
 
 The watch loops follow the informer's: list (pages of ``page_size``) → watch from the list's
 resourceVersion with bookmarks and a server timeout of ~5 min; resume from the last
 resourceVersion; 410 Gone relists; any other failure backs off (1 s doubling up to 60 s, with
 jitter). A resource the apiserver does not serve (yet) is looked for again with the same
-backoff. Until a pair's first list is done, ``used`` answers ``None`` (the middleware then
+backoff. Until a pair's first list is done, ``observed`` answers ``None`` (the middleware then
 fails as the policy says); until the quotas are listed, ``aligned`` does.
 
 Credentials are the upstream's (``--token-file``, the kubeconfig or the pod's ServiceAccount):
@@ -47,14 +50,16 @@ from proxy.relay.endpoint import Endpoint, TokenSource, make_ssl_context
 from proxy.relay.listwatch import Absent, Failed, ListWatch, reason
 from proxy.relay.upstream import UpstreamConfig
 
-__all__ = ["QuotaCounts", "Reservation", "Tally", "parse_count", "selects"]
+__all__ = ["Expected", "QuotaCounts", "Tally", "parse_count", "selects"]
 
 log = logging.getLogger("opgate.counts")
 
 USER_AGENT = "opgate-quota"
 CRQ_GROUP = "quota.openshift.io"
-INFLIGHT_SECONDS = 600.0
-SETTLE_SECONDS = 60.0
+INFLIGHT_SECONDS = 60.0  # an admitted create is waited for this long, at most
+SETTLE_SECONDS = 30.0  # and, once answered 2xx (or unknown), this long more
+RECENT_SECONDS = 60.0  # names that appeared this recently are "seen" (>= INFLIGHT_SECONDS)
+RECENT_MAX = 512  # per namespace and resource, the newest
 
 UsageCallback = Callable[[str, str, str, int], None]
 AlignedQuota = tuple[str, str, Mapping[str, int]]
@@ -133,121 +138,177 @@ def selects(selector: Mapping[str, Any] | None, labels: Mapping[str, str],
     return True
 
 
-# --- one resource's count, with reservations ------------------------------------------------
+# --- one resource's objects, and this replica's creates waiting for them --------------------
 
 @dataclass(slots=True, eq=False)
-class Reservation:
-    """One admitted create, counted until its object is seen or the create fails."""
+class Expected:
+    """One of this replica's admitted creates, waiting for its object to show in the watch."""
 
     tally: Tally
     namespace: str
     name: str
     prefix: str
+    token: str
     expires: float
+    on_seen: Callable[[], None] | None = None
     settled: bool = False
     done: bool = False
 
 
 class Tally:
-    """Objects of one (group, resource) per namespace (list+watch), plus reservations.
+    """The names of one (group, resource)'s objects per namespace (list+watch), the names this
+    replica saw appear lately, and this replica's admitted creates not seen yet.
 
     Pure bookkeeping, fed by the watch loop (or a test): :meth:`replace` after a list,
-    :meth:`added` / :meth:`deleted` per event.
+    :meth:`added` / :meth:`deleted` per event. The count of a namespace is the size of its set
+    of names (one short string per object: what knowing whether an apply creates costs).
+    ``recent`` is what the quota store's check is told not to count twice: names that appeared
+    in the last ``recent_seconds`` (at most ``recent_max`` per namespace, the newest), and
+    ``|<token>`` for this replica's generateName creates whose object appeared.
     """
 
-    def __init__(self, *, inflight_seconds: float = INFLIGHT_SECONDS,
+    def __init__(self, *, expect_seconds: float = INFLIGHT_SECONDS,
                  settle_seconds: float = SETTLE_SECONDS,
+                 recent_seconds: float = RECENT_SECONDS, recent_max: int = RECENT_MAX,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.synced = False
-        self.counts: dict[str, int] = {}
-        self.reserved: dict[str, list[Reservation]] = {}
-        self.inflight_seconds = inflight_seconds
+        self.names: dict[str, set[str]] = {}
+        self.recent: dict[str, dict[str, float]] = {}
+        self.expected: dict[str, list[Expected]] = {}
+        self.expect_seconds = expect_seconds
         self.settle_seconds = settle_seconds
+        self.recent_seconds = recent_seconds
+        self.recent_max = recent_max
         self.clock = clock
 
-    def used(self, namespace: str) -> int | None:
+    def count(self, namespace: str) -> int:
+        names = self.names.get(namespace)
+        return len(names) if names else 0
+
+    def observed(self, namespace: str) -> int | None:
+        """Objects in the namespace; ``None`` until the first list is done."""
+        return self.count(namespace) if self.synced else None
+
+    def exists(self, namespace: str, name: str) -> bool | None:
         if not self.synced:
             return None
-        return self.counts.get(namespace, 0) + self._live(namespace)
+        names = self.names.get(namespace)
+        return names is not None and name in names
 
-    def _live(self, namespace: str) -> int:
-        pending = self.reserved.get(namespace)
-        if not pending:
-            return 0
+    def seen(self, namespace: str) -> tuple[str, ...]:
+        recent = self.recent.get(namespace)
+        if not recent:
+            return ()
+        horizon = self.clock() - self.recent_seconds
+        if next(iter(recent.values())) <= horizon:
+            for key in [k for k, at in recent.items() if at <= horizon]:
+                del recent[key]
+            if not recent:
+                del self.recent[namespace]
+                return ()
+        return tuple(recent)
+
+    def _note(self, namespace: str, key: str) -> None:
+        recent = self.recent.setdefault(namespace, {})
+        recent.pop(key, None)
+        recent[key] = self.clock()
+        if len(recent) > self.recent_max:
+            del recent[next(iter(recent))]
+
+    def expect(self, namespace: str, name: str, prefix: str, token: str,
+               on_seen: Callable[[], None] | None = None) -> Expected:
+        """Wait for the object of an admitted create: ``on_seen`` runs when it appears."""
         now = self.clock()
-        if any(r.expires <= now for r in pending):
-            for r in pending:
-                if r.expires <= now:
-                    r.done = True
-            pending[:] = [r for r in pending if not r.done]
-            if not pending:
-                del self.reserved[namespace]
-        return len(pending)
+        pending = self.expected.setdefault(namespace, [])
+        if pending and any(e.expires <= now for e in pending):
+            for e in pending:
+                if e.expires <= now:
+                    e.done = True
+            pending[:] = [e for e in pending if not e.done]
+        e = Expected(self, namespace, name, "" if name else prefix, token,
+                     now + self.expect_seconds, on_seen)
+        pending.append(e)
+        return e
 
-    def reserve(self, namespace: str, name: str, prefix: str) -> Reservation:
-        r = Reservation(self, namespace, name, "" if name else prefix,
-                        self.clock() + self.inflight_seconds)
-        self.reserved.setdefault(namespace, []).append(r)
-        return r
-
-    def settle(self, r: Reservation, created: bool | None) -> None:
-        if r.done or r.settled:
+    def settle(self, e: Expected, created: bool | None) -> None:
+        """The create answered: a failed one is not waited for any more; a created one (or one
+        whose outcome is unknown) at most ``settle_seconds`` more."""
+        if e.done or e.settled:
             return
-        r.settled = True
+        e.settled = True
         if created is False:
-            self._drop(r)
+            self._drop(e)
         else:
-            r.expires = self.clock() + self.settle_seconds
+            e.expires = min(e.expires, self.clock() + self.settle_seconds)
 
-    def _drop(self, r: Reservation) -> None:
-        r.done = True
-        pending = self.reserved.get(r.namespace)
-        if pending and r in pending:
-            pending.remove(r)
+    def _drop(self, e: Expected) -> None:
+        e.done = True
+        pending = self.expected.get(e.namespace)
+        if pending and e in pending:
+            pending.remove(e)
             if not pending:
-                del self.reserved[r.namespace]
+                del self.expected[e.namespace]
+
+    def _fulfilled(self, e: Expected) -> None:
+        self._drop(e)
+        if not e.name:
+            self._note(e.namespace, "|" + e.token)
+        if e.on_seen is not None:
+            try:
+                e.on_seen()
+            except Exception:
+                log.exception("quota: a reservation's on_seen callback failed")
 
     def _seen(self, namespace: str, name: str, generate_name: str) -> None:
-        """A new object appeared: the reservation it fulfils ends."""
-        pending = self.reserved.get(namespace)
+        """A new object appeared: the create it fulfils is not waited for any more."""
+        pending = self.expected.get(namespace)
         if not pending:
             return
-        for r in pending:
-            if r.name and r.name == name:
-                self._drop(r)
+        for e in pending:
+            if e.name and e.name == name:
+                self._fulfilled(e)
                 return
         if generate_name:
-            for r in pending:
-                if not r.name and r.prefix == generate_name:
-                    self._drop(r)
+            for e in pending:
+                if not e.name and e.prefix == generate_name:
+                    self._fulfilled(e)
                     return
 
     def added(self, namespace: str, name: str, generate_name: str = "") -> None:
-        self.counts[namespace] = self.counts.get(namespace, 0) + 1
+        names = self.names.setdefault(namespace, set())
+        if name in names:
+            return
+        names.add(name)
+        self._note(namespace, name)
         self._seen(namespace, name, generate_name)
 
-    def deleted(self, namespace: str) -> None:
-        left = self.counts.get(namespace, 0) - 1
-        if left > 0:
-            self.counts[namespace] = left
-        else:
-            self.counts.pop(namespace, None)
+    def deleted(self, namespace: str, name: str) -> None:
+        names = self.names.get(namespace)
+        if names is None:
+            return
+        names.discard(name)
+        if not names:
+            del self.names[namespace]
 
     def replace(self, objects: Iterable[tuple[str, str]]) -> set[str]:
         """A full list of ``(namespace, name)``; returns the namespaces whose count changed.
-        Named reservations whose object is listed end; prefix ones wait for their expiry."""
-        counts: dict[str, int] = {}
+        Named creates whose object is listed are fulfilled; prefix ones wait for their expiry.
+        After the first list, names that were not known before count as seen lately."""
+        names: dict[str, set[str]] = {}
         for namespace, name in objects:
-            counts[namespace] = counts.get(namespace, 0) + 1
-            pending = self.reserved.get(namespace)
+            names.setdefault(namespace, set()).add(name)
+        for namespace, listed in names.items():
+            before = self.names.get(namespace, set())
+            if self.synced:
+                for name in listed - before:
+                    self._note(namespace, name)
+            pending = self.expected.get(namespace)
             if pending:
-                for r in pending:
-                    if r.name == name:
-                        self._drop(r)
-                        break
-        changed = {ns for ns in counts.keys() | self.counts.keys()
-                   if counts.get(ns, 0) != self.counts.get(ns, 0)}
-        self.counts = counts
+                for e in [e for e in pending if e.name and e.name in listed]:
+                    self._fulfilled(e)
+        changed = {ns for ns in names.keys() | self.names.keys()
+                   if len(names.get(ns, ())) != len(self.names.get(ns, ()))}
+        self.names = names
         self.synced = True
         return changed
 
@@ -321,16 +382,24 @@ class QuotaCounts:
                 self._counted[(group, resource)] = counted
             counted.namespaces = namespaces
             if counted.tally.synced:
-                for namespace in counted.tally.counts:
+                for namespace in counted.tally.names:
                     self._report(counted, namespace)
             self._spawn_counted(counted)
         self._want_rq = resource_quotas
         self._want_crq = cluster_quotas
         self._spawn_quotas()
 
-    def used(self, group: str, resource: str, namespace: str) -> int | None:
+    def observed(self, group: str, resource: str, namespace: str) -> int | None:
         counted = self._counted.get((group, resource))
-        return None if counted is None else counted.tally.used(namespace)
+        return None if counted is None else counted.tally.observed(namespace)
+
+    def exists(self, group: str, resource: str, namespace: str, name: str) -> bool | None:
+        counted = self._counted.get((group, resource))
+        return None if counted is None else counted.tally.exists(namespace, name)
+
+    def seen(self, group: str, resource: str, namespace: str) -> tuple[str, ...]:
+        counted = self._counted.get((group, resource))
+        return () if counted is None else counted.tally.seen(namespace)
 
     def aligned(self, namespace: str, *, resource_quotas: bool,
                 cluster_quotas: bool) -> Sequence[AlignedQuota] | None:
@@ -349,16 +418,16 @@ class QuotaCounts:
                          if selects(selector, labels, annotations))
         return found
 
-    def reserve(self, group: str, resource: str, namespace: str, name: str,
-                generate_name: str) -> object:
+    def expect(self, group: str, resource: str, namespace: str, name: str, generate_name: str,
+               token: str, on_seen: Callable[[], None] | None = None) -> object:
         counted = self._counted.get((group, resource))
         if counted is None:
             return None
-        return counted.tally.reserve(namespace, name, generate_name)
+        return counted.tally.expect(namespace, name, generate_name, token, on_seen)
 
-    def settle(self, reservation: object, created: bool | None) -> None:
-        if isinstance(reservation, Reservation):
-            reservation.tally.settle(reservation, created)
+    def settle(self, expected: object, created: bool | None) -> None:
+        if isinstance(expected, Expected):
+            expected.tally.settle(expected, created)
 
     def describe(self) -> str:
         """One line for ``/readyz?verbose``: what is synced."""
@@ -435,7 +504,7 @@ class QuotaCounts:
         if self._on_usage is not None and counted.namespaces(namespace):
             try:
                 self._on_usage(counted.group, counted.resource, namespace,
-                               counted.tally.counts.get(namespace, 0))
+                               counted.tally.count(namespace))
             except Exception:
                 log.exception("quota usage callback failed")
 
@@ -455,7 +524,7 @@ class QuotaCounts:
             if kind == "ADDED":
                 tally.added(namespace, meta.get("name") or "", meta.get("generateName") or "")
             elif kind == "DELETED":
-                tally.deleted(namespace)
+                tally.deleted(namespace, meta.get("name") or "")
             else:
                 return
             self._report(c, namespace)

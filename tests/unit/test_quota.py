@@ -1,9 +1,9 @@
 """The quota middleware's decisions and messages, and the counting bookkeeping behind them.
 
-The middleware runs against ``MemoryQuotaCounts`` (counts and quotas set by hand); the
-reservation bookkeeping of the real counter (:class:`proxy.relay.counts.Tally`) is fed list and
-watch events directly. The apiserver's own wording is checked against the real one in
-tests/e2e/test_quota.py.
+The middleware runs against ``MemoryQuotaCounts`` (objects and quotas set by hand) and the
+in-process store's reservations; the bookkeeping of the real counter
+(:class:`proxy.relay.counts.Tally`) is fed list and watch events directly. The apiserver's own
+wording is checked against the real one in tests/e2e/test_quota.py.
 """
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ from proxy.middlewares.quota import (
 )
 from proxy.relay.counts import QuotaCounts, Tally, parse_count, selects
 from proxy.relay.upstream import UpstreamConfig
+from proxy.stores.base import Reservation
+from proxy.stores.memory import MemoryStore
 
 CM = "/api/v1/namespaces/team-a/configmaps"
 POLICY = """\
@@ -73,6 +75,25 @@ def denials(resource: str) -> float:
 
 
 SIMPLE = "    - {resources: [configmaps], namespaces: ['team-*'], max: 3}"
+SCOPE = "/configmaps/team-a"
+
+
+def used(mw: Quota, counts: MemoryQuotaCounts, namespace: str = "team-a") -> int:
+    """What the next create in the namespace would be checked against (objects + reservations
+    not seen), asked of the middleware's store as it asks it."""
+    observed = counts.observed("", "configmaps", namespace)
+    assert observed is not None
+    store = mw.store
+    assert isinstance(store, MemoryStore)
+    return store.reserve_now(Reservation(
+        scope=f"/configmaps/{namespace}", member="probe|x", observed=observed, limit=-1, ttl=1,
+        seen=tuple(counts.seen("", "configmaps", namespace)), check_only=True)).used
+
+
+def reservations(mw: Quota, scope: str = SCOPE) -> dict[str, float]:
+    store = mw.store
+    assert isinstance(store, MemoryStore)
+    return store.reservations(scope)
 
 
 def test_below_the_limit_admits_and_reserves() -> None:
@@ -81,10 +102,15 @@ def test_below_the_limit_admits_and_reserves() -> None:
     mw = Quota(counts=counts)
     ctx = ctx_for(policies(SIMPLE), body={"metadata": {"name": "cm-3"}})
     assert decide(mw, ctx) is None
-    assert counts.used("", "configmaps", "team-a") == 3  # reserved until it is seen
+    assert used(mw, counts) == 3  # reserved until it is seen
+    (member,) = reservations(mw)
+    assert member.startswith("cm-3|")
     run(_exit(mw, ctx, 201))
     assert counts.settled == [True]
-    assert counts.used("", "configmaps", "team-a") == 3
+    assert used(mw, counts) == 3
+    counts.add("", "configmaps", "team-a", "cm-3")  # the watch shows it: counted once
+    assert used(mw, counts) == 3
+    assert counts.observed("", "configmaps", "team-a") == 3
 
 
 async def _exit(mw: Quota, ctx: RequestContext, code: int) -> None:
@@ -109,7 +135,7 @@ def test_at_the_limit_denies_with_the_apiservers_words() -> None:
     body = json.loads(status.body())
     assert (body["kind"], body["status"], body["code"]) == ("Status", "Failure", 403)
     assert denials("configmaps") == before + 1
-    assert counts.reserved == {}  # a denied create reserves nothing
+    assert reservations(mw) == {}  # a denied create reserves nothing
 
 
 def test_a_burst_cannot_overshoot() -> None:
@@ -272,18 +298,166 @@ def test_dry_run_creates_are_checked_but_not_reserved() -> None:
     mw = Quota(counts=counts)
     pset = policies(SIMPLE)
     assert decide(mw, ctx_for(pset, query="dryRun=All", body={"metadata": {"name": "x"}})) is None
-    assert counts.reserved == {}
+    assert reservations(mw) == {}
 
 
 def test_exit_outcomes() -> None:
     counts = MemoryQuotaCounts()
-    mw = Quota(counts=counts)
-    pset = policies(SIMPLE)
+    mw = Quota(counts=counts, settle_seconds=30, reserve_seconds=60)
+    pset = policies("    - {resources: [configmaps], namespaces: ['team-*'], max: 10}")
     for code in (201, 403, 0, 504, 500):
-        ctx = ctx_for(pset, body={"metadata": {"name": "x"}})
+        ctx = ctx_for(pset, body={"metadata": {"name": f"x-{code}"}})
         assert decide(mw, ctx) is None
         run(_exit(mw, ctx, code))
     assert counts.settled == [True, False, None, None, False]
+    # created (or unknown): kept until the watch shows it, at most settle_seconds; failed: gone
+    left = reservations(mw)
+    assert sorted(m.partition("|")[0] for m in left) == ["x-0", "x-201", "x-504"]
+    now = mw.store.now_us()  # type: ignore[attr-defined]
+    assert all(now < expiry <= now + 30_000_000 for expiry in left.values())
+
+
+APPLY = "application/apply-patch+yaml"
+
+
+def test_server_side_apply_that_creates_is_checked_like_a_create() -> None:
+    counts = MemoryQuotaCounts()
+    counts.set("", "configmaps", "team-a", 3)  # existing-0 … existing-2: full
+    mw = Quota(counts=counts)
+    pset = policies(SIMPLE)
+    decision = decide(mw, ctx_for(pset, CM + "/new", method="PATCH", ctype=APPLY,
+                                  query="fieldManager=me"))
+    assert isinstance(decision, Deny)
+    assert decision.status.message == (
+        'configmaps "new" is forbidden: exceeded quota: team-quota, requested: '
+        "count/configmaps=1, used: count/configmaps=3, limited: count/configmaps=3")
+    assert decision.status.details == {"name": "new", "kind": "configmaps"}
+    # an apply to an object that exists is an update: not counted, nothing reserved
+    for ctype in (APPLY, "application/apply-patch+json", "application/apply-patch+cbor"):
+        assert decide(mw, ctx_for(pset, CM + "/existing-1", method="PATCH", ctype=ctype)) is None
+    # other patches are never creates, nor is an apply to a subresource
+    assert decide(mw, ctx_for(pset, CM + "/new", method="PATCH",
+                              ctype="application/merge-patch+json")) is None
+    assert decide(mw, ctx_for(pset, "/api/v1/namespaces/team-a/pods/p/status", method="PATCH",
+                              ctype=APPLY)) is None
+    assert reservations(mw) == {}
+    assert not mw.wants_body(ctx_for(pset, CM + "/new", method="PATCH", ctype=APPLY))
+
+
+def test_server_side_apply_reserves_and_settles() -> None:
+    counts = MemoryQuotaCounts()
+    counts.set("", "configmaps", "team-a", 1)
+    mw = Quota(counts=counts)
+    pset = policies(SIMPLE)
+    created = ctx_for(pset, CM + "/a1", method="PATCH", ctype=APPLY)
+    assert decide(mw, created) is None
+    (member,) = reservations(mw)
+    assert member.startswith("a1|")
+    run(_exit(mw, created, 201))  # created: kept until the watch shows it
+    assert used(mw, counts) == 2
+    # an apply the counts took for a create, but that the apiserver answered 200: it existed
+    updated = ctx_for(pset, CM + "/a2", method="PATCH", ctype=APPLY)
+    assert decide(mw, updated) is None
+    assert used(mw, counts) == 3
+    run(_exit(mw, updated, 200))
+    assert used(mw, counts) == 2
+    assert counts.settled == [True, False]
+    # full now (1 object + a1 reserved + one more): the fourth is denied
+    assert decide(mw, ctx_for(pset, CM + "/a3", method="PATCH", ctype=APPLY)) is None
+    assert isinstance(decide(mw, ctx_for(pset, CM + "/a4", method="PATCH", ctype=APPLY)), Deny)
+
+
+def test_not_synced_names_fail_an_apply_as_the_policy_says() -> None:
+    counts = MemoryQuotaCounts()
+    counts.unsync("", "configmaps")
+    closed = decide(Quota(counts=counts), ctx_for(policies(SIMPLE), CM + "/x", method="PATCH",
+                                                  ctype=APPLY))
+    assert isinstance(closed, Deny) and closed.status.code == 503
+
+
+def test_the_watch_showing_the_object_lets_its_reservation_go_soon() -> None:
+    counts = MemoryQuotaCounts()
+    mw = Quota(counts=counts, linger_seconds=5, settle_seconds=30)
+    pset = policies(SIMPLE)
+
+    async def go() -> dict[str, float]:
+        ctx = ctx_for(pset, body={"metadata": {"name": "cm-1"}})
+        assert await mw.entry(ctx) is None
+        counts.add("", "configmaps", "team-a", "cm-1")  # the event may come before the answer
+        await asyncio.sleep(0)  # the settlement runs as a task
+        ctx.status_code = 201
+        await mw.exit(ctx)  # 201: "at most 30 s more" does not lengthen the 5 s
+        return reservations(mw)
+
+    (expiry,) = run(go()).values()
+    now = mw.store.now_us()  # type: ignore[attr-defined]
+    assert now < expiry <= now + 5_000_000
+    assert used(mw, counts) == 1  # the object, once: its reservation is "seen"
+
+
+def test_generate_name_creates_are_not_counted_twice_by_their_replica() -> None:
+    counts = MemoryQuotaCounts()
+    mw = Quota(counts=counts)
+    pset = policies(SIMPLE)
+    ctx = ctx_for(pset, body={"metadata": {"generateName": "gen-"}})
+    assert decide(mw, ctx) is None
+    (member,) = reservations(mw)
+    assert member.startswith("|")  # no name yet: the token alone
+    run(_exit(mw, ctx, 201))
+    counts.add("", "configmaps", "team-a", "other-x1", "other-")  # not ours
+    assert used(mw, counts) == 2
+    counts.add("", "configmaps", "team-a", "gen-abcde", "gen-")  # ours: the token is "seen"
+    assert used(mw, counts) == 2
+    assert counts.seen("", "configmaps", "team-a")[-1] == member[member.index("|"):]
+
+
+class DownStore:
+    """A shared store that cannot answer (Redis down)."""
+
+    calls = 0
+
+    async def reserve(self, request: Reservation) -> object:
+        self.calls += 1
+        from proxy.stores.base import StoreUnavailable
+        raise StoreUnavailable("redis: ConnectionError: refused")
+
+    async def settle(self, scope: str, member: str, ttl: float | None) -> None:
+        from proxy.stores.base import StoreUnavailable
+        raise StoreUnavailable("redis: ConnectionError: refused")
+
+    def health(self) -> dict[str, object]:
+        return {}
+
+    async def close(self) -> None:
+        return None
+
+
+def test_store_down_reserves_locally_when_open_and_answers_503_when_closed() -> None:
+    from proxy.stores.breaker import ResilientStore
+
+    counts = MemoryQuotaCounts()
+    counts.set("", "configmaps", "team-a", 1)
+    down = DownStore()
+    store = ResilientStore(down, failures=2, reset_after=60)  # type: ignore[arg-type]
+    mw = Quota(counts=counts, store=store)
+    before = telemetry.REGISTRY.get_sample_value(
+        "opgate_quota_reservations_total", {"backend": "fallback"}) or 0.0
+    closed = decide(mw, ctx_for(policies(SIMPLE), body={"metadata": {"name": "c"}}))
+    assert isinstance(closed, Deny)
+    assert (closed.status.code, closed.decision) == (503, "unavailable")
+    assert "quota store is unavailable" in closed.status.message
+    assert "fails closed" in closed.status.message
+    # failure: open: reserved in-process, still exact for this replica
+    pset = policies(SIMPLE, failure="open")
+    ctxs = [ctx_for(pset, body={"metadata": {"name": f"o-{i}"}}) for i in range(3)]
+    results = [decide(mw, c) for c in ctxs]
+    assert [r is None for r in results] == [True, True, False]
+    assert isinstance(results[2], Deny) and results[2].status.code == 403
+    assert store.breaker.state == "open" and down.calls == 2  # no more calls once open
+    assert telemetry.REGISTRY.get_sample_value(
+        "opgate_quota_reservations_total", {"backend": "fallback"}) == before + 2
+    run(_exit(mw, ctxs[0], 409))  # settles the in-process reservation; Redis is skipped
+    assert decide(mw, ctx_for(pset, body={"metadata": {"name": "o-3"}})) is None
 
 
 def test_track_tells_the_counter_what_to_watch() -> None:
@@ -313,63 +487,84 @@ class Clock:
         return self.now
 
 
-def test_tally_counts_from_list_and_events() -> None:
+def test_tally_counts_names_from_list_and_events() -> None:
     tally = Tally()
-    assert tally.used("a") is None  # not synced
+    assert tally.observed("a") is None and tally.exists("a", "x") is None  # not synced
     assert tally.replace([("a", "x"), ("a", "y"), ("b", "z")]) == {"a", "b"}
-    assert (tally.used("a"), tally.used("b"), tally.used("c")) == (2, 1, 0)
+    assert (tally.observed("a"), tally.observed("b"), tally.observed("c")) == (2, 1, 0)
+    assert tally.exists("a", "x") and not tally.exists("a", "z")
+    assert tally.seen("a") == ()  # the first list is not "lately"
     tally.added("a", "w")
-    tally.deleted("b")
-    assert (tally.used("a"), tally.used("b")) == (3, 0)
-    assert tally.replace([("a", "x")]) == {"a"}
+    tally.added("a", "w")  # the same event again (a re-watch) counts once
+    tally.deleted("b", "z")
+    assert (tally.observed("a"), tally.observed("b")) == (3, 0)
+    assert tally.seen("a") == ("w",)
+    assert tally.replace([("a", "x"), ("a", "v")]) == {"a"}
+    assert tally.seen("a") == ("w", "v")  # appeared while the watch was down
+    assert not tally.exists("a", "w")
 
 
-def test_reservation_lives_until_the_watch_shows_the_object() -> None:
+def test_seen_names_are_forgotten_after_a_while_and_bounded() -> None:
     clock = Clock()
-    tally = Tally(clock=clock, settle_seconds=60, inflight_seconds=600)
+    tally = Tally(clock=clock, recent_seconds=60, recent_max=3)
     tally.replace([])
-    r = tally.reserve("a", "cm-1", "")
-    assert tally.used("a") == 1
-    tally.settle(r, True)  # 201, no event yet
-    assert tally.used("a") == 1
-    tally.added("a", "cm-1")  # the watch: now counted once, as an object
-    assert tally.used("a") == 1
-    assert tally.reserved == {}
-    # the event may come first, while the create is still in flight
-    r2 = tally.reserve("a", "cm-2", "")
-    tally.added("a", "cm-2")
-    tally.settle(r2, True)
-    assert tally.used("a") == 2
-    # a failed create frees its room
-    r3 = tally.reserve("a", "cm-3", "")
-    assert tally.used("a") == 3
-    tally.settle(r3, False)
-    assert tally.used("a") == 2
-    # a created object the watch never showed expires
-    r4 = tally.reserve("a", "cm-4", "")
-    tally.settle(r4, None)
+    for name in ("a", "b", "c", "d"):
+        tally.added("ns", name)
+    assert tally.seen("ns") == ("b", "c", "d")
     clock.now += 61
-    assert tally.used("a") == 2
+    tally.added("ns", "e")
+    assert tally.seen("ns") == ("e",)
+    assert tally.observed("ns") == 5  # counts are never forgotten
 
 
-def test_generate_name_reservations_end_with_a_new_object_of_that_prefix() -> None:
+def test_expected_creates_end_when_the_watch_shows_them() -> None:
+    clock = Clock()
+    tally = Tally(clock=clock, settle_seconds=30, expect_seconds=60)
+    tally.replace([])
+    fired: list[str] = []
+    e = tally.expect("a", "cm-1", "", "t1", lambda: fired.append("cm-1"))
+    tally.settle(e, True)  # 201, no event yet
+    assert tally.expected == {"a": [e]}
+    tally.added("a", "cm-1")
+    assert fired == ["cm-1"] and tally.expected == {}
+    # the event may come first, while the create is still in flight
+    e2 = tally.expect("a", "cm-2", "", "t2", lambda: fired.append("cm-2"))
+    tally.added("a", "cm-2")
+    tally.settle(e2, True)
+    assert fired == ["cm-1", "cm-2"]
+    # a failed create is not waited for
+    e3 = tally.expect("a", "cm-3", "", "t3", lambda: fired.append("cm-3"))
+    tally.settle(e3, False)
+    assert tally.expected == {}
+    # one created but never shown is forgotten after settle_seconds
+    e4 = tally.expect("a", "cm-4", "", "t4")
+    tally.settle(e4, None)
+    clock.now += 31
+    tally.expect("a", "cm-5", "", "t5")
+    assert [x.name for x in tally.expected["a"]] == ["cm-5"]
+
+
+def test_generate_name_creates_end_with_a_new_object_of_that_prefix() -> None:
     tally = Tally()
     tally.replace([])
-    r = tally.reserve("a", "", "gen-")
-    tally.settle(r, True)
+    fired: list[str] = []
+    e = tally.expect("a", "", "gen-", "tok", lambda: fired.append("gen"))
+    tally.settle(e, True)
     tally.added("a", "other-1", "other-")
-    assert tally.used("a") == 2
+    assert fired == [] and tally.seen("a") == ("other-1",)
     tally.added("a", "gen-abcde", "gen-")
-    assert tally.used("a") == 2 and tally.reserved == {}
+    assert fired == ["gen"] and tally.expected == {}
+    assert tally.seen("a") == ("other-1", "gen-abcde", "|tok")
 
 
-def test_a_relist_ends_named_reservations() -> None:
+def test_a_relist_ends_named_expected_creates() -> None:
     tally = Tally()
     tally.replace([])
-    r = tally.reserve("a", "cm-1", "")
-    tally.settle(r, True)
+    fired: list[str] = []
+    e = tally.expect("a", "cm-1", "", "t", lambda: fired.append("cm-1"))
+    tally.settle(e, True)
     tally.replace([("a", "cm-1")])
-    assert tally.used("a") == 1
+    assert fired == ["cm-1"] and tally.observed("a") == 1
 
 
 @pytest.mark.parametrize("raw, value", [
@@ -399,7 +594,9 @@ def test_counter_answers_none_until_synced_and_settles_reservations() -> None:
     counts = QuotaCounts(UpstreamConfig(url="https://127.0.0.1:1"))
     counts.track({("", "configmaps"): lambda ns: True}, resource_quotas=True,
                  cluster_quotas=True)
-    assert counts.used("", "configmaps", "a") is None
+    assert counts.observed("", "configmaps", "a") is None
+    assert counts.exists("", "configmaps", "a", "x") is None
+    assert counts.seen("", "configmaps", "a") == ()
     assert counts.aligned("a", resource_quotas=True, cluster_quotas=False) is None
-    assert counts.reserve("", "secrets", "a", "x", "") is None  # not tracked
+    assert counts.expect("", "secrets", "a", "x", "", "t") is None  # not tracked
     assert "configmaps=syncing" in counts.describe()
