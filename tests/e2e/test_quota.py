@@ -4,17 +4,21 @@ opgate counts the quota'd resources with its own credentials (``--token-file`` w
 token): a metadata-only list+watch of configmaps and secrets, the ResourceQuotas, and (the
 ClusterResourceQuota API installed here as a CRD, as on OpenShift) the ClusterResourceQuotas and
 namespaces. Each test uses its own namespace, so the real ResourceQuota admission and opgate can
-be compared word for word. No controller-manager runs: a ResourceQuota's ``status.used`` is
-raised by admission but never lowered after a delete, so the delete test has no ResourceQuota.
+be compared word for word (also for a server-side apply that creates). Three more opgates
+(one of them with ``--workers 2``) share their reservations through a real redis-server and
+take a concurrent burst of creates and applies against one limit. No controller-manager runs: a
+ResourceQuota's ``status.used`` is raised by admission but never lowered after a delete, so the
+delete test has no ResourceQuota.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import re
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,11 +26,13 @@ import pytest
 
 from proxy.envtest.cluster import LocalCluster
 from tests.e2e.conftest import Opgate
+from tests.integration.redis_server import RedisServer
 
 pytestmark = pytest.mark.e2e
 
 BELOW, ABOVE, FREED = "quota-below", "quota-above", "quota-freed"
 DRY, CLUSTER, BARE = "quota-dry", "quota-crq", "quota-bare"
+SSA, SHARED = "quota-ssa", "quota-shared"
 POLICY = f"""\
 apiVersion: opgate.dev/v1alpha1
 kind: Policy
@@ -34,7 +40,7 @@ metadata: {{name: e2e-quota}}
 spec:
   quotas:
     - resources: [configmaps]
-      namespaces: [{BELOW}, {ABOVE}, {BARE}]
+      namespaces: [{BELOW}, {ABOVE}, {BARE}, {SSA}]
       max: 3
       alignWith: [ResourceQuota, ClusterResourceQuota]
     - resources: [secrets]
@@ -124,7 +130,7 @@ def start_synced(opgate_factory: Callable[..., Opgate], token_file: Path, crq: s
 
 @pytest.fixture(scope="module")
 def token_file(cluster: LocalCluster, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    for namespace in (BELOW, ABOVE, FREED, DRY, BARE):
+    for namespace in (BELOW, ABOVE, FREED, DRY, BARE, SSA, SHARED):
         cluster.create_namespace(namespace)
     cluster.create_namespace(CLUSTER, labels={"team": "crq"})
     path = tmp_path_factory.mktemp("quota") / "opgate-token"
@@ -352,3 +358,171 @@ def test_the_aiohttp_relay_core_reads_the_name_too(
 
     wait_for("the aiohttp-core opgate to sync", lambda: denied().status == 403)
     assert denied().json()["message"] == quota_message("via-aiohttp", "e2e-quota", 4, 3)
+
+
+# --- server-side apply -----------------------------------------------------------------------
+
+def kubectl_apply(kubectl: Path, kubeconfig: Path,
+                  obj: dict[str, Any]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([str(kubectl), "--kubeconfig", str(kubeconfig), "apply",
+                           "--server-side", "--field-manager", "e2e", "-f", "-"],
+                          input=json.dumps(obj), capture_output=True, text=True, timeout=60)
+
+
+def apply_path(namespace: str, name: str) -> str:
+    return f"/api/v1/namespaces/{namespace}/configmaps/{name}?fieldManager=e2e"
+
+
+def test_a_server_side_apply_that_creates_is_checked_like_a_create(
+        cluster: LocalCluster, gate: Opgate, kubectl: Path, via: Path) -> None:
+    resource_quota(cluster, SSA, "rq-ssa", {"count/configmaps": "2"})  # smaller than max: 3
+    for i in range(2):
+        out = kubectl_apply(kubectl, via, configmap(f"ssa-{i}", SSA))
+        assert out.returncode == 0, out.stderr
+        assert "serverside-applied" in out.stdout, out.stdout
+    wait_for("the watch to count the applies", lambda: metric(
+        gate, "opgate_quota_usage", {"namespace": SSA, "resource": "configmaps"}) == 2)
+    before = metric(gate, "opgate_quota_denials_total", {"resource": "configmaps"}) or 0.0
+    out = kubectl_apply(kubectl, via, configmap("ssa-2", SSA))
+    assert out.returncode != 0
+    expected = quota_message("ssa-2", "rq-ssa", used=2, limit=2)
+    assert expected in out.stderr, out.stderr
+    assert metric(gate, "opgate_quota_denials_total", {"resource": "configmaps"}) == before + 1
+    # word for word what the apiserver's own ResourceQuota admission answers the same apply
+    body = yaml_apply(configmap("ssa-2", SSA))
+    ours = cluster.call("PATCH", apply_path(SSA, "ssa-2"), body=body,
+                        content_type="application/apply-patch+yaml", server=gate.url)
+    theirs = cluster.call("PATCH", apply_path(SSA, "ssa-2"), body=body,
+                          content_type="application/apply-patch+yaml")
+    assert (ours.status, theirs.status) == (403, 403), (ours.body, theirs.body)
+    assert ours.json()["message"] == theirs.json()["message"] == expected
+    assert ours.json()["details"] == theirs.json()["details"]
+    assert metric(gate, "opgate_quota_denials_total", {"resource": "configmaps"}) == before + 2
+    # an apply to an object that exists is an update: admitted at the limit
+    changed = configmap("ssa-1", SSA)
+    changed["data"] = {"k": "changed"}
+    out = kubectl_apply(kubectl, via, changed)
+    assert out.returncode == 0, out.stderr
+    got = cluster.call("GET", f"/api/v1/namespaces/{SSA}/configmaps/ssa-1").json()
+    assert got["data"] == {"k": "changed"}
+    assert metric(gate, "opgate_quota_denials_total", {"resource": "configmaps"}) == before + 2
+    assert len(cluster.call("GET", f"/api/v1/namespaces/{SSA}/configmaps").json()["items"]) == 2
+
+
+def yaml_apply(obj: dict[str, Any]) -> str:
+    return json.dumps(obj)  # JSON is YAML
+
+
+# --- several replicas, one limit -------------------------------------------------------------
+
+SHARED_MAX = 5
+SHARED_POLICY = f"""\
+apiVersion: opgate.dev/v1alpha1
+kind: Policy
+metadata: {{name: e2e-shared}}
+spec:
+  quotas:
+    - resources: [configmaps]
+      namespaces: [{SHARED}]
+      max: {SHARED_MAX}
+"""
+
+
+@pytest.fixture(scope="module")
+def redis_server() -> Iterator[RedisServer]:
+    with RedisServer.launch() as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def replicas(cluster: LocalCluster, opgate_factory: Callable[..., Opgate], token_file: Path,
+             redis_server: RedisServer) -> list[Opgate]:
+    """Three opgates on one Redis; the third runs two workers (four processes in all)."""
+    common = ["--token-file", str(token_file), "--redis-url", redis_server.url,
+              "--redis-timeout", "0.5", "--no-access-log"]  # two cores for everything here
+    gates = [opgate_factory(policies={"shared.yaml": SHARED_POLICY}, extra_args=common + extra)
+             for extra in ([], [], ["--workers", "2"])]
+
+    def synced(gate: Opgate) -> bool:  # until then a create gets 503 (failure: closed)
+        path = f"/api/v1/namespaces/{SHARED}/configmaps?dryRun=All"
+        return all(cluster.call("POST", path, body=configmap("probe", SHARED),
+                                server=gate.url).status == 201
+                   for _ in range(8))  # new connections: every worker gets some
+
+    for g in gates:
+        wait_for("the replica's counts to sync", lambda g=g: synced(g),  # type: ignore[misc]
+                 timeout=30)
+    return gates
+
+
+def burst(cluster: LocalCluster, gates: list[Opgate], calls: list[tuple[str, str, Any, str]]
+          ) -> list[int]:
+    """All ``calls`` (method, path, body, content type) at once, spread over the replicas."""
+    def one(i: int) -> int:
+        method, path, body, ctype = calls[i]
+        return cluster.call(method, path, body=body, content_type=ctype,
+                            server=gates[i % len(gates)].url).status
+
+    with concurrent.futures.ThreadPoolExecutor(len(calls)) as pool:
+        return list(pool.map(one, range(len(calls))))
+
+
+def shared_items(cluster: LocalCluster) -> list[str]:
+    items = cluster.call("GET", f"/api/v1/namespaces/{SHARED}/configmaps").json()["items"]
+    return sorted(i["metadata"]["name"] for i in items)
+
+
+def all_see(gates: list[Opgate], count: int) -> Callable[[], bool]:
+    return lambda: all(metric(g, "opgate_quota_usage", {"namespace": SHARED,
+                                                        "resource": "configmaps"}) == count
+                       for g in gates)
+
+
+def test_replicas_sharing_redis_never_exceed_the_limit_together(
+        cluster: LocalCluster, replicas: list[Opgate], redis_server: RedisServer) -> None:
+    path = f"/api/v1/namespaces/{SHARED}/configmaps"
+    ctype = "application/json"
+    # 30 named creates at once over three replicas: exactly max succeed
+    codes = burst(cluster, replicas, [("POST", path, configmap(f"b-{i}", SHARED), ctype)
+                                      for i in range(30)])
+    assert sorted(codes) == [201] * SHARED_MAX + [403] * (30 - SHARED_MAX), codes
+    assert len(shared_items(cluster)) == SHARED_MAX
+    wait_for("every replica to see them", all_see(replicas, SHARED_MAX))
+    # room for two more (deleted directly): a burst of server-side applies that create
+    for name in shared_items(cluster)[:2]:
+        assert cluster.call("DELETE", f"{path}/{name}").status == 200
+    wait_for("every replica to count the deletes", all_see(replicas, SHARED_MAX - 2))
+    apply = "application/apply-patch+yaml"
+    codes = burst(cluster, replicas, [
+        ("PATCH", f"{path}/a-{i}?fieldManager=e2e", json.dumps(configmap(f"a-{i}", SHARED)),
+         apply) for i in range(12)])
+    assert sorted(codes) == [201] * 2 + [403] * 10, codes
+    assert len(shared_items(cluster)) == SHARED_MAX
+    wait_for("every replica to see the applies", all_see(replicas, SHARED_MAX))
+    # applies to objects that exist are updates, admitted at the limit by every replica
+    existing = shared_items(cluster)
+    codes = burst(cluster, replicas, [
+        ("PATCH", f"{path}/{name}?fieldManager=e2e", json.dumps(configmap(name, SHARED)), apply)
+        for name in existing])
+    assert codes == [200] * len(existing), codes
+    # generateName: never over the limit either
+    for name in shared_items(cluster)[:3]:
+        assert cluster.call("DELETE", f"{path}/{name}").status == 200
+    wait_for("every replica to count the deletes", all_see(replicas, SHARED_MAX - 3))
+    codes = burst(cluster, replicas, [
+        ("POST", path, {"metadata": {"generateName": "gen-"}}, ctype) for _ in range(15)])
+    assert 1 <= codes.count(201) <= 3 and codes.count(201) + codes.count(403) == 15, codes
+    assert len(shared_items(cluster)) <= SHARED_MAX
+    # the reservations live in Redis, under the scope's hash tag, and expire by themselves
+    keys = redis_keys(redis_server)
+    assert all(k.startswith("opgate:quota:{/configmaps/") for k in keys), keys
+
+
+def redis_keys(server: RedisServer) -> list[str]:
+    import redis
+
+    client = redis.Redis.from_url(server.url)
+    try:
+        return sorted(k.decode() for k in client.keys("opgate:quota:*"))
+    finally:
+        client.close()
