@@ -146,8 +146,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add(g, "--policies", metavar="PATH",
          help="policy file or directory of *.yaml, watched and hot-reloaded")
     _add(g, "--redis-url", metavar="URL",
-         help="Redis for rate-limit buckets shared by replicas (redis://, rediss://, "
-         "redis+sentinel://); default: in-process buckets")
+         help="Redis for rate-limit buckets and quota reservations shared by replicas "
+         "(redis://, rediss://, redis+sentinel://); default: in-process")
     _add(g, "--redis-password-file", metavar="FILE",
          help="file holding the Redis password (a mounted Secret), when the URL has none")
     _add(g, "--redis-timeout", kind=float, default=0.05, metavar="SECONDS",

@@ -1,11 +1,13 @@
 """The quota middleware: ``spec.quotas`` object-count limits, in the apiserver's own words.
 
 A ``create`` of a quota'd resource (no subresource) in a namespace an entry matches is checked
-against the entry's effective limit: the smallest of its ``max`` and, with ``alignWith``, the
-``count/<resource>[.<group>]`` (or legacy ``configmaps``, ``secrets``…) hard limits of every
-ResourceQuota in that namespace and of every ClusterResourceQuota (``quota.openshift.io/v1``,
-when the cluster serves it) that selects the namespace. Over it, the call gets the 403 the
-apiserver's ResourceQuota admission would send, word for word::
+(and so is a server-side apply that creates: a ``PATCH`` with an ``application/apply-patch+…``
+body to a named object that the counts do not show in the namespace; an apply to an object that
+exists is an update) against the entry's effective limit: the smallest of its ``max`` and,
+with ``alignWith``, the ``count/<resource>[.<group>]`` (or legacy ``configmaps``, ``secrets``…)
+hard limits of every ResourceQuota in that namespace and of every ClusterResourceQuota
+(``quota.openshift.io/v1``, when the cluster serves it) that selects the namespace. Over it,
+the call gets the 403 the apiserver's ResourceQuota admission would send, word for word::
 
     configmaps "cm-7" is forbidden: exceeded quota: team-quota, requested: count/configmaps=1,
     used: count/configmaps=5, limited: count/configmaps=5
@@ -16,17 +18,31 @@ aligned quota whose limit is smaller. The object's name is the JSON body's ``met
 name is generated as the apiserver does (the prefix and five random characters); a body that is
 not JSON leaves it out (``configmaps is forbidden: …``).
 
-"Used" comes from the apiserver, not from opgate's own bookkeeping: the :class:`QuotaCounts`
+"Used" is the objects the apiserver holds plus the creates on their way. The objects come from
+the apiserver, not from opgate's own bookkeeping: the :class:`QuotaCounts`
 (``proxy.relay.counts.QuotaCounts`` when serving) keeps a metadata-only list+watch of every
-quota'd resource and a watch of the ResourceQuotas (and ClusterResourceQuotas), so objects
-created or deleted by anyone are counted. Between an admitted create and its watch event the
-object is *reserved*: counted from the entry hook on, settled by the exit hook (a 2xx keeps it
-until the watch shows the object, a failure drops it), so a burst of concurrent creates cannot
-overshoot. With several opgate replicas (or ``--workers``) each one reserves only its own
-creates and sees the others' only through its watch: creates that reach several replicas within
-that lag (typically milliseconds) can together exceed the limit, each replica admitting up to
-the room it sees (the apiserver's own ResourceQuota, when aligned, still holds the line: its
-count is serialized in etcd).
+quota'd resource (the objects' names per namespace) and a watch of the ResourceQuotas (and
+ClusterResourceQuotas), so objects created or deleted by anyone are counted. The creates on
+their way are *reservations* in the store (:meth:`proxy.stores.base.Store.reserve`): in Redis
+with ``--redis-url``, so shared by every replica and ``--workers`` process, else in-process.
+The entry hook admits and reserves in ONE atomic store call (``quota.lua`` in Redis) that
+checks this replica's observed count plus every replica's live reservations against the
+smallest enforced limit; reservations whose object this replica's watch already shows
+(:meth:`QuotaCounts.seen`: by name, or for a ``generateName`` create of this replica by its
+token) are not counted twice. A reservation is ``<name>|<token>``; the exit hook drops it when
+the create failed (an apply answered 200 updated an object after all) and otherwise lets it
+expire within ``settle_seconds``; when this replica's watch shows the object it is cut to
+``linger_seconds`` (the other replicas' watches catch up meanwhile); and it expires by itself
+``reserve_seconds`` after the create came in. So a burst over several replicas cannot
+overshoot; the rare errors are on the safe side (a ``generateName`` object another replica
+already sees is counted twice until its reservation lingers out). Only creates of quota'd
+resources reach the store.
+
+When the store cannot answer (Redis down: :class:`proxy.stores.breaker.ResilientStore`), a
+create whose enforced entries all have ``failure: open`` is reserved in-process (this replica's
+own reservations only, as without Redis) and one with a ``failure: closed`` entry answers 503;
+``opgate_quota_reservations_total{backend}`` counts admitted creates by store (``redis``,
+``local``, ``fallback``).
 
 Until the counts (and, for aligned entries, the quotas) are synced, an entry fails as its
 ``failure`` says: ``closed`` answers 503, ``open`` admits. A ``dryrun`` entry never denies: it
