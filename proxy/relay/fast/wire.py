@@ -34,25 +34,34 @@ _DROP_PREFIXES = (b"proxy-", b"opgate-")
 _IMPERSONATE = b"impersonate-"
 _NOTHING: frozenset[bytes] = frozenset()
 _LINES: dict[int, bytes] = {}
+_KEYS: dict[str, bytes] = {}  # header names middlewares ask for, as the index's keys
+_MAX_KEYS = 256
 
 
 class WireHeaders(Mapping[str, str]):
     """The request's header pairs as the case-insensitive ``Mapping[str, str]`` middlewares read
-    (``ctx.headers``), without building a dict per call: a lookup scans the few pairs (the first
-    of repeated names wins, as ``CIMultiDict.get``)."""
+    (``ctx.headers``). The first lookup indexes the pairs by lower-case name (the first of
+    repeated names wins, as ``CIMultiDict.get``); values are decoded only when asked for."""
 
-    __slots__ = ("_pairs",)
+    __slots__ = ("_index", "_pairs")
 
     def __init__(self, pairs: Headers) -> None:
         self._pairs = pairs
+        self._index: dict[bytes, bytes] | None = None
 
     def _find(self, key: str) -> str | None:
-        want = key.lower().encode("latin-1")
-        size = len(want)
-        for name, value in self._pairs:
-            if len(name) == size and name.lower() == want:
-                return value.decode("latin-1")
-        return None
+        index = self._index
+        if index is None:
+            index = self._index = {}
+            for name, value in self._pairs:
+                index.setdefault(name.lower(), value)
+        want = _KEYS.get(key)
+        if want is None:
+            want = key.lower().encode("latin-1")
+            if len(_KEYS) < _MAX_KEYS:
+                _KEYS[key] = want
+        value = index.get(want)
+        return None if value is None else value.decode("latin-1")
 
     def get(self, key: str, default: str | None = None) -> str | None:  # type: ignore[override]
         value = self._find(key)
