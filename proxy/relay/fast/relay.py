@@ -36,7 +36,13 @@ from proxy.relay.fast.exchange import Exchange
 from proxy.relay.fast.request import Request
 from proxy.relay.fast.server import FastServer
 from proxy.relay.fast.upstream import UpstreamConnection, UpstreamPool
-from proxy.relay.fast.wire import WireHeaders, connection_tokens, request_head, status_line
+from proxy.relay.fast.wire import (
+    NOTHING,
+    WireHeaders,
+    connection_tokens,
+    request_head,
+    status_line,
+)
 from proxy.relay.upstream import UpstreamConfig
 
 __all__ = ["FastRelay"]
@@ -193,9 +199,10 @@ class FastRelay:
         allowed = ctx.allow_impersonation or bool(
             getattr(ctx.policies, "allow_impersonation", False)
         )
+        named = connection_tokens(req.headers) if req.connection else NOTHING
         head, impersonating = request_head(
             method=req.method, target=self._prefix + req.url, host=self._host,
-            headers=req.headers, named=connection_tokens(req.headers),
+            headers=req.headers, named=named,
             drop=ctx.drop_request_headers, allow_impersonation=allowed,
             authorization=auth.encode("latin-1") if auth else None, framing=framing,
             upgrade=upgrade,

@@ -53,6 +53,7 @@ class Request:
         "cancellable",
         "chunked",
         "conn",
+        "connection",
         "content_length",
         "expect_continue",
         "has_body",
@@ -77,6 +78,7 @@ class Request:
         self.long_running = False  # set by the relay: shutdown does not wait for these
         self.expect_continue = False
         self.chunked = False
+        self.connection = False  # a Connection header came: its tokens name hop-by-hop headers
         self.has_body = False
         self.content_length: bytes | None = None
         self.cancellable = True  # False during the exit hooks: a client leaving must not cut them

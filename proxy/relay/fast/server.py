@@ -165,6 +165,8 @@ class ClientConnection(FlowForwarding, asyncio.Protocol):
                 req.chunked = req.has_body = True
             elif low == b"expect":
                 req.expect_continue = value.strip().lower() == b"100-continue"
+            elif low == b"connection":
+                req.connection = True
         self._parsing = req
         if self._current is None:
             self._start(req)

@@ -14,6 +14,7 @@ from collections.abc import Collection, Iterable, Iterator, Mapping
 from http import HTTPStatus
 
 __all__ = [
+    "NOTHING",
     "Headers",
     "WireHeaders",
     "connection_tokens",
@@ -30,9 +31,10 @@ _HOP = frozenset(
      b"transfer-encoding", b"upgrade"}
 )
 _REQUEST_DROP = _HOP | {b"host", b"expect"}
+_HOP_ONLY = frozenset({b"keep-alive", b"close", b"upgrade"})  # Connection values naming no header
 _DROP_PREFIXES = (b"proxy-", b"opgate-")
 _IMPERSONATE = b"impersonate-"
-_NOTHING: frozenset[bytes] = frozenset()
+NOTHING: frozenset[bytes] = frozenset()
 _LINES: dict[int, bytes] = {}
 _KEYS: dict[str, bytes] = {}  # header names middlewares ask for, as the index's keys
 _MAX_KEYS = 256
@@ -113,7 +115,7 @@ def connection_tokens(headers: Headers) -> frozenset[bytes]:
         if len(name) == 10 and name.lower() == b"connection":
             found = found or set()
             found.update(t.strip().lower() for t in value.split(b",") if t.strip())
-    return frozenset(found) if found else _NOTHING
+    return frozenset(found) if found else NOTHING
 
 
 def request_head(
@@ -137,7 +139,7 @@ def request_head(
     ``authorization`` (opgate's own) is added only when the client sent no ``Authorization``.
     """
     parts = [method, b" ", target, b" HTTP/1.1\r\nHost: ", host, b"\r\n"]
-    dropped = {d.encode("latin-1") for d in drop} if drop else _NOTHING
+    dropped = {d.encode("latin-1") for d in drop} if drop else NOTHING
     impersonating = False
     for name, value in headers:
         low = name.lower()
@@ -173,12 +175,12 @@ def response_head(
 ) -> bytes:
     """The client response head: the upstream's end-to-end headers, ``extra``, ``framing``."""
     parts = [status_line(status, reason)]
-    named: frozenset[bytes] = _NOTHING
+    named: frozenset[bytes] = NOTHING
     for name, value in headers:
         low = name.lower()
         if low in _HOP or low.startswith(b"proxy-") or low == b"content-length":
-            if low == b"connection":  # names beyond the standard hop-by-hop ones (rare)
-                named = connection_tokens(headers) - _HOP
+            if low == b"connection" and value.strip().lower() not in _HOP_ONLY:
+                named = connection_tokens(headers) - _HOP  # names beyond the standard ones
             continue
         parts += (name, b": ", value, b"\r\n")
     if named:  # rare: names the upstream listed in Connection are hop-by-hop too
