@@ -76,7 +76,8 @@ def _wrk_once(bench: Bench, t: Target, *, pinned: bool) -> Result:
     run: Result = {"rps": r.rps, "p50_ms": r.p50_ms, "p99_ms": r.p99_ms, "requests": r.requests,
                    "errors": r.errors}
     if cpu is not None:
-        run["cpu_us"] = cpu.us_per(r.requests)
+        run["cpu_user_us"], run["cpu_sys_us"] = cpu.split_per(r.requests)
+        run["cpu_us"] = run["cpu_user_us"] + run["cpu_sys_us"]
     if full and bench.redis_url:
         run["redis_calls_per_req"] = (redis_calls(bench.redis_url) - calls) / max(1, admitted)
         if redis_cpu is not None:

@@ -20,7 +20,8 @@ from bench.paths import NAMES, Target
 from bench.procs import Procs
 from bench.procstat import Layout
 
-MEASURES = ("idle", "small-get", "latency", "list", "watch", "open-watches", "reload", "ratelimit")
+MEASURES = ("idle", "small-get", "latency", "list", "watch", "open-watches", "reload", "ratelimit",
+            "chain")
 
 
 @dataclass(frozen=True, slots=True)

@@ -41,16 +41,22 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
-def cpu_seconds(pid: int) -> float:
-    """utime + stime of ``pid`` and its descendants, in seconds."""
-    total = 0
+def cpu_split(pid: int) -> tuple[float, float]:
+    """(utime, stime) of ``pid`` and its descendants, in seconds."""
+    user = system = 0
     for p in descendants(pid):
         try:
             fields = Path(f"/proc/{p}/stat").read_text().rpartition(")")[2].split()
         except OSError:
             continue
-        total += int(fields[11]) + int(fields[12])  # fields 14 and 15 of proc(5)
-    return total / TICK
+        user += int(fields[11])  # fields 14 and 15 of proc(5)
+        system += int(fields[12])
+    return user / TICK, system / TICK
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of ``pid`` and its descendants, in seconds."""
+    return sum(cpu_split(pid))
 
 
 def _status_kb(pid: int, key: str) -> int:
@@ -102,14 +108,23 @@ class CpuUsage:
 
     pid: int
     start: float
+    start_user: float = 0.0
 
     @classmethod
     def begin(cls, pid: int) -> CpuUsage:
-        return cls(pid, cpu_seconds(pid))
+        user, system = cpu_split(pid)
+        return cls(pid, user + system, user)
 
     def us_per(self, count: int) -> float:
         """CPU µs spent since ``begin`` per one of ``count`` events."""
         return (cpu_seconds(self.pid) - self.start) * 1e6 / max(1, count)
+
+    def split_per(self, count: int) -> tuple[float, float]:
+        """(user, system) CPU µs spent since ``begin`` per one of ``count`` events."""
+        user, system = cpu_split(self.pid)
+        n = max(1, count)
+        return ((user - self.start_user) * 1e6 / n,
+                (user + system - self.start - (user - self.start_user)) * 1e6 / n)
 
 
 @dataclass(frozen=True, slots=True)

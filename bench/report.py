@@ -62,12 +62,20 @@ def _small_get(sg: dict[str, Any], label: str) -> list[str]:
                 "supervisor (CPU summed over all of them); every other path is the same single "
                 "process as in the pinned rounds.", ""]
     body = [[n, _fmt(r.get("rps")), _fmt(r.get("p50_ms")), _fmt(r.get("p99_ms")),
-             _fmt(r.get("cpu_us"), 1), *_vs(rows, n, "rps"),
+             _fmt(r.get("cpu_us"), 1), _split(r), *_vs(rows, n, "rps"),
              _ratio(r.get("cpu_us"), rows.get(KUBECTL, {}).get("cpu_us")),
              _fmt(int(r.get("errors", 0)))]
             for n, r in rows.items()]
-    return out + _table(["path", "req/s", "p50 ms", "p99 ms", "CPU µs/req", "req/s vs direct",
-                         "req/s vs kubectl", "CPU vs kubectl", "errors (median)"], body)
+    return out + _table(["path", "req/s", "p50 ms", "p99 ms", "CPU µs/req", "user + sys µs",
+                         "req/s vs direct", "req/s vs kubectl", "CPU vs kubectl",
+                         "errors (median)"], body)
+
+
+def _split(r: dict[str, Any]) -> str:
+    """User and kernel CPU per request (medians of their own, so not exactly the total's)."""
+    if r.get("cpu_user_us") is None:
+        return "-"
+    return f"{_fmt(r['cpu_user_us'], 0)} + {_fmt(r.get('cpu_sys_us'), 0)}"
 
 
 def _tier(name: str, tier: dict[str, Any]) -> list[str]:
@@ -211,6 +219,15 @@ def markdown(results: dict[str, Any]) -> str:
     if micro:
         out += ["## Rate-limit middleware alone (`bench/ratelimit_bench.py`)", ""]
         out += ["```", micro["output"], "```", ""] if "output" in micro else [micro["error"], ""]
+    chain = results.get("chain_micro")
+    if chain:
+        out += ["## What each middleware costs per call (`bench/chain_cost.py`)", "",
+                "The full chain of the small-GET rounds, in-process: each call builds its "
+                "context as the fast relay does and runs the entry and exit hooks of a 200 "
+                "GET; \"cost\" is the whole chain minus the chain without that middleware "
+                "(batches interleaved; fastest batch and median). The relay's own work (sockets, "
+                "TLS, HTTP parsing) is not in these figures.", ""]
+        out += ["```", chain["output"], "```", ""] if "output" in chain else [chain["error"], ""]
     out += ["## Notes on method", "",
             "* Added latency is measured with a lean blocking client (one keep-alive "
             "connection, no event loop in the timed section). The aiohttp client used before "

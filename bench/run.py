@@ -170,6 +170,18 @@ def ratelimit_micro(plan: Plan) -> Result:
     return {"output": out.stdout.rstrip()}
 
 
+def chain_micro(plan: Plan, redis_url: str | None) -> Result:
+    """What each middleware of the full chain costs per call (``bench/chain_cost.py``)."""
+    script = Path(__file__).parent / "chain_cost.py"
+    argv = [sys.executable, str(script), "--batches", "5" if plan.quick else "30"]
+    if redis_url:
+        argv += ["--redis-url", redis_url]
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=900)
+    if out.returncode != 0:
+        return {"error": f"exit {out.returncode}: {out.stderr.strip()[-500:]}"}
+    return {"output": out.stdout.rstrip()}
+
+
 def run(plan: Plan, *, apiserver: bool, profile: bool) -> dict[str, Any]:
     """The whole suite; returns the results (the report is written by the caller)."""
     work = Path(tempfile.mkdtemp(prefix="opgate-bench-"))
@@ -181,12 +193,14 @@ def run(plan: Plan, *, apiserver: bool, profile: bool) -> dict[str, Any]:
     started = time.monotonic()
     try:
         start_redis(bench)
-        if set(plan.measures) - {"ratelimit"} or profile:
+        if set(plan.measures) - {"ratelimit", "chain"} or profile:
             static_tiers(bench, profile=profile, results=results)
         if apiserver and set(plan.measures) & {"idle", "small-get", "latency", "list"}:
             apiserver_tier(bench, results)
         if "ratelimit" in plan.measures:
             _timed("ratelimit_micro", lambda: ratelimit_micro(plan), results)
+        if "chain" in plan.measures:
+            _timed("chain_micro", lambda: chain_micro(plan, bench.redis_url), results)
     finally:
         procs.stop_all()
         results["total_seconds"] = round(time.monotonic() - started, 1)
