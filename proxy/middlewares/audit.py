@@ -84,6 +84,8 @@ _NEEDS_QUOTE = re.compile(r"[^A-Za-z0-9/:@!$&'()*+,;=\-._~]")
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 REDACTED = "REDACTED"
 _ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
+_DECISIONS = {d: _ENCODER.encode(d) for d in (
+    "allowed", "denied", "unauthorized", "throttled", "unavailable", "fault", "error", "quota")}
 
 
 _second: list[Any] = [-1, ""]  # the last second formatted, and its text
@@ -96,6 +98,20 @@ def micro_time(wall: float) -> str:
     if second != _second[0]:
         _second[0], _second[1] = second, time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second))
     return f"{_second[1]}.{micros:06d}Z"
+
+
+def micro_times(first: float, second: float) -> tuple[str, str]:
+    """:func:`micro_time` of two times, the second not earlier than the first."""
+    start = int(first)
+    if start != _second[0]:
+        _second[0], _second[1] = start, time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(start))
+    prefix = _second[1]
+    end = int(second)
+    if end != start:
+        return (f"{prefix}.{min(int((first - start) * 1_000_000), 999_999):06d}Z",
+                micro_time(second))
+    return (f"{prefix}.{min(int((first - start) * 1_000_000), 999_999):06d}Z",
+            f"{prefix}.{min(int((second - end) * 1_000_000), 999_999):06d}Z")
 
 
 def request_uri(path: str, query: str) -> str:
@@ -207,7 +223,7 @@ class Audit:
         self._timer: asyncio.TimerHandle | None = None
         self._counters: dict[str, Any] = {}
         self._parts: dict[tuple[int, str], tuple[Any, str, dict[str, str] | None]] = {}
-        self._lines: dict[tuple[Any, ...], tuple[Any, Any, Decision, str, str]] = {}
+        self._lines: dict[tuple[Any, ...], tuple[Any, Any, Decision, tuple[str, str, str]]] = {}
 
     def plan(self, policies: object) -> AuditPlan:
         if policies is not self._plan_for:
@@ -342,47 +358,51 @@ class Audit:
         return uri, ref
 
     def line(self, ctx: RequestContext, decision: Decision, stage: str, stamp: float) -> str:
-        """:meth:`event` as its JSON line. The common case (a call's end with nothing but its
-        code to tell: no answer of opgate's own, no error, no request object) is joined from
-        JSON fragments remembered per call shape, identity and audit decision; the rest is
-        encoded from :meth:`event`. Both give the same text (tests/unit/test_audit.py)."""
+        """:meth:`event` as its JSON line (with its newline). The common case (a call's end with
+        nothing but its code to tell: no answer of opgate's own, no error, no request object) is
+        joined from JSON fragments remembered per call shape, identity and audit decision; the
+        rest is encoded from :meth:`event`. Both give the same text (tests/unit/test_audit.py)."""
         code = ctx.status_code
         if (stage != "ResponseComplete" or not code or ctx.answer is not None or ctx.error
                 or (code >= 400 and ctx.decision != "allowed")
                 or (ctx.body and not ctx.info.name) or "impersonate-user" in ctx.headers
                 or (decision.level != "Metadata" and ctx.info.is_resource_request)):
-            return _ENCODER.encode(self.event(ctx, decision, stage, stamp))
-        middle, tail = self._fragments(ctx, decision)
-        return (f'{{"kind":"Event","apiVersion":"audit.k8s.io/v1","level":"{decision.level}",'
-                f'"auditID":"{ctx.trace_id}","stage":"ResponseComplete"{middle},'
-                f'"responseStatus":{{"metadata":{{}},"code":{code}}},'
-                f'"requestReceivedTimestamp":"{micro_time(ctx.wall_time)}",'
-                f'"stageTimestamp":"{micro_time(max(stamp, ctx.wall_time))}",'
-                f'"annotations":{{"opgate.dev/decision":{_ENCODER.encode(ctx.decision)}{tail}}}}}')
+            return _ENCODER.encode(self.event(ctx, decision, stage, stamp)) + "\n"
+        head, middle, tail = self._fragments(ctx, decision)
+        wall = ctx.wall_time
+        received, staged = micro_times(wall, stamp if stamp > wall else wall)
+        outcome = _DECISIONS.get(ctx.decision) or _ENCODER.encode(ctx.decision)
+        return (f'{head}{ctx.trace_id}{middle}{code}}},"requestReceivedTimestamp":"{received}",'
+                f'"stageTimestamp":"{staged}","annotations":{{"opgate.dev/decision":{outcome}'
+                f'{tail}}}}}\n')
 
-    def _fragments(self, ctx: RequestContext, decision: Decision) -> tuple[str, str]:
-        """The JSON of the fields between ``stage`` and ``responseStatus``, and of the
-        annotations after the decision, for :meth:`line`'s common case."""
+    def _fragments(self, ctx: RequestContext, decision: Decision) -> tuple[str, str, str]:
+        """For :meth:`line`'s common case, the JSON up to the audit ID, from after it to the
+        response code, and of the annotations after the decision."""
         identity = ctx.identity
         agent = ctx.headers.get("user-agent")
         key = (id(ctx.info), ctx.query, id(identity), id(decision), agent)
         hit = self._lines.get(key)
         if (hit is not None and hit[0] is ctx.info and hit[1] is identity
                 and hit[2] is decision):
-            return hit[3], hit[4]
+            return hit[3]
         ev = self.event(ctx, decision, "ResponseComplete", ctx.wall_time)
+        head = ('{"kind":"Event","apiVersion":"audit.k8s.io/v1","level":'
+                f'{_ENCODER.encode(decision.level)},"auditID":"')
         names = ("requestURI", "verb", "user", "impersonatedUser", "userAgent", "objectRef")
-        middle = "".join(f",{_ENCODER.encode(k)}:{_ENCODER.encode(ev[k])}"
-                         for k in names if k in ev)
+        middle = '","stage":"ResponseComplete"' + "".join(
+            f",{_ENCODER.encode(k)}:{_ENCODER.encode(ev[k])}" for k in names if k in ev
+        ) + ',"responseStatus":{"metadata":{},"code":'
         notes = {k: v for k, v in ev["annotations"].items() if k != "opgate.dev/decision"}
         tail = "".join(f",{_ENCODER.encode(k)}:{_ENCODER.encode(v)}" for k, v in notes.items())
         if len(self._lines) >= MEMO_SIZE:
             self._lines.clear()
-        self._lines[key] = (ctx.info, identity, decision, middle, tail)
-        return middle, tail
+        parts = (head, middle, tail)
+        self._lines[key] = (ctx.info, identity, decision, parts)
+        return parts
 
     def _emit(self, ctx: RequestContext, decision: Decision, stage: str, stamp: float) -> None:
-        self._write(self.line(ctx, decision, stage, stamp) + "\n")
+        self._write(self.line(ctx, decision, stage, stamp))
         counter = self._counters.get(decision.level)
         if counter is None:
             counter = self._counters[decision.level] = telemetry.AUDIT_EVENTS.labels(

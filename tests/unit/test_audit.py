@@ -145,6 +145,7 @@ _ODD_AGENT = 'kubectl "quoted" \\ \u00e9\u4e2d\x01'
     "plain", "unverified", "odd-agent", "no-agent", "rule", "query-secret", "escaped-path",
     "cluster-scope", "non-resource", "client-gone", "upstream-500", "create-named",
     "create-from-body", "denied", "error", "request-level", "impersonated", "no-status",
+    "next-second",
 ])
 def test_joined_lines_equal_the_encoded_event(case: str) -> None:
     """``Audit.line`` joins remembered JSON fragments in the common case: the text must be
@@ -191,10 +192,11 @@ def test_joined_lines_equal_the_encoded_event(case: str) -> None:
         ctx.error, ctx.status_code = "upstream reset", 502
     auditor = Audit(write=Lines())
     decision = auditor.plan(ctx.policies).decide(ctx.info, ctx.identity)
+    stamp = ctx.wall_time + (1.9 if case == "next-second" else 0.5)
     for _ in range(2):
         expected = audit_mod._ENCODER.encode(
-            auditor.event(ctx, decision, "ResponseComplete", ctx.wall_time + 0.5))
-        assert auditor.line(ctx, decision, "ResponseComplete", ctx.wall_time + 0.5) == expected
+            auditor.event(ctx, decision, "ResponseComplete", stamp))
+        assert auditor.line(ctx, decision, "ResponseComplete", stamp) == expected + "\n"
     check_shape(json.loads(expected))
 
 
