@@ -57,6 +57,7 @@ from urllib.parse import quote
 
 from proxy.engine import telemetry
 from proxy.engine.context import RequestContext
+from proxy.engine.redact import redact_object, redact_query
 from proxy.middlewares.audit_spec import (
     SECTION,
     AuditPlan,
@@ -78,11 +79,9 @@ CLIENT_GONE = 499  # what the relay records for a call whose client left before 
 _REASONS = {400: "BadRequest", 401: "Unauthorized", 403: "Forbidden", 404: "NotFound",
             409: "Conflict", 413: "RequestEntityTooLarge", 429: "TooManyRequests",
             500: "InternalError", 503: "ServiceUnavailable", 504: "Timeout"}
-_SECRET_PARAM = re.compile(r"token|password|secret", re.IGNORECASE)
 _PATH_SAFE = "/:@!$&'()*+,;=-._~"
 _NEEDS_QUOTE = re.compile(r"[^A-Za-z0-9/:@!$&'()*+,;=\-._~]")
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
-REDACTED = "REDACTED"
 _ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
 _DECISIONS = {d: _ENCODER.encode(d) for d in (
     "allowed", "denied", "unauthorized", "throttled", "unavailable", "fault", "error", "quota")}
@@ -119,13 +118,7 @@ def request_uri(path: str, query: str) -> str:
     uri = quote(path, safe=_PATH_SAFE) if _NEEDS_QUOTE.search(path) else path
     if not query:
         return uri
-    if _SECRET_PARAM.search(query):
-        parts = []
-        for part in query.split("&"):
-            name, eq, _ = part.partition("=")
-            parts.append(f"{name}={REDACTED}" if eq and _SECRET_PARAM.search(name) else part)
-        query = "&".join(parts)
-    return f"{uri}?{query}"
+    return f"{uri}?{redact_query(query)}"
 
 
 def _status(ctx: RequestContext) -> dict[str, Any]:
@@ -172,11 +165,8 @@ def _request_object(ctx: RequestContext, decision: Decision,
             f"omitted: not JSON ({ctype.split(';')[0] or 'no content type'})")
         return None
     info = ctx.info
+    obj = redact_object(obj, info.api_group, info.resource, info.subresource)
     if isinstance(obj, dict):
-        if info.resource == "tokenreviews" and info.api_group == "authentication.k8s.io":
-            spec = obj.get("spec")
-            if isinstance(spec, dict) and "token" in spec:
-                obj["spec"] = {**spec, "token": REDACTED}
         if decision.omit_managed_fields:
             meta = obj.get("metadata")
             if isinstance(meta, dict) and "managedFields" in meta:
