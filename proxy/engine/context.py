@@ -9,9 +9,9 @@ for the exit and retry hooks.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from proxy.engine.requestinfo import RequestInfo
 from proxy.engine.status import StatusError, warning_header
@@ -52,6 +52,21 @@ class Delay:
 Decision = Deny | Delay
 
 
+class BodyTap(Protocol):
+    """What a middleware may set as ``ctx.tap`` to see the bytes of one call as they pass
+    (traffic capture): the relay calls it with each request body chunk it forwards, the
+    response head it received and each response body chunk it forwards, on the event loop, so
+    it must be quick and must not keep what it does not need. For an upgrade only the response
+    head (the ``101``). A body read whole for the middlewares (``ctx.body``) is not passed to
+    ``request_body``; opgate's own answers (``ctx.answer``) are not passed at all. Headers are
+    ``(name, value)`` pairs of ``bytes`` or ``str``."""
+
+    def request_body(self, chunk: bytes) -> None: ...
+    def response_head(self, status: int, reason: bytes | str,
+                      headers: Iterable[tuple[bytes | str, bytes | str]]) -> None: ...
+    def response_body(self, chunk: bytes) -> None: ...
+
+
 @dataclass(slots=True, eq=False)
 class RequestContext:
     """One API call on its way through opgate.
@@ -77,6 +92,7 @@ class RequestContext:
     response_headers: list[tuple[str, str]] = field(default_factory=list)
     allow_impersonation: bool = False
     decision: str = "allowed"
+    tap: BodyTap | None = None  # set by a middleware's entry hook; None: the relay passes nothing
     # the Status opgate answered with itself instead of a relayed response (set by the relay)
     answer: StatusError | None = None
     # the outcome, filled in by the relay before the exit hooks

@@ -39,6 +39,7 @@ from proxy.relay.response import (
     send_status,
 )
 from proxy.relay.session import Endpoint, TokenSource, make_session, make_ssl_context, probe
+from proxy.relay.tap import tee_stream
 from proxy.relay.upstream import UpstreamConfig
 
 __all__ = ["PolicyStoreLike", "Relay", "RelaySettings"]  # the last two from calls.py
@@ -189,7 +190,7 @@ class Relay:
             headers.popall("Content-Length", None)
         elif request.body_exists:
             await send_continue(request)
-            data = request.content
+            data = request.content if ctx.tap is None else tee_stream(request.content, ctx.tap)
         long_running = ctx.info.is_long_running
         started = time.monotonic()
         try:
@@ -207,6 +208,8 @@ class Relay:
             raise errors.upstream_failed(e, ctx, self._endpoint.base) from e
         ctx.upstream_seconds = time.monotonic() - started
         self.observe_upstream(ctx.info.verb, ctx.upstream_seconds)
+        if ctx.tap is not None:
+            ctx.tap.response_head(upstream.status, upstream.reason or "", upstream.raw_headers)
         try:  # from here on the upstream response must be closed or released
             response_class = RelayResponse if long_running else BufferedRelayResponse
             resp = response_class(

@@ -21,6 +21,7 @@ from multidict import CIMultiDict
 from proxy.engine.context import RequestContext
 from proxy.engine.status import StatusError, bad_request
 from proxy.relay import errors
+from proxy.relay.tap import tee_read
 
 __all__ = [
     "BufferedRelayResponse",
@@ -101,7 +102,7 @@ async def pump(
     upstream failure aborts it, so the client sees it incomplete.
     """
     content = upstream.content
-    read = content.readany
+    read = content.readany if ctx.tap is None else tee_read(content.readany, ctx.tap)
     write = resp.write
     sent = 0
     try:

@@ -125,6 +125,8 @@ async def relay_upgrade(
         ctx.upstream_seconds = loop.time() - started
         relay.observe_upstream(ctx.info.verb, ctx.upstream_seconds)
         code, reason, up_headers = _parse_head(raw_head)
+        if ctx.tap is not None:
+            ctx.tap.response_head(code, reason, up_headers.items())
         if code == 101:
             return await _tunnel(request, ctx, reader, writer, code, reason, up_headers)
         return await _relay_refusal(request, ctx, reader, code, reason, up_headers)

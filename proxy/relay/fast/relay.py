@@ -35,6 +35,7 @@ from proxy.relay.fast.client import UpstreamClient
 from proxy.relay.fast.exchange import Exchange
 from proxy.relay.fast.request import Request
 from proxy.relay.fast.server import FastServer
+from proxy.relay.fast.tapped import TappedExchange
 from proxy.relay.fast.upstream import UpstreamConnection, UpstreamPool
 from proxy.relay.fast.wire import (
     NOTHING,
@@ -153,6 +154,8 @@ class FastRelay:
                 self._answer(req, ctx, denied, close=req.upgrade)
                 return
             req.long_running = ctx.info.is_long_running
+            if ctx.tap is not None:
+                req.tap = ctx.tap.request_body
             if req.upgrade:
                 await self._tunnel(req, ctx)
             else:
@@ -224,7 +227,7 @@ class FastRelay:
                 conn, reused = await self.pool.acquire()
             except (OSError, TimeoutError) as e:
                 raise errors.upstream_failed(e, ctx, self._base) from e
-            exchange = Exchange(
+            exchange = (Exchange if ctx.tap is None else partial(TappedExchange, ctx.tap))(
                 client, extra=ctx.response_headers, defer_head=not long_running,
                 head_only=head_only, http11=req.http11, keep_alive=req.keep_alive,
             )
@@ -285,7 +288,8 @@ class FastRelay:
             conn = await self.pool.connect()
         except (OSError, TimeoutError) as e:
             raise errors.upstream_failed(e, ctx, self._base) from e
-        exchange = Exchange(client, extra=ctx.response_headers, defer_head=False,
+        exchange = (Exchange if ctx.tap is None else partial(TappedExchange, ctx.tap))(
+            client, extra=ctx.response_headers, defer_head=False,
                             head_only=False, http11=req.http11, keep_alive=False)
         started = time.monotonic()
         client.flow = conn

@@ -62,6 +62,7 @@ class Request:
         "keep_alive",
         "long_running",
         "method",
+        "tap",
         "task",
         "upgrade",
         "url",
@@ -85,6 +86,7 @@ class Request:
         self.body_done = False
         self.bytes_in = 0
         self.task: asyncio.Task[None] | None = None
+        self.tap: Callable[[bytes], None] | None = None  # sees each streamed chunk (ctx.tap)
         self._chunks: list[bytes] = []
         self._buffered = 0
         self._sink: Callable[[bytes], None] | None = None
@@ -111,7 +113,10 @@ class Request:
 
     # --- used by the relay ---------------------------------------------------------
     def attach(self, sink: Callable[[bytes], None], end: Callable[[], None]) -> None:
-        """Send the buffered and every further body chunk to ``sink``; ``end`` at its end."""
+        """Send the buffered and every further body chunk to ``sink``; ``end`` at its end
+        (and each chunk to ``tap`` first, when set)."""
+        if self.tap is not None:
+            sink = _tee(self.tap, sink)
         self.conn.resume_reading()  # first: flushing below may pause it again (backpressure)
         chunks, self._chunks, self._buffered = self._chunks, [], 0
         for chunk in chunks:
@@ -132,3 +137,11 @@ class Request:
         body = b"".join(self._chunks)
         self._chunks, self._buffered = [], 0
         return body if len(body) <= limit else None
+
+
+def _tee(tap: Callable[[bytes], None], sink: Callable[[bytes], None]) -> Callable[[bytes], None]:
+    def both(chunk: bytes) -> None:
+        tap(chunk)
+        sink(chunk)
+
+    return both

@@ -89,6 +89,10 @@ class WireHeaders(Mapping[str, str]):
     def __len__(self) -> int:
         return len({name.lower() for name, _ in self._pairs})
 
+    def pairs(self) -> Headers:
+        """Every ``(name, value)`` pair as received, repeated names included (bytes)."""
+        return self._pairs
+
     def getall(self, key: str) -> list[str]:
         want = key.lower().encode("latin-1")
         return [v.decode("latin-1") for n, v in self._pairs if n.lower() == want]

@@ -1,0 +1,40 @@
+"""An :class:`Exchange` that also shows the response to the call's tap (``ctx.tap``, set by a
+middleware such as traffic capture): the head as received, then each body chunk as it is
+forwarded. Used only for calls with a tap, so every other call pays nothing per chunk. After an
+upgrade's ``101`` the tunnelled bytes are not shown."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from proxy.engine.context import BodyTap
+from proxy.relay.fast.exchange import Exchange
+from proxy.relay.fast.server import ClientConnection
+from proxy.relay.fast.wire import Headers
+
+__all__ = ["TappedExchange"]
+
+
+class TappedExchange(Exchange):
+    __slots__ = ("tap",)
+
+    def __init__(self, tap: BodyTap, client: ClientConnection, **options: Any) -> None:
+        super().__init__(client, **options)
+        self.tap = tap
+
+    def on_head(
+        self, status: int, reason: bytes, headers: Headers, *, length: bytes | None, chunked: bool
+    ) -> None:
+        if not self.head.done():
+            self.tap.response_head(status, reason, headers)
+        super().on_head(status, reason, headers, length=length, chunked=chunked)
+
+    def on_switch(self, reason: bytes, headers: Headers) -> None:
+        if not self.head.done():
+            self.tap.response_head(101, reason, headers)
+        super().on_switch(reason, headers)
+
+    def on_body(self, chunk: bytes) -> None:
+        if self.head.done() and not self.done.done() and not self.switched:
+            self.tap.response_body(chunk)
+        super().on_body(chunk)
