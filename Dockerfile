@@ -4,13 +4,15 @@ WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY proxy ./proxy
 COPY examples ./examples
-RUN pip wheel --no-cache-dir --wheel-dir /wheels .
+# with the capture extra (mitmproxy), so --capture works in the image
+RUN pip wheel --no-cache-dir --wheel-dir /wheels ".[capture]"
 
 FROM python:3.11-slim
 COPY --from=build /wheels /wheels
 RUN pip install --no-cache-dir /wheels/*.whl && rm -rf /wheels
 COPY policies /etc/opgate/policies
-# distroless-style non-root user; opgate needs no privileges and writes nothing to disk
+# distroless-style non-root user; opgate needs no privileges and writes nothing to disk but
+# what --audit-log / --capture ask for (the chart mounts an emptyDir for them)
 USER 65532:65532
 ENV PYTHONUNBUFFERED=1
 EXPOSE 8001 9091

@@ -32,7 +32,7 @@ from proxy.engine.check import check
 from proxy.engine.policies import PolicyStore
 from proxy.engine.reload import watch_policies
 from proxy.engine.schema import SectionParser
-from proxy.middlewares import audit, faults, identity, quota, ratelimit
+from proxy.middlewares import audit, capture, faults, identity, quota, ratelimit
 from proxy.middlewares.accesslog import AccessLog, AccessWriter
 from proxy.middlewares.metrics import Metrics
 from proxy.relay import RelaySettings, relay_core, resolve_upstream, serve_api
@@ -50,7 +50,7 @@ def section_parsers() -> Mapping[str, SectionParser]:
     """The ``spec`` sections this build understands, each owned by its middleware."""
     return {identity.SECTION: identity.parse_section, ratelimit.SECTION: ratelimit.parse_section,
             faults.SECTION: faults.parse_section, quota.SECTION: quota.parse_section,
-            audit.SECTION: audit.parse_section}
+            audit.SECTION: audit.parse_section, capture.SECTION: capture.parse_section}
 
 
 def check_paths(paths: Sequence[str]) -> int:
@@ -134,6 +134,23 @@ def open_audit_log(settings: Settings, *, tag: str = "") -> tuple[
     return AccessWriter(stream), stream
 
 
+def open_capture(settings: Settings, upstream_url: str, *, tag: str = "") -> Any:
+    """The capture file's writer (:class:`proxy.capture.FlowFile`; mitmproxy is imported
+    here, only when ``--capture`` is set); each worker of ``--workers N`` writes its own file
+    (``capture.flows`` -> ``capture.worker1.flows``)."""
+    path = settings.log.capture
+    if not path:
+        return None
+    from proxy.capture import FlowFile
+
+    if tag:
+        stem, ext = os.path.splitext(path)
+        path = f"{stem}.{tag.replace(' ', '')}{ext}"
+    return FlowFile(path, upstream=upstream_url,
+                    max_bytes=settings.log.capture_maxsize * 1024 * 1024,
+                    max_backups=settings.log.capture_maxbackup)
+
+
 async def _serve(settings: Settings, *, reuse_port: bool, parent_fd: int | None,
                  tag: str = "") -> int:
     up = settings.upstream
@@ -155,6 +172,11 @@ async def _serve(settings: Settings, *, reuse_port: bool, parent_fd: int | None,
     except OSError as exc:
         log.error("cannot open the audit log %s: %s", settings.log.audit_log, exc)
         return 2
+    try:
+        flows = open_capture(settings, upstream.url, tag=tag)
+    except Exception as exc:  # MitmproxyMissing, OSError
+        log.error("cannot capture to %s: %s", settings.log.capture, exc)
+        return 2
     rl = settings.ratelimit
     buckets = build_store(redis_url=rl.redis_url, password_file=rl.redis_password_file,
                           timeout=rl.redis_timeout, replicas=rl.replicas)
@@ -166,17 +188,23 @@ async def _serve(settings: Settings, *, reuse_port: bool, parent_fd: int | None,
     if auditor is None and store.current.section(audit.SECTION):
         log.warning("the policies have spec.audit but no --audit-log is set: no audit events "
                     "are written")
+    capturer = capture.Capture(write=flows.write) if flows is not None else None
+    if capturer is None and store.current.section(capture.SECTION):
+        log.warning("the policies have spec.capture but no --capture is set: no traffic is "
+                    "captured")
     authn = UpstreamAuthenticator(upstream, connect_timeout=up.connect_timeout)
     # object counts for spec.quotas: list+watch of the quota'd resources and the quotas
     counts = QuotaCounts(upstream, connect_timeout=up.connect_timeout)
     # reservations in the same store as the buckets: with --redis-url shared by every replica
     quotas = quota.Quota(counts=counts, store=buckets)
     quotas.prepare(store.current)  # start counting now, not at the first create
-    # who calls, then what may be injected, then how fast, then how many; the audit log,
-    # metrics and the access log see the outcome
+    # who calls, then what may be injected, then how fast, then how many; capture taps what
+    # is relayed (and records what was answered); the audit log, metrics and the access log
+    # see the outcome
     chain = Chain([identity.IdentityCheck(authenticator=authn), faults.Faults(),
                    ratelimit.RateLimit(store=buckets, overrides=informers), quotas,
-                   *([auditor] if auditor else []), *after])
+                   *([capturer] if capturer else []), *([auditor] if auditor else []),
+                   *after])
     relay_settings = RelaySettings(
         connect_timeout=up.connect_timeout, header_timeout=up.header_timeout,
         request_timeout=up.request_timeout, watch_idle_timeout=up.watch_idle_timeout)
@@ -243,6 +271,8 @@ async def _serve(settings: Settings, *, reuse_port: bool, parent_fd: int | None,
         await buckets.close()
         if access_writer is not None:
             access_writer.close()
+        if flows is not None:
+            flows.close()
         if auditor is not None and audit_log is not None:
             auditor.close()
             audit_log[0].close()

@@ -174,6 +174,15 @@ def build_parser() -> argparse.ArgumentParser:
          help="rotate the audit log file before it grows past this size (0: never)")
     _add(g, "--audit-log-maxbackup", kind=non_negative, default="5", metavar="N",
          help="rotated audit log files kept (0: all)")
+    _add(g, "--capture", metavar="PATH",
+         help="traffic capture: write the calls the policies' spec.capture selects (without "
+         "one: every call) as mitmproxy flows to this file (read it with mitmproxy -r, "
+         "mitmweb -r, mitmdump -r); tokens are redacted, Secret bodies left out; needs "
+         "mitmproxy (pip install 'opgate[capture]') (default: no capture)")
+    _add(g, "--capture-maxsize", kind=non_negative, default="100", metavar="MB",
+         help="rotate the capture file before it grows past this size (0: never)")
+    _add(g, "--capture-maxbackup", kind=non_negative, default="5", metavar="N",
+         help="rotated capture files kept (0: all)")
 
     check = sub.add_parser("check", help="validate policy files offline",
                            description="Validate policy files; print file:line: message per "
@@ -208,7 +217,9 @@ def settings_from(args: argparse.Namespace) -> Settings:
         log=LogSettings(level=args.log_level, access_log=not args.no_access_log,
                         audit_log=args.audit_log or None,
                         audit_log_maxsize=args.audit_log_maxsize,
-                        audit_log_maxbackup=args.audit_log_maxbackup),
+                        audit_log_maxbackup=args.audit_log_maxbackup,
+                        capture=args.capture or None, capture_maxsize=args.capture_maxsize,
+                        capture_maxbackup=args.capture_maxbackup),
         runtime=RuntimeSettings(workers=args.workers, loop=args.loop, relay=args.relay),
     )
 
@@ -227,6 +238,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("opgate: --tls-cert and --tls-key go together", file=sys.stderr)
         return 2
     settings = settings_from(args)
+    if settings.log.capture:
+        from proxy.capture import MitmproxyMissing, load_mitmproxy
+
+        try:
+            load_mitmproxy()
+        except MitmproxyMissing as exc:
+            print(f"opgate: {exc}", file=sys.stderr)
+            return 2
     if settings.runtime.workers > 1:
         from proxy.workers import refusal, supervise
 

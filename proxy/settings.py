@@ -52,6 +52,9 @@ class LogSettings:
     audit_log: str | None = None  # a file, "-" for stdout; None: no audit log
     audit_log_maxsize: int = 100  # MB before the audit log is rotated (0: never)
     audit_log_maxbackup: int = 5  # rotated audit logs kept (0: all)
+    capture: str | None = None  # a mitmproxy flow file for traffic capture; None: no capture
+    capture_maxsize: int = 100  # MB before the capture file is rotated (0: never)
+    capture_maxbackup: int = 5  # rotated capture files kept (0: all)
 
 
 @dataclass(frozen=True, slots=True)

@@ -295,3 +295,8 @@ AUDIT_DROPPED = Counter(
     "opgate_audit_dropped_total", "Audit events dropped: the audit log writer fell behind or "
     "failed.", registry=REGISTRY,
 )
+CAPTURE_FLOWS = Counter(
+    "opgate_capture_flows_total", "Captured calls (--capture), by result: written to the flow "
+    "file, dropped (the writer fell behind), failed (a write or encoding error).", ["result"],
+    registry=REGISTRY,
+)

@@ -2,9 +2,9 @@
 
 The default relay core and the admin listener are served by httptools over asyncio protocols;
 aiohttp (the ``--relay aiohttp`` core, the informers' and the authenticator's HTTP client),
-PyJWT/cryptography (identity with JWTs) and redis (``--redis-url``) are loaded when a feature
-that needs them is used. Each costs megabytes of resident memory in every pod (issue #5, idle
-RSS), so a regression here is a behaviour change, not a style one.
+PyJWT/cryptography (identity with JWTs), redis (``--redis-url``) and mitmproxy (``--capture``)
+are loaded when a feature that needs them is used. Each costs megabytes of resident memory in
+every pod (issue #5, idle RSS), so a regression here is a behaviour change, not a style one.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-HEAVY = ("aiohttp", "jwt", "cryptography", "redis", "watchfiles")
+HEAVY = ("aiohttp", "jwt", "cryptography", "redis", "watchfiles", "mitmproxy")
 
 
 def loaded_after(code: str) -> set[str]:
@@ -36,6 +36,7 @@ def test_the_sidecar_starts_without_the_heavy_libraries() -> None:
     ("import proxy.relay; proxy.relay.Relay", "aiohttp"),
     ("from proxy.stores import build_store; build_store(redis_url='redis://127.0.0.1:1',"
      " password_file=None, timeout=0.05, replicas=1)", "redis"),
+    ("from proxy.capture import load_mitmproxy; load_mitmproxy()", "mitmproxy"),
 ])
 def test_a_feature_loads_its_library_when_used(code: str, library: str) -> None:
     assert library in loaded_after(code)

@@ -70,3 +70,15 @@ def test_dockerfile_copies_what_exists_and_runs_unprivileged() -> None:
     [cmd] = [ln for ln in lines if ln.startswith("CMD ")]
     args = build_parser().parse_args(yaml.safe_load(cmd[4:]))
     assert Path(args.policies.replace("/etc/opgate/policies", str(ROOT / "policies"))).is_dir()
+
+
+def test_the_image_and_the_test_extra_have_mitmproxy_for_capture() -> None:
+    import tomllib
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]
+    assert any(req.startswith("mitmproxy>=") for req in extras["capture"])
+    assert any(req.startswith("mitmproxy>=") for req in extras["test"])  # bootstrap: .[test]
+    [wheel] = [ln for ln in (ROOT / "Dockerfile").read_text().splitlines()
+               if "pip wheel" in ln]
+    assert ".[capture]" in wheel
