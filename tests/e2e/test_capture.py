@@ -182,3 +182,28 @@ def test_opgate_own_answer_and_secrets_and_no_token(
 
 def mitmdump_exe() -> str:
     return shutil.which("mitmdump") or str(Path(sys.executable).with_name("mitmdump"))
+
+
+def test_the_chart_mounts_an_empty_dir_for_the_capture_file(helm: Path) -> None:
+    import yaml
+
+    from proxy.cli import build_parser, settings_from
+
+    chart = Path(__file__).resolve().parents[2] / "helm" / "opgate"
+    out = subprocess.run([str(helm), "template", "demo", str(chart), "--set",
+                          "sidecar.capture.enabled=true", "--set", "sidecar.capture.maxSizeMB=20",
+                          "--set", "sidecar.audit.enabled=true"],
+                         capture_output=True, text=True, check=True).stdout
+    [deploy] = [d for d in yaml.safe_load_all(out) if d and d["kind"] == "Deployment"]
+    pod = deploy["spec"]["template"]["spec"]
+    [sidecar] = [c for c in pod["containers"] if c["name"] == "opgate"]
+    log = settings_from(build_parser().parse_args(sidecar["args"])).log
+    assert (log.capture, log.capture_maxsize, log.capture_maxbackup) == (
+        "/var/log/opgate-capture/capture.flows", 20, 5)
+    assert log.audit_log == "/var/log/opgate/audit.log"  # both, on volumes of their own
+    assert {"name": "opgate-capture",
+            "mountPath": "/var/log/opgate-capture"} in sidecar["volumeMounts"]
+    assert {"name": "opgate-capture", "emptyDir": {"sizeLimit": "1Gi"}} in pod["volumes"]
+    off = subprocess.run([str(helm), "template", "demo", str(chart)], capture_output=True,
+                         text=True, check=True).stdout
+    assert "capture" not in off

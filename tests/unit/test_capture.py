@@ -116,6 +116,25 @@ def test_opgate_check_validates_the_section(tmp_path: Path) -> None:
     assert check([str(policy)], parsers=section_parsers()) == []
 
 
+EXAMPLE = Path(__file__).resolve().parents[2] / "policies" / "examples" / "capture.yaml"
+
+
+async def test_the_example_policy_is_valid_and_does_what_it_says() -> None:
+    example = EXAMPLE
+    assert check([str(example)], parsers=section_parsers()) == []
+    pset = build_policy_set([(str(example), example.read_bytes())], parsers=section_parsers())
+    cap = Capture(write=lambda call: None, rng=lambda: 0.5)
+    cases = [("PUT", "/apis/coordination.k8s.io/v1/namespaces/a/leases/op", None),
+             ("PATCH", "/apis/apps/v1/namespaces/a/deployments/d", 262144),
+             ("GET", "/api/v1/namespaces/a/configmaps", None),  # a list, not drawn
+             ("GET", "/apis/demo.opgate.dev/v1/namespaces/a/widgets/w", DEFAULT_MAX_BODY),
+             ("GET", "/api/v1/namespaces/a/configmaps/c", None)]
+    for method, path, limit in cases:
+        ctx = make_ctx(method, path, pset=pset)
+        await cap.entry(ctx)
+        assert (ctx.tap.limit if isinstance(ctx.tap, CallTap) else None) == limit, path
+
+
 async def test_without_a_section_every_call_is_tapped() -> None:
     cap = Capture(write=lambda call: None)
     for method, path in (("GET", "/api/v1/pods"), ("POST", "/apis/apps/v1/namespaces/a/x"),
@@ -380,3 +399,26 @@ def test_a_flow_that_fails_to_encode_is_counted_not_fatal(tmp_path: Path) -> Non
 def test_to_flow_needs_no_file() -> None:
     flow = to_flow(tapped_call(make_ctx("GET", "/api/v1/namespaces/a/pods")), upstream=UPSTREAM)
     assert flow.request.url == "https://10.0.0.1:6443/api/v1/namespaces/a/pods"
+
+
+def test_the_flags_reach_the_settings_and_each_worker_writes_its_own_file(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from proxy.app import open_capture
+    from proxy.cli import build_parser, settings_from
+    from proxy.settings import Settings
+
+    path = tmp_path / "capture.flows"
+    settings = settings_from(build_parser().parse_args(
+        ["serve", "--capture", str(path), "--capture-maxsize", "7",
+         "--capture-maxbackup", "0"]))
+    assert (settings.log.capture, settings.log.capture_maxsize,
+            settings.log.capture_maxbackup) == (str(path), 7, 0)
+    assert Settings.from_json(settings.to_json()) == settings  # handed to --workers as JSON
+    monkeypatch.setenv("OPGATE_CAPTURE", "/tmp/x.flows")
+    assert settings_from(build_parser().parse_args(["serve"])).log.capture == "/tmp/x.flows"
+    assert open_capture(Settings(), UPSTREAM) is None
+    flows = open_capture(settings, UPSTREAM, tag="worker 2")
+    try:
+        assert flows.path == str(tmp_path / "capture.worker2.flows")
+    finally:
+        flows.close()

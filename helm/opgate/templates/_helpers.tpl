@@ -49,6 +49,11 @@ next to their controller container (and "opgate.volumes" in the pod's volumes).
     - --audit-log-maxsize={{ .Values.sidecar.audit.maxSizeMB }}
     - --audit-log-maxbackup={{ .Values.sidecar.audit.maxBackups }}
     {{- end }}
+    {{- if .Values.sidecar.capture.enabled }}
+    - --capture={{ .Values.sidecar.capture.path }}
+    - --capture-maxsize={{ .Values.sidecar.capture.maxSizeMB }}
+    - --capture-maxbackup={{ .Values.sidecar.capture.maxBackups }}
+    {{- end }}
     {{- if .Values.redis.url }}
     - --redis-url={{ .Values.redis.url }}
     - --replicas={{ .Values.redis.replicas }}
@@ -90,6 +95,9 @@ next to their controller container (and "opgate.volumes" in the pod's volumes).
     {{- if and .Values.sidecar.audit.enabled (ne .Values.sidecar.audit.path "-") }}
     - {name: opgate-audit, mountPath: {{ dir .Values.sidecar.audit.path | quote }}}
     {{- end }}
+    {{- if .Values.sidecar.capture.enabled }}
+    - {name: opgate-capture, mountPath: {{ dir .Values.sidecar.capture.path | quote }}}
+    {{- end }}
 {{- end -}}
 
 {{- define "opgate.volumes" -}}
@@ -105,5 +113,10 @@ next to their controller container (and "opgate.volumes" in the pod's volumes).
 - name: opgate-audit
   emptyDir:
     sizeLimit: {{ .Values.sidecar.audit.sizeLimit }}
+{{- end }}
+{{- if .Values.sidecar.capture.enabled }}
+- name: opgate-capture
+  emptyDir:
+    sizeLimit: {{ .Values.sidecar.capture.sizeLimit }}
 {{- end }}
 {{- end -}}
