@@ -181,11 +181,13 @@ class Capture:
         rule = self._select(ctx)
         if rule is not None:
             ctx.tap = self._tap(ctx, rule)
+        else:
+            ctx.state[self.name] = False  # decided (and drawn): not captured
 
     async def exit(self, ctx: RequestContext) -> None:
         tap = ctx.tap
         if not isinstance(tap, CallTap):
-            if ctx.answer is None:
+            if ctx.answer is None or self.name in ctx.state:
                 return
             rule = self._select(ctx)  # answered before entry ran (e.g. denied by identity)
             if rule is None:

@@ -174,6 +174,30 @@ async def test_sample_draws_per_call() -> None:
     assert tapped == [True, False, True]
 
 
+async def test_a_reloaded_policy_set_decides_from_then_on() -> None:
+    cap = Capture(write=lambda call: None)
+    before = policies("    - {match: {verbs: [get]}}\n")
+    after = policies("    - {match: {verbs: [get]}, sample: 0}\n")
+    decided = []
+    for pset in (before, after, before):
+        ctx = make_ctx("GET", "/api/v1/namespaces/a/pods/p", pset=pset)
+        await cap.entry(ctx)
+        decided.append(ctx.tap is not None)
+    assert decided == [True, False, True]
+
+
+async def test_a_call_not_drawn_at_entry_is_not_drawn_again_when_opgate_answers() -> None:
+    draws = iter([0.9, 0.0])
+    written: list[CapturedCall] = []
+    cap = Capture(write=written.append, rng=lambda: next(draws))
+    ctx = make_ctx("GET", "/api/v1/namespaces/a/pods/p",
+                   pset=policies("    - {match: {verbs: [get]}, sample: 0.5}\n"))
+    await cap.entry(ctx)  # 0.9: not this one
+    ctx.answer = forbidden("opgate: upstream unreachable")
+    await cap.exit(ctx)
+    assert written == []
+
+
 # --- the tap ----------------------------------------------------------------------------------
 
 def test_the_tap_keeps_at_most_its_bound_and_counts_the_rest() -> None:
