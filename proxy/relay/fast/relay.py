@@ -289,8 +289,8 @@ class FastRelay:
         except (OSError, TimeoutError) as e:
             raise errors.upstream_failed(e, ctx, self._base) from e
         exchange = (Exchange if ctx.tap is None else partial(TappedExchange, ctx.tap))(
-            client, extra=ctx.response_headers, defer_head=False,
-                            head_only=False, http11=req.http11, keep_alive=False)
+            client, extra=ctx.response_headers, defer_head=False, head_only=False,
+            http11=req.http11, keep_alive=False)
         started = time.monotonic()
         client.flow = conn
         conn.flow = client
