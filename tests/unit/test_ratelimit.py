@@ -282,7 +282,7 @@ def test_one_flooding_instance_does_not_slow_another() -> None:
 
 
 def test_wait_mode_queues_fifo_then_rejects_past_max_wait() -> None:
-    pset = policies("- {name: w, qps: 50, burst: 2, onExceed: wait, maxWait: 150ms}")
+    pset = policies("- {name: w, qps: 20, burst: 2, onExceed: wait, maxWait: 400ms}")
     mw, _ = make(clock=time.monotonic)  # type: ignore[arg-type]
 
     async def call(i: int, order: list[int]) -> Any:
@@ -294,17 +294,18 @@ def test_wait_mode_queues_fifo_then_rejects_past_max_wait() -> None:
     async def go() -> tuple[list[Any], list[int], float]:
         order: list[int] = []
         start = time.monotonic()
-        results = await asyncio.gather(*(call(i, order) for i in range(12)))
+        results = await asyncio.gather(*(call(i, order) for i in range(16)))
         return results, order, time.monotonic() - start
 
     results, order, elapsed = asyncio.run(go())
     admitted = [r is None for r in results]
-    # 2 at once, then one per 20 ms for 150 ms: about 9 in all; the rest 429 at the deadline
-    assert 5 <= sum(admitted) <= 10
+    # 2 at once, then one per 50 ms for 400 ms: about 10 in all (fewer when a busy machine
+    # wakes the waiters late: 5 leaves 200 ms for that); the rest 429 at the deadline
+    assert 5 <= sum(admitted) <= 11
     assert admitted == sorted(admitted, reverse=True)  # first come, first served
     assert order == sorted(order)
     assert all(isinstance(r, Deny) and r.status.code == 429 for r in results if r is not None)
-    assert elapsed < 1.0
+    assert elapsed < 2.0
     assert not mw._queues  # queues are dropped when empty
 
 
