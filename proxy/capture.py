@@ -109,7 +109,7 @@ def to_flow(call: CapturedCall, *, upstream: str, mitm: Any = None) -> Any:
     target = quote(call.path, safe=_PATH_SAFE)
     if call.query:
         target += "?" + redact_query(call.query)
-    client = connection.Client(peername=("127.0.0.1", 0), sockname=("127.0.0.1", 0),
+    client = connection.Client(peername=(call.remote, 0), sockname=("", 0),
                                timestamp_start=call.started)
     client.timestamp_end = call.finished
     server = connection.Server(address=(host, port))

@@ -83,6 +83,7 @@ class RequestContext:
     headers: Mapping[str, str]
     policies: PolicySet
     trace_id: str = ""
+    remote: str = ""  # the caller's address as the listener saw it ("" on a Unix socket)
     started: float = field(default_factory=time.monotonic)
     wall_time: float = field(default_factory=time.time)
     identity: Identity | None = None

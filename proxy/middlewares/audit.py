@@ -11,8 +11,9 @@ the tools that read its ``--audit-log-path`` files read opgate's too:
   whose name contains ``token`` is redacted).
 * ``user`` is the identity opgate verified (``spec.identity``): ``{}`` when none was verified,
   with the annotation ``opgate.dev/user: unverified``. ``impersonatedUser`` when the call
-  forwards ``Impersonate-User``. ``sourceIPs`` is left out: the relay does not tell middlewares
-  the peer's address (on a loopback sidecar it is the controller's 127.0.0.1).
+  forwards ``Impersonate-User``. ``sourceIPs`` as the apiserver lists them: ``X-Forwarded-For``,
+  ``X-Real-Ip``, then the caller's address (on a loopback sidecar the controller's 127.0.0.1;
+  none on a Unix socket).
 * ``responseStatus`` has the code; for an answer opgate gave itself (a denial, throttling, a
   fault, a quota, the relay's own 4xx/5xx) also ``status``, ``message``, ``reason``, ``details``
   of the Status it sent. The apiserver's own error bodies are not read (only their code).
@@ -43,6 +44,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import ipaddress
 import json
 import logging
 import os
@@ -111,6 +113,32 @@ def micro_times(first: float, second: float) -> tuple[str, str]:
                 micro_time(second))
     return (f"{prefix}.{min(int((first - start) * 1_000_000), 999_999):06d}Z",
             f"{prefix}.{min(int((second - end) * 1_000_000), 999_999):06d}Z")
+
+
+def _ip(text: str) -> str | None:
+    try:
+        return str(ipaddress.ip_address(text.strip()))
+    except ValueError:
+        return None
+
+
+def source_ips(ctx: RequestContext) -> list[str]:
+    """``sourceIPs`` as the apiserver fills it: the valid addresses of ``X-Forwarded-For``,
+    then ``X-Real-Ip`` unless already listed, then the caller's own address unless it is the
+    last one listed (none on a Unix socket)."""
+    found: list[str] = []
+    forwarded = ctx.headers.get("x-forwarded-for")
+    if forwarded:
+        found = [ip for part in forwarded.split(",") if (ip := _ip(part)) is not None]
+    real = ctx.headers.get("x-real-ip")
+    if real:
+        ip = _ip(real)
+        if ip is not None and ip not in found:
+            found.append(ip)
+    remote = _ip(ctx.remote) if ctx.remote else None
+    if remote is not None and (not found or found[-1] != remote):
+        found.append(remote)
+    return found
 
 
 def request_uri(path: str, query: str) -> str:
@@ -289,6 +317,9 @@ class Audit:
         if impersonated and (ctx.allow_impersonation
                              or getattr(ctx.policies, "allow_impersonation", False)):
             ev["impersonatedUser"] = {"username": impersonated}
+        sources = source_ips(ctx)
+        if sources:
+            ev["sourceIPs"] = sources
         agent = ctx.headers.get("user-agent")
         if agent:
             ev["userAgent"] = agent
@@ -356,6 +387,7 @@ class Audit:
         if (stage != "ResponseComplete" or not code or ctx.answer is not None or ctx.error
                 or (code >= 400 and ctx.decision != "allowed")
                 or (ctx.body and not ctx.info.name) or "impersonate-user" in ctx.headers
+                or "x-forwarded-for" in ctx.headers or "x-real-ip" in ctx.headers
                 or (decision.level != "Metadata" and ctx.info.is_resource_request)):
             return _ENCODER.encode(self.event(ctx, decision, stage, stamp)) + "\n"
         head, middle, tail = self._fragments(ctx, decision)
@@ -371,7 +403,7 @@ class Audit:
         response code, and of the annotations after the decision."""
         identity = ctx.identity
         agent = ctx.headers.get("user-agent")
-        key = (id(ctx.info), ctx.query, id(identity), id(decision), agent)
+        key = (id(ctx.info), ctx.query, id(identity), id(decision), agent, ctx.remote)
         hit = self._lines.get(key)
         if (hit is not None and hit[0] is ctx.info and hit[1] is identity
                 and hit[2] is decision):
@@ -379,7 +411,8 @@ class Audit:
         ev = self.event(ctx, decision, "ResponseComplete", ctx.wall_time)
         head = ('{"kind":"Event","apiVersion":"audit.k8s.io/v1","level":'
                 f'{_ENCODER.encode(decision.level)},"auditID":"')
-        names = ("requestURI", "verb", "user", "impersonatedUser", "userAgent", "objectRef")
+        names = ("requestURI", "verb", "user", "impersonatedUser", "sourceIPs", "userAgent",
+                 "objectRef")
         middle = '","stage":"ResponseComplete"' + "".join(
             f",{_ENCODER.encode(k)}:{_ENCODER.encode(ev[k])}" for k in names if k in ev
         ) + ',"responseStatus":{"metadata":{},"code":'

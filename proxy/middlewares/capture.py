@@ -122,6 +122,7 @@ class CapturedCall:
     answer_reason: str = ""
     answer_message: str = ""
     error: str = ""
+    remote: str = ""  # the caller's address ("" on a Unix socket)
     upgrade: bool = False
 
     @property
@@ -219,7 +220,7 @@ class Capture:
             verb=info.verb, api_group=info.api_group, resource=info.resource,
             subresource=info.subresource, decision=ctx.decision, user=ctx.user,
             rule=tap.rule.source or tap.rule.name, omit=tap.omit, finished=finished,
-            error=ctx.error, upgrade=tap.response_status == 101 or (
+            error=ctx.error, remote=ctx.remote, upgrade=tap.response_status == 101 or (
                 tap.omit.startswith("upgrade")))
         if tap.omit and call.request_body:
             call.request_body = b""

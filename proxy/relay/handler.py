@@ -108,6 +108,7 @@ class Relay:
             headers=request.headers,
             policies=self._policies.current,  # type: ignore[arg-type]
             trace_id=_next_trace_id(),
+            remote=request.remote or "",
         )
         resp = await self._after.track(ctx, self._serve(request, ctx))
         if self._after.has_hooks:

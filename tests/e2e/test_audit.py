@@ -128,6 +128,7 @@ def test_kubectl_create_get_delete_are_audited_with_the_verified_user(
         assert ev["user"]["username"] == USER
         assert "system:serviceaccounts" in ev["user"]["groups"]
         assert ev["userAgent"].startswith("kubectl")
+        assert ev["sourceIPs"] == ["127.0.0.1"]  # kubectl on loopback, as the apiserver lists it
         assert ev["objectRef"]["namespace"] == NS
         assert ev["objectRef"]["apiVersion"] == "v1"
         assert ev["annotations"]["opgate.dev/decision"] == "allowed"

@@ -119,6 +119,7 @@ async def test_calls_become_flows_with_bodies_both_ways_and_no_token(
         await up.close()
     get, post, put = sorted(flows, key=lambda f: f.request.timestamp_start)
     assert get.request.method == "GET"
+    assert get.client_conn.peername[0] == "127.0.0.1"  # the caller, as the listener saw it
     assert get.request.path == "/api/v1/namespaces/a/configmaps?access_token=REDACTED&limit=5"
     assert get.request.headers["Authorization"] == "Bearer REDACTED"
     assert (get.response.status_code, get.response.content) == (200, b"got:")

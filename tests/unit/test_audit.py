@@ -145,7 +145,7 @@ _ODD_AGENT = 'kubectl "quoted" \\ \u00e9\u4e2d\x01'
     "plain", "unverified", "odd-agent", "no-agent", "rule", "query-secret", "escaped-path",
     "cluster-scope", "non-resource", "client-gone", "upstream-500", "create-named",
     "create-from-body", "denied", "error", "request-level", "impersonated", "no-status",
-    "next-second",
+    "next-second", "forwarded", "unix-socket", "ipv6",
 ])
 def test_joined_lines_equal_the_encoded_event(case: str) -> None:
     """``Audit.line`` joins remembered JSON fragments in the common case: the text must be
@@ -178,7 +178,10 @@ def test_joined_lines_equal_the_encoded_event(case: str) -> None:
         method, body = "PUT", b'{"metadata":{"name":"c"}}'
     if case == "impersonated":
         headers["Impersonate-User"] = "jane"
+    if case == "forwarded":
+        headers["X-Forwarded-For"] = "10.0.0.1"
     ctx = make_ctx(method, path, query, pset=pset, headers=headers, body=body)
+    ctx.remote = {"unix-socket": "", "ipv6": "::1"}.get(case, "127.0.0.1")
     if case == "no-agent":
         del ctx.headers["User-Agent"]
     if case != "unverified":
@@ -224,6 +227,29 @@ def test_verbs_are_the_apiservers(method: str, path: str, query: str, verb: str)
 async def _exit(auditor: Audit, ctx: RequestContext, code: int) -> None:
     finish(ctx, code)
     await auditor.exit(ctx)
+
+
+@pytest.mark.parametrize(("remote", "headers", "expected"), [
+    ("127.0.0.1", {}, ["127.0.0.1"]),
+    ("", {}, []),  # a Unix socket
+    ("::1", {}, ["::1"]),
+    ("127.0.0.1", {"X-Forwarded-For": "10.0.0.1, not-an-ip , 10.0.0.2"},
+     ["10.0.0.1", "10.0.0.2", "127.0.0.1"]),
+    ("127.0.0.1", {"X-Forwarded-For": "10.0.0.1, 127.0.0.1"}, ["10.0.0.1", "127.0.0.1"]),
+    ("127.0.0.1", {"X-Real-Ip": "10.0.0.3"}, ["10.0.0.3", "127.0.0.1"]),
+    ("127.0.0.1", {"X-Forwarded-For": "10.0.0.3", "X-Real-Ip": "10.0.0.3"},
+     ["10.0.0.3", "127.0.0.1"]),
+    ("127.0.0.1", {"X-Forwarded-For": "2001:DB8::1"}, ["2001:db8::1", "127.0.0.1"]),
+])
+def test_source_ips_as_the_apiserver_lists_them(remote: str, headers: dict[str, str],
+                                               expected: list[str]) -> None:
+    out = Lines()
+    ctx = make_ctx("GET", "/api/v1/namespaces/a/pods", headers=headers)
+    ctx.remote = remote
+    run_call(Audit(write=out), ctx)
+    (ev,) = out.events
+    check_shape(ev)
+    assert ev.get("sourceIPs", []) == expected
 
 
 def test_unverified_caller_subresource_and_cluster_scope() -> None:

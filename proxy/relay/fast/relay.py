@@ -133,6 +133,7 @@ class FastRelay:
             headers=WireHeaders(req.headers),
             policies=self._policies.current,  # type: ignore[arg-type]
             trace_id=_next_trace_id(),
+            remote=req.conn.remote,
         )
         await self._after.track(ctx, self._serve(req, ctx))
         if self._after.has_hooks:

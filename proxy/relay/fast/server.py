@@ -88,6 +88,7 @@ class ClientConnection(FlowForwarding, asyncio.Protocol):
         self._raw_closed: Callable[[], None] | None = None
         self._idle: asyncio.TimerHandle | None = None  # one per connection, re-armed lazily
         self._last = 0.0  # when the last request was answered (or the connection opened)
+        self.remote = ""  # the peer's IP address ("" on a Unix socket)
         self.loop = asyncio.get_event_loop()
 
     @property
@@ -102,6 +103,9 @@ class ClientConnection(FlowForwarding, asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's is no asyncio.Transport
         self.transport.set_write_buffer_limits(high=WRITE_HIGH_WATER)
+        peer = transport.get_extra_info("peername")
+        if isinstance(peer, tuple) and peer:
+            self.remote = str(peer[0])
         if self._server is not None:
             self._server.connections.add(self)
         self._arm_idle()
