@@ -25,19 +25,17 @@ truncated or left out.
 
 from __future__ import annotations
 
-import collections
 import io
 import json
 import logging
-import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 from urllib.parse import quote, urlsplit
 
 from proxy.engine import telemetry
+from proxy.engine.logfile import BackgroundWriter, RotatingFile
 from proxy.engine.redact import carries_token, redact_header, redact_object, redact_query
-from proxy.middlewares.audit import RotatingFile
 from proxy.middlewares.capture import CapturedCall
 
 __all__ = ["MAX_PENDING_BYTES", "FlowFile", "MitmproxyMissing", "load_mitmproxy", "to_flow"]
@@ -175,30 +173,17 @@ class FlowFile:
         self._mitm = load_mitmproxy()
         self.path = path
         self._upstream = upstream
-        self._target = _FlowRotatingFile(path, max_bytes=max_bytes, max_backups=max_backups,
-                                         now=now)
-        self._max = max_pending
-        self._queue: collections.deque[tuple[CapturedCall, int]] = collections.deque()
-        self._pending = 0
-        self._cond = threading.Condition()
-        self._closing = False
-        self._failed_at = 0.0
+        self._target = RotatingFile(path, max_bytes=max_bytes, max_backups=max_backups, now=now)
         self._written = telemetry.CAPTURE_FLOWS.labels("written")
-        self._dropped = telemetry.CAPTURE_FLOWS.labels("dropped")
+        dropped = telemetry.CAPTURE_FLOWS.labels("dropped")
         self._failed = telemetry.CAPTURE_FLOWS.labels("failed")
-        self._thread = threading.Thread(target=self._run, name="opgate-capture-writer",
-                                        daemon=True)
-        self._thread.start()
+        self._writer: BackgroundWriter[CapturedCall] = BackgroundWriter(
+            self._write_batch, name="opgate-capture-writer", max_pending=max_pending,
+            dropped=lambda _call: dropped.inc())
 
     def write(self, call: CapturedCall) -> None:
         size = OVERHEAD + len(call.request_body or b"") + len(call.response_body or b"")
-        with self._cond:
-            if self._closing or self._pending + size > self._max:
-                self._dropped.inc()
-                return
-            self._queue.append((call, size))
-            self._pending += size
-            self._cond.notify()
+        self._writer.put(call, size)
 
     def encode(self, call: CapturedCall) -> bytes:
         """One flow in the file format (``FlowWriter``: a tnetstring of its state)."""
@@ -207,54 +192,26 @@ class FlowFile:
                                                   mitm=self._mitm))
         return buf.getvalue()
 
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                while not self._queue and not self._closing:
-                    self._cond.wait()
-                if not self._queue:
-                    return
-                batch = list(self._queue)
-                self._queue.clear()
-            written = failed = 0
-            for call, size in batch:
-                try:
-                    self._target.write_bytes(self.encode(call))
-                    written += 1
-                except Exception as exc:  # a disk error, or a flow mitmproxy refuses
-                    failed += 1
-                    now = time.monotonic()
-                    if now - self._failed_at > 10:
-                        self._failed_at = now
-                        log.error("cannot write to the capture file %s: %s (flows dropped)",
-                                  self.path, exc)
-                with self._cond:
-                    self._pending -= size
-            try:
-                self._target.flush()
-            except OSError as exc:
-                log.error("cannot flush the capture file %s: %s", self.path, exc)
-            if written:
-                self._written.inc(written)
-            if failed:
-                self._failed.inc(failed)
+    def _write_batch(self, batch: Sequence[CapturedCall]) -> None:
+        written = failed = 0
+        for call in batch:
+            try:  # a flow is written whole (rotating first if needed): never split
+                self._target.write_bytes(self.encode(call))
+                written += 1
+            except Exception as exc:  # a disk error, or a flow mitmproxy refuses
+                failed += 1
+                self._writer.complain("cannot write to the capture file %s: %s (flows dropped)",
+                                      self.path, exc)
+        try:
+            self._target.flush()
+        except OSError as exc:
+            self._writer.complain("cannot flush the capture file %s: %s", self.path, exc)
+        if written:
+            self._written.inc(written)
+        if failed:
+            self._failed.inc(failed)
 
     def close(self, timeout: float = 5.0) -> None:
         """Write what is queued (``timeout`` at most), then close the file."""
-        with self._cond:
-            self._closing = True
-            self._cond.notify()
-        self._thread.join(timeout)
-        if not self._thread.is_alive():
+        if self._writer.close(timeout):
             self._target.close()
-
-
-class _FlowRotatingFile(RotatingFile):
-    """The audit log's size-rotated 0600 file, for bytes: a flow is never split across files."""
-
-    def write_bytes(self, raw: bytes) -> None:
-        if self.max_bytes and self.size and self.size + len(raw) > self.max_bytes:
-            self.rotate()
-        self._file.write(raw)
-        self.size += len(raw)
-

@@ -43,22 +43,19 @@ in ``opgate_audit_dropped_total``) rather than hold more than ``MAX_PENDING_BYTE
 from __future__ import annotations
 
 import asyncio
-import collections
 import ipaddress
 import json
 import logging
-import os
 import re
-import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from typing import IO, Any
 from urllib.parse import quote
 
 from proxy.engine import telemetry
 from proxy.engine.context import RequestContext
+from proxy.engine.logfile import BackgroundWriter, RotatingFile
 from proxy.engine.redact import redact_object, redact_query
 from proxy.middlewares.audit_spec import (
     SECTION,
@@ -440,75 +437,6 @@ class Audit:
 
 # --- where the lines go ------------------------------------------------------------------------
 
-class RotatingFile:
-    """An append-only file rotated by size, as the apiserver's audit log (lumberjack) does.
-
-    Before a write would take the file past ``max_bytes`` (0: never), it is renamed to
-    ``<name>-<UTC time 2006-01-02T15-04-05.000><ext>`` next to it and a new one opened; only the
-    newest ``max_backups`` such files are kept (0: all). New files are created mode 0600.
-    """
-
-    def __init__(self, path: str, *, max_bytes: int = 0, max_backups: int = 0,
-                 now: Callable[[], float] = time.time) -> None:
-        self.path = path
-        self.max_bytes = max_bytes
-        self.max_backups = max_backups
-        self._now = now
-        folder, base = os.path.split(path)
-        self._dir = folder or "."
-        self._stem, self._ext = os.path.splitext(base)
-        stamp = r"(\d{4}-\d\d-\d\dT\d\d-\d\d-\d\d\.\d{3})(?:-\d+)?"
-        self._backup = re.compile(re.escape(self._stem) + "-" + stamp + re.escape(self._ext))
-        self._file = self._open()
-        self.size = os.fstat(self._file.fileno()).st_size
-
-    def _open(self) -> IO[bytes]:
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-        return os.fdopen(fd, "ab")
-
-    def write(self, data: str) -> None:
-        raw = data.encode("utf-8")
-        if self.max_bytes and self.size and self.size + len(raw) > self.max_bytes:
-            self.rotate()
-        self._file.write(raw)
-        self.size += len(raw)
-
-    def flush(self) -> None:
-        self._file.flush()
-
-    def backups(self) -> list[str]:
-        """The rotated files, oldest first."""
-        found = []
-        for name in os.listdir(self._dir):
-            m = self._backup.fullmatch(name)
-            if m:
-                found.append((m.group(1), name))
-        return [os.path.join(self._dir, name) for _, name in sorted(found)]
-
-    def rotate(self) -> None:
-        self._file.close()
-        stamp = datetime.fromtimestamp(self._now(), UTC).strftime("%Y-%m-%dT%H-%M-%S.%f")[:-3]
-        target = os.path.join(self._dir, f"{self._stem}-{stamp}{self._ext}")
-        n = 1
-        while os.path.exists(target):
-            target = os.path.join(self._dir, f"{self._stem}-{stamp}-{n}{self._ext}")
-            n += 1
-        try:
-            os.rename(self.path, target)
-        finally:
-            self._file = self._open()
-            self.size = os.fstat(self._file.fileno()).st_size
-        if self.max_backups:
-            for old in self.backups()[:-self.max_backups]:
-                try:
-                    os.remove(old)
-                except OSError as exc:
-                    log.warning("cannot remove old audit log %s: %s", old, exc)
-
-    def close(self) -> None:
-        self._file.close()
-
-
 class QueuedStream:
     """A stream for :class:`~proxy.middlewares.accesslog.AccessWriter` whose ``write`` never
     blocks: batches go to a writer thread; past ``max_pending`` bytes waiting, a batch is dropped
@@ -517,56 +445,28 @@ class QueuedStream:
     def __init__(self, target: RotatingFile | IO[str], *,
                  max_pending: int = MAX_PENDING_BYTES) -> None:
         self._target = target
-        self._max = max_pending
-        self._queue: collections.deque[str] = collections.deque()
-        self._pending = 0
-        self._cond = threading.Condition()
-        self._closing = False
-        self._failed_at = 0.0
-        self._thread = threading.Thread(target=self._run, name="opgate-audit-writer",
-                                        daemon=True)
-        self._thread.start()
+        self._writer: BackgroundWriter[str] = BackgroundWriter(
+            self._write_batch, name="opgate-audit-writer", max_pending=max_pending,
+            dropped=lambda data: telemetry.AUDIT_DROPPED.inc(data.count("\n")))
 
     def write(self, data: str) -> None:
-        with self._cond:
-            if self._closing or self._pending + len(data) > self._max:
-                telemetry.AUDIT_DROPPED.inc(data.count("\n"))
-                return
-            self._queue.append(data)
-            self._pending += len(data)
-            self._cond.notify()
+        self._writer.put(data, len(data))
 
     def flush(self) -> None:
         """Nothing: the writer thread flushes after each batch."""
 
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                while not self._queue and not self._closing:
-                    self._cond.wait()
-                if not self._queue:
-                    return
-                data = "".join(self._queue)
-                self._queue.clear()
-            try:
-                self._target.write(data)
-                self._target.flush()
-            except (OSError, ValueError) as exc:
-                telemetry.AUDIT_DROPPED.inc(data.count("\n"))
-                now = time.monotonic()
-                if now - self._failed_at > 10:
-                    self._failed_at = now
-                    log.error("cannot write the audit log: %s (events dropped)", exc)
-            with self._cond:
-                self._pending -= len(data)
+    def _write_batch(self, batch: Sequence[str]) -> None:
+        data = "".join(batch)
+        try:
+            self._target.write(data)
+            self._target.flush()
+        except (OSError, ValueError) as exc:
+            telemetry.AUDIT_DROPPED.inc(data.count("\n"))
+            self._writer.complain("cannot write the audit log: %s (events dropped)", exc)
 
     def close(self, timeout: float = 5.0) -> None:
         """Write what is queued (``timeout`` at most), then close the target."""
-        with self._cond:
-            self._closing = True
-            self._cond.notify()
-        self._thread.join(timeout)
-        if not self._thread.is_alive():
+        if self._writer.close(timeout):
             close = getattr(self._target, "close", None)
             if close is not None:
                 close()

@@ -17,12 +17,12 @@ import pytest
 from mitmproxy import io as mio
 from multidict import CIMultiDict
 
-from proxy import capture as capture_file
 from proxy.app import section_parsers
 from proxy.capture import FlowFile, to_flow
 from proxy.engine import telemetry
 from proxy.engine.check import check
 from proxy.engine.context import Identity, RequestContext
+from proxy.engine.logfile import RotatingFile
 from proxy.engine.policies import EMPTY, PolicySet, build_policy_set
 from proxy.engine.redact import redact_header, redact_object, redact_query
 from proxy.engine.requestinfo import parse_request_info
@@ -387,13 +387,13 @@ def test_the_file_is_0600_and_rotates_between_flows(tmp_path: Path) -> None:
 def test_a_stalled_writer_drops_whole_flows_and_counts_them(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     gate = threading.Event()
-    real = capture_file._FlowRotatingFile.write_bytes
+    real = RotatingFile.write_bytes
 
     def stalled(self: Any, raw: bytes) -> None:
         gate.wait(10)
         real(self, raw)
 
-    monkeypatch.setattr(capture_file._FlowRotatingFile, "write_bytes", stalled)
+    monkeypatch.setattr(RotatingFile, "write_bytes", stalled)
     before_dropped, before_written = counted("dropped"), counted("written")
     out = FlowFile(str(tmp_path / "c.flows"), upstream=UPSTREAM, max_pending=64 * 1024)
     call = tapped_call(make_ctx("GET", "/api/v1/pods"), response=[b"y" * 20_000])
