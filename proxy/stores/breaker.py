@@ -117,6 +117,13 @@ class ResilientStore:
     def backend(self) -> str:
         return "redis" if self.breaker.allows() else "fallback"
 
+    def take_local(self, r: BucketRequest) -> KeyVerdict | None:
+        """The primary's :meth:`~proxy.stores.lease.LeasingStore.take_local` while the breaker
+        is closed (a leased token needs no round trip, so it tells nothing about the store's
+        health); ``None`` otherwise."""
+        take = getattr(self.primary, "take_local", None)
+        return take(r) if take is not None and self.breaker.allows() else None
+
     async def acquire(self, requests: Sequence[BucketRequest]) -> Verdict:
         if self.breaker.allows():
             try:

@@ -106,9 +106,13 @@ class LeasingStore:
                     self._leases[r.key].hits -= 1
             await asyncio.wait([asyncio.shield(f) for f in busy])
 
-    def _serve_one(self, r: BucketRequest) -> Verdict | None:
-        """The loop below for one leased request whose lease has its tokens (the hot path), with
-        the same bookkeeping; ``None`` (nothing changed but the sweep) when it must go on."""
+    def take_local(self, r: BucketRequest) -> KeyVerdict | None:
+        """A token this replica holds for one leased request, taken without a round trip: the
+        answer ``acquire([r])`` would give, with the same bookkeeping; ``None`` (nothing changed
+        but the sweep) when ``acquire`` must decide (no lease, too few tokens, a cached
+        denial, or not a leased request)."""
+        if self._denied or not (r.lease or self.lease_all):
+            return None
         now = self._clock()
         if now >= self._next_sweep:
             self._sweep(now)
@@ -122,7 +126,12 @@ class LeasingStore:
         lease.hits += 1
         lease.tokens -= r.cost
         self.local_hits += 1
-        return Verdict(allowed=True, keys=(self._lease_verdict(r, now),), backend="lease")
+        return self._lease_verdict(r, now)
+
+    def _serve_one(self, r: BucketRequest) -> Verdict | None:
+        """:meth:`take_local` as ``acquire``'s first step for one request (the hot path)."""
+        key = self.take_local(r)
+        return None if key is None else Verdict(allowed=True, keys=(key,), backend="lease")
 
     def _cached_denial(self, requests: Sequence[BucketRequest], now: float) -> Verdict | None:
         hit = False

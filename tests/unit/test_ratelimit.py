@@ -363,3 +363,64 @@ def test_plan_is_rebuilt_only_for_a_new_policy_set() -> None:
     assert mw._plan is plan
     asyncio.run(mw.entry(ctx_for(policies("- {name: a, qps: 1, burst: 5}"))))
     assert mw._plan is not plan
+
+
+def test_a_leased_token_is_taken_without_the_store_round_trip_and_answers_the_same() -> None:
+    """With leasing, a call whose token this replica holds takes it synchronously
+    (``take_local``): the same decisions, headers and store state as the full acquire."""
+    import random
+
+    from proxy.stores.lease import LeasingStore
+
+    pset = policies("- {name: hot, qps: 300, burst: 60, lease: true}\n"
+                    "- {name: cold, match: {verbs: [list]}, qps: 5, burst: 2, lease: true}")
+
+    def replay(fast: bool) -> tuple[list[Any], int, int]:
+        rnd, clock = random.Random(5), Clock()
+        inner = MemoryStore(clock=clock)
+        store = ResilientStore(LeasingStore(inner, window=0.1, ttl=0.5, clock=clock), clock=clock)
+        mw = RateLimit(store=store)
+        if not fast:
+            mw._take = None
+        taken = 0
+        out: list[Any] = []
+
+        async def go() -> None:
+            nonlocal taken
+            for _ in range(3000):
+                clock.now += rnd.choice([0.0, 0.0005, 0.002, 0.05])
+                method = rnd.choice(["GET", "GET", "GET", "LIST"])
+                ctx = (ctx_for(pset) if method == "GET"
+                       else ctx_for(pset, path="/api/v1/namespaces/a/pods"))
+                before = store.primary.local_hits  # type: ignore[attr-defined]
+                result = await mw.entry(ctx)
+                taken += store.primary.local_hits - before  # type: ignore[attr-defined]
+                out.append((None if result is None else result.status.code, headers_of(ctx)))
+
+        asyncio.run(go())
+        return out, taken, len(inner)
+
+    fast, slow = replay(True), replay(False)
+    assert fast[0] == slow[0] and fast[2] == slow[2]
+    assert fast[1] > 1000  # most GETs took a held token
+    codes = [code for code, _ in fast[0]]
+    assert None in codes and 429 in codes  # both admitted and throttled calls were compared
+
+
+def test_no_leased_token_is_taken_while_the_breaker_is_open() -> None:
+    from proxy.stores.lease import LeasingStore
+
+    clock = Clock()
+    store = ResilientStore(LeasingStore(MemoryStore(clock=clock), clock=clock), clock=clock)
+    hot = BucketRequest(key="k", rate=1000, burst=100, lease=True)
+
+    async def warm() -> None:  # demand seen: the refills lease tokens ahead
+        for _ in range(50):
+            clock.now += 0.001
+            await store.acquire([hot])
+
+    asyncio.run(warm())
+    assert store.take_local(hot) is not None
+    for _ in range(3):
+        store.breaker.failure("down")
+    assert store.take_local(hot) is None  # the open breaker's fallback decides instead
