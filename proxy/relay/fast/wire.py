@@ -51,7 +51,7 @@ class WireHeaders(Mapping[str, str]):
         self._pairs = pairs
         self._index: dict[bytes, bytes] | None = None
 
-    def _find(self, key: str) -> str | None:
+    def _raw(self, key: str) -> bytes | None:
         index = self._index
         if index is None:
             index = self._index = {}
@@ -62,21 +62,20 @@ class WireHeaders(Mapping[str, str]):
             want = key.lower().encode("latin-1")
             if len(_KEYS) < _MAX_KEYS:
                 _KEYS[key] = want
-        value = index.get(want)
-        return None if value is None else value.decode("latin-1")
+        return index.get(want)
 
     def get(self, key: str, default: str | None = None) -> str | None:  # type: ignore[override]
-        value = self._find(key)
-        return default if value is None else value
+        value = self._raw(key)
+        return default if value is None else value.decode("latin-1")
 
     def __getitem__(self, key: str) -> str:
-        value = self._find(key)
+        value = self._raw(key)
         if value is None:
             raise KeyError(key)
-        return value
+        return value.decode("latin-1")
 
     def __contains__(self, key: object) -> bool:
-        return isinstance(key, str) and self._find(key) is not None
+        return isinstance(key, str) and self._raw(key) is not None
 
     def __iter__(self) -> Iterator[str]:
         seen: set[bytes] = set()
