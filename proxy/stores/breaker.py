@@ -21,9 +21,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import replace
-from typing import Any
+from typing import Any, TypeVar
 
 from proxy.engine import telemetry
 from proxy.stores.base import (
@@ -38,6 +38,8 @@ from proxy.stores.base import (
 from proxy.stores.memory import MemoryStore
 
 __all__ = ["CircuitBreaker", "ResilientStore", "set_backend_gauge"]
+
+T = TypeVar("T")
 
 log = logging.getLogger("opgate.ratelimit.store")
 
@@ -124,19 +126,26 @@ class ResilientStore:
         take = getattr(self.primary, "take_local", None)
         return take(r) if take is not None and self.breaker.allows() else None
 
-    async def acquire(self, requests: Sequence[BucketRequest]) -> Verdict:
+    async def _primary(self, call: Callable[[], Awaitable[T]]) -> T | None:
+        """``call()`` on the primary store while the breaker lets it through, counting the
+        outcome; ``None`` when the breaker is open or the call failed (then the caller
+        degrades). An open breaker past ``reset_after`` starts one probe."""
         if self.breaker.allows():
             try:
-                verdict = await self.primary.acquire(requests)
+                result = await call()
             except StoreUnavailable as exc:
                 if self.breaker.failure(str(exc)):
                     self._opened()
             else:
                 self.breaker.success()
-                return verdict
+                return result
         elif self.breaker.probe_due():
             self._probe = asyncio.get_running_loop().create_task(self._run_probe())
-        return await self._degraded(requests)
+        return None
+
+    async def acquire(self, requests: Sequence[BucketRequest]) -> Verdict:
+        verdict = await self._primary(lambda: self.primary.acquire(requests))
+        return verdict if verdict is not None else await self._degraded(requests)
 
     async def _degraded(self, requests: Sequence[BucketRequest]) -> Verdict:
         if not all(r.fail_open for r in requests):
@@ -151,17 +160,9 @@ class ResilientStore:
         return replace(verdict, backend="fallback")
 
     async def reserve(self, request: Reservation) -> Reserved:
-        if self.breaker.allows():
-            try:
-                reserved = await self.primary.reserve(request)
-            except StoreUnavailable as exc:
-                if self.breaker.failure(str(exc)):
-                    self._opened()
-            else:
-                self.breaker.success()
-                return reserved
-        elif self.breaker.probe_due():
-            self._probe = asyncio.get_running_loop().create_task(self._run_probe())
+        reserved = await self._primary(lambda: self.primary.reserve(request))
+        if reserved is not None:
+            return reserved
         if not request.fail_open:
             return Reserved(allowed=False, used=0, backend="fallback", unavailable=True)
         return replace(self.fallback.reserve_now(request), backend="fallback")
