@@ -21,12 +21,12 @@ import os
 import re
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from proxy.engine import telemetry
 from proxy.engine.schema import (
@@ -98,6 +98,28 @@ class PolicySet:
 
 
 EMPTY = PolicySet()
+
+P = TypeVar("P")
+
+
+class PlanPerSet(Generic[P]):
+    """A middleware's plan built from one ``spec`` section of the policy set in force, rebuilt
+    only when another set is in force (compared by identity: the set is held, so its identity
+    stays meaningful). Call it with ``ctx.policies``."""
+
+    __slots__ = ("_build", "_for", "_plan", "_section")
+
+    def __init__(self, section: str, build: Callable[[Sequence[tuple[Any, object]]], P],
+                 empty: P) -> None:
+        self._section, self._build, self._plan = section, build, empty
+        self._for: object = None
+
+    def __call__(self, policies: object) -> P:
+        if policies is not self._for:
+            section = getattr(policies, "section", None)
+            self._plan = self._build(section(self._section) if section is not None else ())
+            self._for = policies
+        return self._plan
 
 
 class PolicyLoadError(Exception):

@@ -56,6 +56,7 @@ from urllib.parse import quote
 from proxy.engine import telemetry
 from proxy.engine.context import RequestContext
 from proxy.engine.logfile import BackgroundWriter, RotatingFile
+from proxy.engine.policies import PlanPerSet
 from proxy.engine.redact import redact_object, redact_query
 from proxy.middlewares.audit_spec import (
     SECTION,
@@ -232,20 +233,12 @@ class Audit:
                  clock: Callable[[], float] = time.time) -> None:
         self._write = write
         self._clock = clock
-        self._plan_for: object = None
-        self._plan = AuditPlan()
+        self.plan = PlanPerSet(SECTION, build_plan, AuditPlan())
         self._open: dict[int, _Open] = {}
         self._timer: asyncio.TimerHandle | None = None
         self._counters: dict[str, Any] = {}
         self._parts: dict[tuple[int, str], tuple[Any, str, dict[str, str] | None]] = {}
         self._lines: dict[tuple[Any, ...], tuple[Any, Any, Decision, tuple[str, str, str]]] = {}
-
-    def plan(self, policies: object) -> AuditPlan:
-        if policies is not self._plan_for:
-            section = getattr(policies, "section", None)
-            self._plan = build_plan(section(SECTION) if section is not None else ())
-            self._plan_for = policies  # held: identity stays meaningful
-        return self._plan
 
     def wants_body(self, ctx: RequestContext) -> bool:
         return self.plan(ctx.policies).may_want_body(ctx.info)

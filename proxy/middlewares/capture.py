@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from proxy.engine.context import RequestContext
+from proxy.engine.policies import PlanPerSet
 from proxy.middlewares.capture_spec import (
     SECTION,
     CapturePlan,
@@ -151,15 +152,7 @@ class Capture:
                  rng: Callable[[], float] = random.random) -> None:
         self._write = write
         self._rng = rng
-        self._plan_for: object = None
-        self._plan = CapturePlan(None)
-
-    def plan(self, policies: object) -> CapturePlan:
-        if policies is not self._plan_for:
-            section = getattr(policies, "section", None)
-            self._plan = build_plan(section(SECTION) if section is not None else ())
-            self._plan_for = policies  # held: identity stays meaningful
-        return self._plan
+        self.plan = PlanPerSet(SECTION, build_plan, CapturePlan(None))
 
     def _select(self, ctx: RequestContext) -> CaptureRule | None:
         rule = self.plan(ctx.policies).rule_for(ctx.info, ctx.user)
