@@ -43,7 +43,7 @@ def worker_count(text: str) -> int:
 
 
 def non_negative(text: str) -> int:
-    """``--audit-log-maxsize`` / ``--audit-log-maxbackup``: a whole number, 0 or more."""
+    """A rotation flag (``--audit-log-maxsize`` …): a whole number, 0 or more."""
     try:
         value = int(text)
     except ValueError:
@@ -83,6 +83,14 @@ class _EnvDefaults(argparse.HelpFormatter):
             if action.default not in (None, False, argparse.SUPPRESS):
                 text += " (default: %(default)s)"
         return text
+
+
+def _add_rotation(parser: argparse._ActionsContainer, flag: str, what: str) -> None:
+    """``<flag>-maxsize`` and ``<flag>-maxbackup``: size rotation as the apiserver's audit log."""
+    _add(parser, f"{flag}-maxsize", kind=non_negative, default="100", metavar="MB",
+         help=f"rotate the {what} before it grows past this size (0: never)")
+    _add(parser, f"{flag}-maxbackup", kind=non_negative, default="5", metavar="N",
+         help=f"rotated {what}s kept (0: all)")
 
 
 def _add(
@@ -170,19 +178,13 @@ def build_parser() -> argparse.ArgumentParser:
          help="write audit.k8s.io/v1 Events (one JSON line each) to this file, - for stdout; "
          "what is recorded follows the policies' spec.audit, without one every call at "
          "Metadata level (default: no audit log)")
-    _add(g, "--audit-log-maxsize", kind=non_negative, default="100", metavar="MB",
-         help="rotate the audit log file before it grows past this size (0: never)")
-    _add(g, "--audit-log-maxbackup", kind=non_negative, default="5", metavar="N",
-         help="rotated audit log files kept (0: all)")
+    _add_rotation(g, "--audit-log", "audit log file")
     _add(g, "--capture", metavar="PATH",
          help="traffic capture: write the calls the policies' spec.capture selects (without "
          "one: every call) as mitmproxy flows to this file (read it with mitmproxy -r, "
          "mitmweb -r, mitmdump -r); tokens are redacted, Secret bodies left out; needs "
          "mitmproxy (pip install 'opgate[capture]') (default: no capture)")
-    _add(g, "--capture-maxsize", kind=non_negative, default="100", metavar="MB",
-         help="rotate the capture file before it grows past this size (0: never)")
-    _add(g, "--capture-maxbackup", kind=non_negative, default="5", metavar="N",
-         help="rotated capture files kept (0: all)")
+    _add_rotation(g, "--capture", "capture file")
 
     check = sub.add_parser("check", help="validate policy files offline",
                            description="Validate policy files; print file:line: message per "
