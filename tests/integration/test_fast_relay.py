@@ -290,6 +290,82 @@ async def test_keep_alive_reuses_upstream_connections() -> None:
         await up.close()
 
 
+def keep_alive_upstream() -> RawUpstream:
+    """Answers every request on a connection with a small JSON; ``/stall`` never answers."""
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            status, _ = await read_head(reader)
+            if status.split()[1].endswith("/stall"):
+                await wait_closed(reader)
+                return
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 15\r\n\r\n" b'{"kind":"Fine"}')
+            await writer.drain()
+
+    return RawUpstream(serve)
+
+
+async def get_on(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, path: str) -> str:
+    """``GET path`` on an open client connection; the status line (the body is read)."""
+    writer.write(f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+    status, headers = await read_head(reader)
+    await reader.readexactly(int(headers["content-length"]))
+    return status
+
+
+@pytest.mark.asyncio
+async def test_keep_alive_calls_arm_no_loop_timer_each(monkeypatch: pytest.MonkeyPatch) -> None:
+    loop = asyncio.get_running_loop()
+    if not isinstance(loop, asyncio.BaseEventLoop):
+        pytest.skip("counts call_at on asyncio's own loop (call_later goes through it)")
+    armed: list[float] = []
+    call_at = loop.call_at
+
+    def counting(when: float, *args: Any, **kwargs: Any) -> asyncio.TimerHandle:
+        armed.append(when)
+        return call_at(when, *args, **kwargs)
+
+    up = await keep_alive_upstream().start()
+    try:
+        async with fast_proxy(up.url) as (relay, url):
+            host, port = url.removeprefix("http://").split(":")
+            reader, writer = await asyncio.open_connection(host, int(port))
+            monkeypatch.setattr(loop, "call_at", counting)
+            for _ in range(200):
+                assert " 200 " in await get_on(reader, writer, "/api/v1/namespaces/a/pods/b")
+            monkeypatch.undo()
+            writer.close()
+            assert relay.pool.opened == 1
+    finally:
+        await up.close()
+    # the connect's timeout, the client connection's idle timer, one head deadline: not 200
+    assert len(armed) <= 5, armed
+
+
+@pytest.mark.asyncio
+async def test_header_timeout_fires_on_a_connection_reused_for_many_calls() -> None:
+    up = await keep_alive_upstream().start()
+    loop = asyncio.get_running_loop()
+    try:
+        async with fast_proxy(up.url, settings=RelaySettings(header_timeout=0.3)) as (relay, url):
+            host, port = url.removeprefix("http://").split(":")
+            reader, writer = await asyncio.open_connection(host, int(port))
+            for _ in range(200):
+                assert " 200 " in await get_on(reader, writer, "/api/v1/namespaces/a/pods/b")
+            started = loop.time()
+            status = await asyncio.wait_for(get_on(reader, writer, "/api/v1/stall"), 5)
+            assert " 504 " in status
+            assert 0.25 < loop.time() - started < 3
+            assert relay.pool.opened == 1  # the stalled call went over the reused connection
+            assert " 200 " in await get_on(reader, writer, "/api/v1/namespaces/a/pods/b")
+            assert relay.pool.opened == 2  # the timed-out connection was not reused
+            writer.close()
+            assert await asyncio.wait_for(up.closed.get(), 5)  # and was closed
+    finally:
+        await up.close()
+
+
 class _Deny:
     name, needs_body, fail_open = "deny", False, False
 

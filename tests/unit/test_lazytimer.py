@@ -1,4 +1,5 @@
-"""LazyTimer (proxy/relay/lazytimer.py), on real event loops (asyncio and uvloop).
+"""LazyTimer (proxy/relay/lazytimer.py), on real event loops (asyncio and uvloop), and how the
+fast relay's exchanges share their upstream connection's timer (proxy/relay/fast/exchange.py).
 
 The loop is wrapped to count the loop timers armed and to keep their handles: the point of the
 primitive is how few it arms, and that the one it leaves armed is really cancelled on close.
@@ -8,10 +9,14 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Coroutine
+from types import SimpleNamespace
 from typing import Any, cast
 
 import pytest
 
+from proxy.relay.fast.exchange import Exchange
+from proxy.relay.fast.server import ClientConnection
+from proxy.relay.fast.upstream import UpstreamConnection, UpstreamPool
 from proxy.relay.lazytimer import LazyTimer
 
 uvloop = pytest.importorskip("uvloop")
@@ -150,5 +155,74 @@ def test_the_callback_may_set_the_next_deadline(kind: str) -> None:
         timer.set(loop.time() + 0.02)
         await asyncio.sleep(0.3)
         assert len(fired) == 3 and not timer.armed
+
+    run(kind, main())
+
+
+# --- the fast relay's exchanges on one connection's timer -------------------------------
+
+
+def lend(conn: UpstreamConnection, *, head: float) -> Exchange:
+    """An exchange sent on ``conn`` with a head deadline (no bytes go anywhere)."""
+    client = cast(ClientConnection, SimpleNamespace(loop=asyncio.get_running_loop()))
+    exchange = Exchange(client, extra=(), defer_head=True, head_only=False, http11=True,
+                        keep_alive=True)
+    conn.exchange = exchange
+    exchange.limits(conn, head=head, total=300.0)
+    return exchange
+
+
+def give_back(conn: UpstreamConnection) -> None:
+    """What a complete response does to the connection (``on_message_complete``)."""
+    conn.exchange = None
+    conn.timer.clear()
+
+
+def connection() -> UpstreamConnection:
+    pool = UpstreamPool(host="127.0.0.1", port=1, tls=None, server_hostname=None,
+                        connect_timeout=1.0)
+    return UpstreamConnection(pool, asyncio.get_running_loop())
+
+
+@pytest.mark.parametrize("kind", LOOPS)
+def test_a_finished_exchange_cannot_forget_the_next_calls_deadline(kind: str) -> None:
+    async def main() -> None:
+        conn = connection()
+        first = lend(conn, head=30.0)
+        give_back(conn)  # its response is complete; the task awaiting it has not run yet
+        second = lend(conn, head=0.05)  # meanwhile another call got the connection
+        first.cancel_timer()  # the first call's task ends: not its deadline to forget
+        with pytest.raises(TimeoutError, match="no response head in time"):
+            await asyncio.wait_for(second.head, 2)
+        assert second.expired and not first.expired and not first.head.done()
+        conn.close()
+
+    run(kind, main())
+
+
+@pytest.mark.parametrize("kind", LOOPS)
+def test_a_given_back_connection_ticks_no_exchange_and_its_timer_stops(kind: str) -> None:
+    async def main() -> None:
+        conn = connection()
+        finished = lend(conn, head=0.03)
+        give_back(conn)
+        assert conn.timer.armed  # left armed (cheap), it fires once and stops
+        await asyncio.sleep(0.15)
+        assert not finished.head.done() and not finished.expired
+        assert not conn.timer.armed
+
+    run(kind, main())
+
+
+@pytest.mark.parametrize("kind", LOOPS)
+def test_closing_the_connection_cancels_its_timer(kind: str) -> None:
+    async def main() -> None:
+        conn = connection()
+        exchange = lend(conn, head=0.03)
+        assert conn.timer.armed
+        conn.close()
+        assert not conn.timer.armed and conn.timer.due is None
+        await asyncio.sleep(0.1)
+        assert not exchange.head.done()
 
     run(kind, main())

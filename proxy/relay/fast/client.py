@@ -97,6 +97,9 @@ class _Exchange:
             self.error = exc
         self._wake()
 
+    def on_deadline(self) -> None:
+        """Never called: these calls set no deadline on the connection (``asyncio.timeout``)."""
+
     def _wake(self) -> None:
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)

@@ -11,7 +11,11 @@ After an upgrade's ``101`` (``on_switch``) the head leaves at once with the upst
 ``Connection``/``Upgrade`` headers, and every later byte is relayed raw until either side closes.
 
 Timers: :meth:`Exchange.limits` bounds the wait for the upstream's head, the whole call and the
-silence of a long-running response, with one timer handle per call.
+silence of a long-running response. The exchange keeps only its next deadline, on the timer of
+the upstream connection it is lent to (:class:`~proxy.relay.lazytimer.LazyTimer`), which calls
+:meth:`Exchange.on_deadline` when it passes: calls in a row on a kept-alive connection move one
+deadline instead of arming and cancelling a loop timer each, and a body chunk only notes the
+time (the silence's deadline is moved when the timer fires).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import asyncio
 from collections.abc import Iterable
 
 from proxy.relay.fast.server import ClientConnection
+from proxy.relay.fast.upstream import UpstreamConnection
 from proxy.relay.fast.wire import Headers, response_head, switch_head
 
 __all__ = ["Exchange"]
@@ -33,6 +38,7 @@ class Exchange:
 
     __slots__ = (
         "_chunked",
+        "_conn",
         "_defer",
         "_extra",
         "_head_by",
@@ -42,7 +48,6 @@ class Exchange:
         "_last",
         "_loop",
         "_pending",
-        "_timer",
         "_total",
         "_total_by",
         "client",
@@ -80,16 +85,20 @@ class Exchange:
         self._http11 = http11
         self._chunked = False
         self._pending = b""
-        self._timer: asyncio.TimerHandle | None = None
+        self._conn: UpstreamConnection | None = None  # whose timer holds the deadline
         self._head_by = self._total_by = self._total = self._idle = self._last = 0.0
         self.expired = False  # a timer ended it: the upstream connection is not reusable
         self.switched = False
 
-    # --- timers (one handle per call, whatever the limits) ------------------------------
-    def limits(self, *, head: float, total: float = 0.0, idle: float = 0.0) -> None:
+    # --- timers (one deadline at a time, on the connection's timer) ----------------------
+    def limits(
+        self, conn: UpstreamConnection, *, head: float, total: float = 0.0, idle: float = 0.0
+    ) -> None:
         """Seconds (0: none) for the upstream's head (then 504), for the whole call (504 before
         the head, cut short after it) and for a long-running response's silence (it then ends
-        cleanly, as the apiserver's own timeout ends a watch)."""
+        cleanly, as the apiserver's own timeout ends a watch). ``conn``: the connection this
+        exchange was sent on (its ``timer`` keeps the deadline)."""
+        self._conn = conn
         now = self._last = self._loop.time()
         self._head_by = now + head if head else 0.0
         self._total, self._total_by = total, (now + total if total else 0.0)
@@ -97,9 +106,12 @@ class Exchange:
         self._schedule()
 
     def cancel_timer(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        """Forget the deadline (cheap: no loop timer is cancelled). Only while the connection
+        is still lent to this exchange: once given back it may already carry the next call,
+        whose deadline is not this one's to forget (the connection forgot this one then)."""
+        conn = self._conn
+        if conn is not None and conn.exchange is self:
+            conn.timer.clear()
 
     def _schedule(self) -> None:
         if not self.head.done():  # the head's deadline, or the whole call's if sooner
@@ -110,10 +122,16 @@ class Exchange:
             due = self._total_by
             if self._idle and (not due or self._last + self._idle < due):
                 due = self._last + self._idle
-        self._timer = self._loop.call_at(due, self._tick) if due else None
+        conn = self._conn
+        if conn is not None:
+            if due:
+                conn.timer.set(due)
+            else:
+                conn.timer.clear()
 
-    def _tick(self) -> None:
-        self._timer = None
+    def on_deadline(self) -> None:
+        """The deadline set last has passed: end the call, or set the next deadline (the
+        silence's moves with each chunk; the head's ends with it)."""
         if self.done.done():
             return
         now = self._loop.time()

@@ -244,9 +244,10 @@ class FastRelay:
                 else:
                     req.attach(conn.write, partial(_end_body, conn, b""))
             if long_running:
-                exchange.limits(head=settings.header_timeout, idle=settings.watch_idle_timeout)
+                exchange.limits(conn, head=settings.header_timeout,
+                                idle=settings.watch_idle_timeout)
             else:
-                exchange.limits(head=settings.header_timeout, total=settings.request_timeout)
+                exchange.limits(conn, head=settings.header_timeout, total=settings.request_timeout)
             try:
                 try:
                     await exchange.head
@@ -297,7 +298,7 @@ class FastRelay:
         conn.flow = client
         try:
             conn.send(exchange, data, upgrade=True)
-            exchange.limits(head=self.settings.header_timeout)
+            exchange.limits(conn, head=self.settings.header_timeout)
             try:
                 await exchange.head
             except (OSError, TimeoutError, httptools.HttpParserError) as e:

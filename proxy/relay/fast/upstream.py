@@ -13,6 +13,13 @@ The pool is LIFO (the warmest connection first), unbounded in size like the aioh
 An upgrade request (exec, attach, port-forward) goes over a connection of its own
 (:meth:`UpstreamPool.connect`): on ``101`` the exchange is told (``on_switch``) and every further
 byte the upstream sends is handed to ``on_body`` untouched; such a connection is never pooled.
+
+Each connection has one :class:`~proxy.relay.lazytimer.LazyTimer` (``timer``) for the deadlines
+of the exchange it is lent to: the exchange sets its next deadline there, and when it passes the
+connection calls ``on_deadline`` of the exchange lent at that moment (never of one that was
+lent before). Whenever the connection is given back or closed, the deadline is forgotten (and on
+close the loop timer cancelled). Calls one after another on a kept-alive connection so move one
+deadline rather than arming and cancelling a loop timer each.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ import httptools
 from proxy.relay.errors import ConnectTimeout
 from proxy.relay.fast.request import Flow, FlowForwarding
 from proxy.relay.fast.wire import Headers
+from proxy.relay.lazytimer import LazyTimer
 
 __all__ = ["Exchange", "UpstreamConnection", "UpstreamPool"]
 
@@ -43,13 +51,16 @@ class Exchange(Protocol):
     def on_body(self, chunk: bytes) -> None: ...
     def on_complete(self) -> None: ...
     def on_lost(self, exc: BaseException) -> None: ...
+    def on_deadline(self) -> None:
+        """The deadline it set on the connection's ``timer`` has passed."""
 
 
 class UpstreamConnection(FlowForwarding, asyncio.Protocol):
     """One connection to the upstream, lent to one exchange at a time."""
 
-    def __init__(self, pool: UpstreamPool) -> None:
+    def __init__(self, pool: UpstreamPool, loop: asyncio.AbstractEventLoop) -> None:
         self._pool = pool
+        self.timer = LazyTimer(loop, self._deadline)  # the deadline of the exchange lent
         self._parser = httptools.HttpResponseParser(self)
         self.transport: asyncio.Transport | None = None
         self.exchange: Exchange | None = None
@@ -91,6 +102,12 @@ class UpstreamConnection(FlowForwarding, asyncio.Protocol):
             self.transport.close()
         self.closed = True
         self.exchange = None
+        self.timer.close()
+
+    def _deadline(self) -> None:
+        exchange = self.exchange  # the one lent now: a finished one is no longer here
+        if exchange is not None:
+            exchange.on_deadline()
 
     def pause_reading(self) -> None:
         if self.transport is not None and not self.closed:
@@ -145,6 +162,7 @@ class UpstreamConnection(FlowForwarding, asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        self.timer.close()
         self._pool.discard(self)
         exchange, self.exchange = self.exchange, None
         if exchange is None:
@@ -208,6 +226,7 @@ class UpstreamConnection(FlowForwarding, asyncio.Protocol):
             return  # interim, or a 101 whose tunnel goes on
         exchange, self.exchange = self.exchange, None
         self.flow = None
+        self.timer.clear()  # its deadline: the next exchange sets its own
         if self._keep and not (self._until_close or self.closed or self.body_pending):
             self._pool.release(self)
         else:
@@ -260,7 +279,7 @@ class UpstreamPool:
         try:
             async with asyncio.timeout(self._connect_timeout):
                 _, conn = await loop.create_connection(
-                    lambda: UpstreamConnection(self), self._host, self._port, ssl=tls,
+                    lambda: UpstreamConnection(self, loop), self._host, self._port, ssl=tls,
                     server_hostname=(self._server_hostname or self._host) if tls else None,
                 )
         except TimeoutError as e:
