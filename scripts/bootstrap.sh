@@ -15,6 +15,7 @@ command -v redis-cli >/dev/null 2>&1 || need_apt+=(redis-tools)
 if [ "${1:-}" = "--bench" ]; then
   command -v nginx >/dev/null 2>&1 || need_apt+=(nginx)
   command -v wrk >/dev/null 2>&1 || need_apt+=(wrk)
+  command -v valgrind >/dev/null 2>&1 || need_apt+=(valgrind)  # bench/instructions.py
 fi
 if [ ${#need_apt[@]} -gt 0 ]; then
   echo "bootstrap: apt-get install ${need_apt[*]}"
