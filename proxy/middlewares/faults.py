@@ -119,7 +119,8 @@ class Faults:
         if policies is not self._memo_for:
             self._memo = {}
             self._memo_for = policies  # held: identity stays meaningful
-        user = ctx.user
+        identity = ctx.identity
+        user = identity.user if identity is not None else ""
         key = (ctx.info.shape, user)
         found = self._memo.get(key)
         if found is None:
@@ -134,8 +135,7 @@ class Faults:
         return found
 
     async def entry(self, ctx: RequestContext) -> Decision | None:
-        if not ctx.policies.section(SECTION):
-            return None
+        # the chain runs this hook only under a policy set with a faults section (``sections``)
         matching = self._matching(ctx)
         if not matching:
             return None

@@ -246,6 +246,9 @@ def effective_limit(b: BoundQuota, group: str, resource: str,
     return min(limits) if limits else None
 
 
+_CREATING = frozenset({"create", "patch"})  # the verbs _matched can match (a patch: an apply)
+
+
 @dataclass(slots=True)
 class _Held:
     """What the exit hook settles: the store's member and what the counter waits for."""
@@ -316,6 +319,8 @@ class Quota:
     # --- hooks ------------------------------------------------------------------------------
 
     async def entry(self, ctx: RequestContext) -> Decision | None:
+        if ctx.info.verb not in _CREATING:  # reads, updates, deletes: nothing to count
+            return None
         matched = self._matched(ctx)
         if matched is None:
             return None
