@@ -238,7 +238,7 @@ def test_three_leasing_processes_share_one_limit(server: RedisServer) -> None:
     replicas are in test_ratelimit_redis.py (both exact and leased rules)."""
     lease = True
     key = f"accuracy-{lease}-{time.time_ns()}"
-    start, duration = time.time() + 1.5, 10.0
+    start, duration = time.time() + 3.0, 10.0  # a loaded machine imports slowly
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     procs = [subprocess.Popen([sys.executable, "-c", WORKER, server.url, key, "1" if lease else "0",
                                str(start), str(duration)],
@@ -253,7 +253,7 @@ def test_three_leasing_processes_share_one_limit(server: RedisServer) -> None:
     # the bucket: its burst, then 20/s while any process hammers (from the first one that
     # started to the last one that stopped; a process that came up late shortens nothing)
     window = max(r["window"][1] for r in results) - min(r["window"][0] for r in results)
-    assert window >= 0.9 * duration, results
+    assert window >= 0.5 * duration, results  # enough tokens for a 5% bound either way
     expected = 20 + 20 * window
     assert abs(admitted - expected) <= 0.05 * expected, results
     assert all(r["denied"] > 0 for r in results)  # every process really hammered
