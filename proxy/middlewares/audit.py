@@ -54,10 +54,11 @@ from typing import IO, Any
 from urllib.parse import quote
 
 from proxy.engine import telemetry
-from proxy.engine.context import RequestContext
+from proxy.engine.context import Identity, RequestContext
 from proxy.engine.logfile import BackgroundWriter, RotatingFile
 from proxy.engine.policies import PlanPerSet
 from proxy.engine.redact import redact_object, redact_query
+from proxy.engine.requestinfo import RequestInfo
 from proxy.middlewares.audit_spec import (
     SECTION,
     AuditPlan,
@@ -87,30 +88,29 @@ _DECISIONS = {d: _ENCODER.encode(d) for d in (
     "allowed", "denied", "unauthorized", "throttled", "unavailable", "fault", "error", "quota")}
 
 
-_second: list[Any] = [-1, ""]  # the last second formatted, and its text
+_last_second = -1  # the last second formatted by _second_text, and its text
+_last_text = ""
+
+
+def _second_text(second: int) -> str:
+    """``second`` (whole seconds since the epoch) as RFC 3339 UTC without fraction nor zone,
+    formatted once per second (the last one is remembered)."""
+    global _last_second, _last_text
+    if second != _last_second:
+        _last_second, _last_text = second, time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second))
+    return _last_text
 
 
 def micro_time(wall: float) -> str:
     """``metav1.MicroTime`` as JSON: RFC 3339, UTC, six fractional digits."""
     second = int(wall)
     micros = min(int((wall - second) * 1_000_000), 999_999)  # truncated, as Go formats it
-    if second != _second[0]:
-        _second[0], _second[1] = second, time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second))
-    return f"{_second[1]}.{micros:06d}Z"
+    return f"{_second_text(second)}.{micros:06d}Z"
 
 
-def micro_times(first: float, second: float) -> tuple[str, str]:
-    """:func:`micro_time` of two times, the second not earlier than the first."""
-    start = int(first)
-    if start != _second[0]:
-        _second[0], _second[1] = start, time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(start))
-    prefix = _second[1]
-    end = int(second)
-    if end != start:
-        return (f"{prefix}.{min(int((first - start) * 1_000_000), 999_999):06d}Z",
-                micro_time(second))
-    return (f"{prefix}.{min(int((first - start) * 1_000_000), 999_999):06d}Z",
-            f"{prefix}.{min(int((second - end) * 1_000_000), 999_999):06d}Z")
+# Three digits per index: the microseconds of a timestamp as two lookups (Audit._line), about
+# half the cost of formatting them with ``:06d`` (which goes through the format-spec parser).
+_DIGITS3 = tuple(f"{i:03d}" for i in range(1000))
 
 
 def _ip(text: str) -> str | None:
@@ -222,6 +222,23 @@ class _Open:
     started_sent: bool = False
 
 
+@dataclass(slots=True)
+class _Call:
+    """What every call of one RequestInfo, identity, query, user agent and caller address has
+    in common under the policy set in force (see :meth:`Audit._call`). Holding ``info`` and
+    ``identity`` keeps their ids (the memo key) their own."""
+
+    info: RequestInfo
+    identity: Identity | None
+    decision: Decision
+    completes: bool  # a ResponseComplete event is written (level not None, stage not omitted)
+    joinable: bool  # no requestObject possible (Metadata, or not a resource request)
+    impersonation: bool  # the policy set lets callers impersonate (Impersonate-User is logged)
+    counter: Any  # opgate_audit_events_total{level}
+    # the JSON fragments of :meth:`Audit.line`'s common case, once one was joined
+    fragments: tuple[str, str, str] | None = None
+
+
 class Audit:
     """The audit middleware (module docstring). ``write`` takes one line (with its newline)."""
 
@@ -238,7 +255,10 @@ class Audit:
         self._timer: asyncio.TimerHandle | None = None
         self._counters: dict[str, Any] = {}
         self._parts: dict[tuple[int, str], tuple[Any, str, dict[str, str] | None]] = {}
-        self._lines: dict[tuple[Any, ...], tuple[Any, Any, Decision, tuple[str, str, str]]] = {}
+        # _Call records of the policy set ``_calls_for``, by (id(info), id(identity), query,
+        # user agent, caller address): see _call
+        self._calls: dict[tuple[Any, ...], _Call] = {}
+        self._calls_for: object = None
 
     def wants_body(self, ctx: RequestContext) -> bool:
         return self.plan(ctx.policies).may_want_body(ctx.info)
@@ -269,15 +289,24 @@ class Audit:
             self._timer = asyncio.get_running_loop().call_later(POLL_SECONDS, self._poll)
 
     async def exit(self, ctx: RequestContext) -> None:
-        item = self._open.pop(id(ctx), None) if self._open else None
-        if item is not None and item.ctx is ctx:
-            decision = item.decision
-            if not item.started_sent and ctx.status_code and ctx.status_code != CLIENT_GONE:
-                self._emit(ctx, decision, "ResponseStarted", self._clock())
-        else:
-            decision = self.plan(ctx.policies).decide(ctx.info, ctx.identity)
-            if decision.level == "None":
+        if self._open:  # long-running calls under way: is this one of them?
+            item = self._open.pop(id(ctx), None)
+            if item is not None and item.ctx is ctx:
+                self._exit_open(ctx, item)
                 return
+        # every other call: level, stages and the line's fragments come from its _Call record
+        # (no plan lookup nor decision per call)
+        call = self._call(ctx)
+        if call.completes:
+            stamp = ctx.wall_time + ((ctx.finished or time.monotonic()) - ctx.started)
+            self._write(self._line(ctx, call, "ResponseComplete", stamp))
+            call.counter.inc()
+
+    def _exit_open(self, ctx: RequestContext, item: _Open) -> None:
+        """The end of a long-running call (ResponseStarted first if the poll has not sent it)."""
+        decision = item.decision
+        if not item.started_sent and ctx.status_code and ctx.status_code != CLIENT_GONE:
+            self._emit(ctx, decision, "ResponseStarted", self._clock())
         if "ResponseComplete" in decision.omit_stages:
             return
         end = ctx.wall_time + ((ctx.finished or time.monotonic()) - ctx.started)
@@ -368,36 +397,89 @@ class Audit:
         self._parts[key] = (info, uri, ref)
         return uri, ref
 
-    def line(self, ctx: RequestContext, decision: Decision, stage: str, stamp: float) -> str:
-        """:meth:`event` as its JSON line (with its newline). The common case (a call's end with
-        nothing but its code to tell: no answer of opgate's own, no error, no request object) is
-        joined from JSON fragments remembered per call shape, identity and audit decision; the
-        rest is encoded from :meth:`event`. Both give the same text (tests/unit/test_audit.py)."""
-        code = ctx.status_code
-        if (stage != "ResponseComplete" or not code or ctx.answer is not None or ctx.error
-                or (code >= 400 and ctx.decision != "allowed")
-                or (ctx.body and not ctx.info.name) or "impersonate-user" in ctx.headers
-                or "x-forwarded-for" in ctx.headers or "x-real-ip" in ctx.headers
-                or (decision.level != "Metadata" and ctx.info.is_resource_request)):
-            return _ENCODER.encode(self.event(ctx, decision, stage, stamp)) + "\n"
-        head, middle, tail = self._fragments(ctx, decision)
-        wall = ctx.wall_time
-        received, staged = micro_times(wall, stamp if stamp > wall else wall)
-        outcome = _DECISIONS.get(ctx.decision) or _ENCODER.encode(ctx.decision)
-        return (f'{head}{ctx.trace_id}{middle}{code}}},"requestReceivedTimestamp":"{received}",'
-                f'"stageTimestamp":"{staged}","annotations":{{"opgate.dev/decision":{outcome}'
-                f'{tail}}}}}\n')
+    def _call(self, ctx: RequestContext) -> _Call:
+        """The call's :class:`_Call` record, remembered per policy set (the memo starts over when
+        another set is in force) and per RequestInfo (shared by identical calls), identity,
+        query, user agent and caller address, by identity where it can (ids of the objects the
+        record holds): the same objects give the same decision and the same fragments."""
+        info, identity = ctx.info, ctx.identity
+        if ctx.policies is not self._calls_for:
+            self._calls.clear()
+            self._calls_for = ctx.policies
+        key = (id(info), id(identity), ctx.query, ctx.headers.get("user-agent"), ctx.remote)
+        call = self._calls.get(key)
+        if call is not None and call.info is info and call.identity is identity:
+            return call
+        decision = self.plan(ctx.policies).decide(info, identity)
+        call = self._record(ctx, decision)
+        if call.completes:  # the counter child exists once the first event is written
+            call.counter = telemetry.AUDIT_EVENTS.labels(decision.level)
+        if len(self._calls) >= MEMO_SIZE:
+            self._calls.clear()
+        self._calls[key] = call
+        return call
 
-    def _fragments(self, ctx: RequestContext, decision: Decision) -> tuple[str, str, str]:
-        """For :meth:`line`'s common case, the JSON up to the audit ID, from after it to the
-        response code, and of the annotations after the decision."""
-        identity = ctx.identity
-        agent = ctx.headers.get("user-agent")
-        key = (id(ctx.info), ctx.query, id(identity), id(decision), agent, ctx.remote)
-        hit = self._lines.get(key)
-        if (hit is not None and hit[0] is ctx.info and hit[1] is identity
-                and hit[2] is decision):
-            return hit[3]
+    @staticmethod
+    def _record(ctx: RequestContext, decision: Decision) -> _Call:
+        info = ctx.info
+        return _Call(
+            info, ctx.identity, decision,
+            completes=(decision.level != "None"
+                       and "ResponseComplete" not in decision.omit_stages),
+            joinable=decision.level == "Metadata" or not info.is_resource_request,
+            impersonation=bool(getattr(ctx.policies, "allow_impersonation", False)),
+            counter=None)
+
+    def line(self, ctx: RequestContext, decision: Decision, stage: str, stamp: float) -> str:
+        """:meth:`event` as its JSON line (with its newline); see :meth:`_line`."""
+        call = self._call(ctx)
+        if call.decision is not decision:  # not the plan's own decision object: not remembered
+            call = self._record(ctx, decision)
+        return self._line(ctx, call, stage, stamp)
+
+    def _line(self, ctx: RequestContext, call: _Call, stage: str, stamp: float) -> str:
+        """The common case (a call's end with nothing but its code to tell: no answer of
+        opgate's own, no error, no request object, no forwarded addresses nor impersonation to
+        log) is joined from JSON fragments remembered in the call's record; the rest is encoded
+        from :meth:`event`. Both give the same text (tests/unit/test_audit.py)."""
+        code = ctx.status_code
+        headers = ctx.headers
+        if (stage != "ResponseComplete" or not code or ctx.answer is not None or ctx.error
+                or not call.joinable or (code >= 400 and ctx.decision != "allowed")
+                or (ctx.body and not ctx.info.name)
+                or "x-forwarded-for" in headers or "x-real-ip" in headers
+                # Impersonate-User is only logged where impersonation is allowed: only then
+                # is it worth a lookup
+                or ((call.impersonation or ctx.allow_impersonation)
+                    and "impersonate-user" in headers)):
+            return _ENCODER.encode(self.event(ctx, call.decision, stage, stamp)) + "\n"
+        head, middle, tail = call.fragments or self._fragments(ctx, call)
+        # requestReceivedTimestamp and stageTimestamp: mostly in the same second, whose text
+        # is formatted once per second (_second_text); the microseconds are truncated, as Go
+        # formats them, and written as two _DIGITS3 lookups
+        wall = ctx.wall_time
+        if stamp < wall:
+            stamp = wall
+        start = int(wall)
+        received = _second_text(start)
+        micros = int((wall - start) * 1_000_000)
+        if micros > 999_999:
+            micros = 999_999
+        end = int(stamp)
+        staged = received if end == start else _second_text(end)
+        stage_micros = int((stamp - end) * 1_000_000)
+        if stage_micros > 999_999:
+            stage_micros = 999_999
+        outcome = _DECISIONS.get(ctx.decision) or _ENCODER.encode(ctx.decision)
+        return (f'{head}{ctx.trace_id}{middle}{code}}},"requestReceivedTimestamp":"{received}.'
+                f'{_DIGITS3[micros // 1000]}{_DIGITS3[micros % 1000]}Z","stageTimestamp":"{staged}.'
+                f'{_DIGITS3[stage_micros // 1000]}{_DIGITS3[stage_micros % 1000]}Z",'
+                f'"annotations":{{"opgate.dev/decision":{outcome}{tail}}}}}\n')
+
+    def _fragments(self, ctx: RequestContext, call: _Call) -> tuple[str, str, str]:
+        """For :meth:`_line`'s common case, the JSON up to the audit ID, from after it to the
+        response code, and of the annotations after the decision (kept in ``call``)."""
+        decision = call.decision
         ev = self.event(ctx, decision, "ResponseComplete", ctx.wall_time)
         head = ('{"kind":"Event","apiVersion":"audit.k8s.io/v1","level":'
                 f'{_ENCODER.encode(decision.level)},"auditID":"')
@@ -408,11 +490,8 @@ class Audit:
         ) + ',"responseStatus":{"metadata":{},"code":'
         notes = {k: v for k, v in ev["annotations"].items() if k != "opgate.dev/decision"}
         tail = "".join(f",{_ENCODER.encode(k)}:{_ENCODER.encode(v)}" for k, v in notes.items())
-        if len(self._lines) >= MEMO_SIZE:
-            self._lines.clear()
-        parts = (head, middle, tail)
-        self._lines[key] = (ctx.info, identity, decision, parts)
-        return parts
+        call.fragments = (head, middle, tail)
+        return call.fragments
 
     def _emit(self, ctx: RequestContext, decision: Decision, stage: str, stamp: float) -> None:
         self._write(self.line(ctx, decision, stage, stamp))

@@ -4,6 +4,7 @@ Request level, no token ever, rotation by size, and a writer that drops instead 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import re
@@ -48,11 +49,12 @@ OBJECT_REF_FIELDS = ["resource", "namespace", "name", "uid", "apiGroup", "apiVer
                      "resourceVersion", "subresource"]
 
 
-def policies(audit: str = "") -> PolicySet:
-    if not audit:
+def policies(audit: str = "", *, impersonation: bool = False) -> PolicySet:
+    if not audit and not impersonation:
         return EMPTY
     text = ("apiVersion: opgate.dev/v1alpha1\nkind: Policy\nmetadata: {name: p}\nspec:\n"
-            "  audit:\n" + audit)
+            + ("  allowImpersonation: true\n" if impersonation else "")
+            + ("  audit:\n" + audit if audit else ""))
     return build_policy_set([("p.yaml", text.encode())], parsers=section_parsers())
 
 
@@ -145,11 +147,14 @@ _ODD_AGENT = 'kubectl "quoted" \\ \u00e9\u4e2d\x01'
     "plain", "unverified", "odd-agent", "no-agent", "rule", "query-secret", "escaped-path",
     "cluster-scope", "non-resource", "client-gone", "upstream-500", "create-named",
     "create-from-body", "denied", "error", "request-level", "impersonated", "no-status",
-    "next-second", "forwarded", "unix-socket", "ipv6",
+    "next-second", "forwarded", "unix-socket", "ipv6", "real-ip", "impersonation-allowed",
+    "impersonation-allowed-per-call", "end-of-second", "before-received", "throttled-200",
+    "odd-decision",
 ])
 def test_joined_lines_equal_the_encoded_event(case: str) -> None:
     """``Audit.line`` joins remembered JSON fragments in the common case: the text must be
-    exactly what encoding :meth:`Audit.event` gives, for every case, twice (memo miss, hit)."""
+    exactly what encoding :meth:`Audit.event` gives, for every case, twice (memo miss, hit),
+    and the exit hook must write that same line."""
     path, method, query, body = "/api/v1/namespaces/a/configmaps/c", "GET", "", None
     headers: dict[str, str] = {}
     pset, code = EMPTY, 200
@@ -180,7 +185,14 @@ def test_joined_lines_equal_the_encoded_event(case: str) -> None:
         headers["Impersonate-User"] = "jane"
     if case == "forwarded":
         headers["X-Forwarded-For"] = "10.0.0.1"
+    if case == "real-ip":
+        headers["X-Real-Ip"] = "10.0.0.3"
+    if case.startswith("impersonation-allowed"):
+        headers["Impersonate-User"] = "jane"
+        if case == "impersonation-allowed":
+            pset = policies(impersonation=True)
     ctx = make_ctx(method, path, query, pset=pset, headers=headers, body=body)
+    ctx.allow_impersonation = case == "impersonation-allowed-per-call"
     ctx.remote = {"unix-socket": "", "ipv6": "::1"}.get(case, "127.0.0.1")
     if case == "no-agent":
         del ctx.headers["User-Agent"]
@@ -193,14 +205,72 @@ def test_joined_lines_equal_the_encoded_event(case: str) -> None:
         ctx.decision, ctx.status_code = "denied", 403
     if case == "error":
         ctx.error, ctx.status_code = "upstream reset", 502
-    auditor = Audit(write=Lines())
+    if case == "end-of-second":
+        ctx.wall_time = 1_764_480_600.9999995
+    if case == "throttled-200":  # a decision other than allowed, with a code below 400
+        ctx.decision = "throttled"
+    if case == "odd-decision":  # a label without a remembered JSON text
+        ctx.decision = 'we\u00efrd "one"'
+    out = Lines()
+    auditor = Audit(write=out)
     decision = auditor.plan(ctx.policies).decide(ctx.info, ctx.identity)
-    stamp = ctx.wall_time + (1.9 if case == "next-second" else 0.5)
+    stamp = ctx.wall_time + {"next-second": 1.9, "before-received": -0.5}.get(case, 0.5)
     for _ in range(2):
         expected = audit_mod._ENCODER.encode(
             auditor.event(ctx, decision, "ResponseComplete", stamp))
         assert auditor.line(ctx, decision, "ResponseComplete", stamp) == expected + "\n"
     check_shape(json.loads(expected))
+    # the exit hook's own path (its _Call record, its time of the call's end)
+    end = ctx.wall_time + (ctx.finished - ctx.started)
+    expected = audit_mod._ENCODER.encode(auditor.event(ctx, decision, "ResponseComplete", end))
+    for _ in range(2):
+        asyncio.run(auditor.exit(ctx))
+        assert out.lines.pop() == expected + "\n"
+    if case.startswith("impersonation-allowed"):
+        assert json.loads(expected)["impersonatedUser"] == {"username": "jane"}
+    if case == "impersonated":  # not allowed: the header is not logged
+        assert "impersonatedUser" not in json.loads(expected)
+
+
+def test_joined_lines_follow_each_caller_and_the_policy_set_in_force() -> None:
+    """Calls sharing one RequestInfo but not their identity, user agent, address or query, and
+    a new policy set for the same calls: each line is still exactly the encoded event."""
+    auditor = Audit(write=Lines())
+    path = "/api/v1/namespaces/a/configmaps/c"
+    other = Identity(user="jane", groups=("dev",))
+    kubectl = {"User-Agent": "kubectl/v1.33.0"}
+    variants: list[tuple[Any, dict[str, str], str, str]] = [
+        (SA, kubectl, "127.0.0.1", ""), (other, kubectl, "127.0.0.1", ""),
+        (None, kubectl, "127.0.0.1", ""), (SA, {"User-Agent": "client-go/0.33"}, "127.0.0.1", ""),
+        (SA, kubectl, "10.1.2.3", ""), (SA, kubectl, "127.0.0.1", "limit=1"),
+        (Identity(user="jane", groups=("dev",)), kubectl, "127.0.0.1", ""),
+        # the same memo key as the first, with headers that change the event
+        (SA, {**kubectl, "X-Forwarded-For": "10.0.0.1"}, "127.0.0.1", ""),
+        (SA, {**kubectl, "X-Real-Ip": "10.0.0.3"}, "127.0.0.1", ""),
+        (SA, {**kubectl, "Impersonate-User": "jane"}, "127.0.0.1", ""),
+    ]
+    rules = policies("    rules:\n      - level: Metadata\n        users: [jane]\n"
+                     "    level: None\n")
+    for pset in (EMPTY, rules, policies(impersonation=True), EMPTY):
+        for _ in range(2):
+            for identity, headers, remote, query in variants:
+                out = Lines()
+                auditor._write = out
+                ctx = make_ctx("GET", path, query, pset=pset, headers=headers)
+                ctx.identity, ctx.remote, ctx.wall_time = identity, remote, 1_764_480_600.25
+                finish(ctx, 200)
+                asyncio.run(auditor.exit(ctx))
+                decision = auditor.plan(pset).decide(ctx.info, identity)
+                if decision.level == "None":
+                    assert out.lines == []
+                    continue
+                end = ctx.wall_time + (ctx.finished - ctx.started)
+                expected = audit_mod._ENCODER.encode(
+                    auditor.event(ctx, decision, "ResponseComplete", end))
+                assert out.lines == [expected + "\n"]
+                # a Decision equal to the plan's but not the same object: not remembered
+                copy = dataclasses.replace(decision)
+                assert auditor.line(ctx, copy, "ResponseComplete", end) == expected + "\n"
 
 
 @pytest.mark.parametrize(("method", "path", "query", "verb"), [
