@@ -49,7 +49,7 @@ import logging
 import re
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import IO, Any
 from urllib.parse import quote
 
@@ -88,16 +88,18 @@ _DECISIONS = {d: _ENCODER.encode(d) for d in (
     "allowed", "denied", "unauthorized", "throttled", "unavailable", "fault", "error", "quota")}
 
 
-_last_second = -1  # the last second formatted by _second_text, and its text
+# the last second _second_text formatted: its text, and where it starts and ends as floats
 _last_text = ""
+_second_start = _second_next = float("nan")  # no time is in it before the first call
 
 
 def _second_text(second: int) -> str:
     """``second`` (whole seconds since the epoch) as RFC 3339 UTC without fraction nor zone,
-    formatted once per second (the last one is remembered)."""
-    global _last_second, _last_text
-    if second != _last_second:
-        _last_second, _last_text = second, time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second))
+    formatted once per second (the last one is remembered, with its bounds)."""
+    global _last_text, _second_start, _second_next
+    if second != _second_start:
+        _last_text = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second))
+        _second_start, _second_next = float(second), float(second + 1)
     return _last_text
 
 
@@ -225,7 +227,7 @@ class _Open:
 @dataclass(slots=True)
 class _Call:
     """What every call of one RequestInfo, identity, query, user agent and caller address has
-    in common under the policy set in force (see :meth:`Audit._call`). Holding ``info`` and
+    in common under the policy set in force (see :meth:`Audit.exit`). Holding ``info`` and
     ``identity`` keeps their ids (the memo key) their own."""
 
     info: RequestInfo
@@ -235,8 +237,10 @@ class _Call:
     joinable: bool  # no requestObject possible (Metadata, or not a resource request)
     impersonation: bool  # the policy set lets callers impersonate (Impersonate-User is logged)
     counter: Any  # opgate_audit_events_total{level}
-    # the JSON fragments of :meth:`Audit.line`'s common case, once one was joined
+    # the JSON fragments of :meth:`Audit.line`'s common case, once one was joined, and the
+    # middle one completed per response code
     fragments: tuple[str, str, str] | None = None
+    coded: dict[int, str] = field(default_factory=dict)
 
 
 class Audit:
@@ -256,7 +260,7 @@ class Audit:
         self._counters: dict[str, Any] = {}
         self._parts: dict[tuple[int, str], tuple[Any, str, dict[str, str] | None]] = {}
         # _Call records of the policy set ``_calls_for``, by (id(info), id(identity), query,
-        # user agent, caller address): see _call
+        # user agent, caller address): see exit
         self._calls: dict[tuple[Any, ...], _Call] = {}
         self._calls_for: object = None
 
@@ -265,7 +269,7 @@ class Audit:
 
     async def entry(self, ctx: RequestContext) -> None:
         """Remember long-running calls, to record ResponseStarted when their head goes out."""
-        if not ctx.info.is_long_running:
+        if not ctx.info.shape[7]:  # RequestInfo.is_long_running, without the property's call
             return
         decision = self.plan(ctx.policies).decide(ctx.info, ctx.identity)
         if decision.level == "None" or "ResponseStarted" in decision.omit_stages:
@@ -294,9 +298,18 @@ class Audit:
             if item is not None and item.ctx is ctx:
                 self._exit_open(ctx, item)
                 return
-        # every other call: level, stages and the line's fragments come from its _Call record
-        # (no plan lookup nor decision per call)
-        call = self._call(ctx)
+        # every other call: its _Call record (remembered per policy set, by the ids of the
+        # RequestInfo, shared by identical calls, and the identity it holds, and by query, user
+        # agent and caller address) has the decision, the counter and the line's fragments:
+        # no plan lookup nor decision per call
+        info, identity = ctx.info, ctx.identity
+        if ctx.policies is not self._calls_for:
+            self._calls.clear()
+            self._calls_for = ctx.policies
+        key = (id(info), id(identity), ctx.query, ctx.headers.get("user-agent"), ctx.remote)
+        call = self._calls.get(key)
+        if call is None or call.info is not info or call.identity is not identity:
+            call = self._remember(ctx, key)
         if call.completes:
             stamp = ctx.wall_time + ((ctx.finished or time.monotonic()) - ctx.started)
             self._write(self._line(ctx, call, "ResponseComplete", stamp))
@@ -397,20 +410,9 @@ class Audit:
         self._parts[key] = (info, uri, ref)
         return uri, ref
 
-    def _call(self, ctx: RequestContext) -> _Call:
-        """The call's :class:`_Call` record, remembered per policy set (the memo starts over when
-        another set is in force) and per RequestInfo (shared by identical calls), identity,
-        query, user agent and caller address, by identity where it can (ids of the objects the
-        record holds): the same objects give the same decision and the same fragments."""
-        info, identity = ctx.info, ctx.identity
-        if ctx.policies is not self._calls_for:
-            self._calls.clear()
-            self._calls_for = ctx.policies
-        key = (id(info), id(identity), ctx.query, ctx.headers.get("user-agent"), ctx.remote)
-        call = self._calls.get(key)
-        if call is not None and call.info is info and call.identity is identity:
-            return call
-        decision = self.plan(ctx.policies).decide(info, identity)
+    def _remember(self, ctx: RequestContext, key: tuple[Any, ...]) -> _Call:
+        """A new :class:`_Call` record for :meth:`exit`'s memo (its key in ``key``)."""
+        decision = self.plan(ctx.policies).decide(ctx.info, ctx.identity)
         call = self._record(ctx, decision)
         if call.completes:  # the counter child exists once the first event is written
             call.counter = telemetry.AUDIT_EVENTS.labels(decision.level)
@@ -431,11 +433,9 @@ class Audit:
             counter=None)
 
     def line(self, ctx: RequestContext, decision: Decision, stage: str, stamp: float) -> str:
-        """:meth:`event` as its JSON line (with its newline); see :meth:`_line`."""
-        call = self._call(ctx)
-        if call.decision is not decision:  # not the plan's own decision object: not remembered
-            call = self._record(ctx, decision)
-        return self._line(ctx, call, stage, stamp)
+        """:meth:`event` as its JSON line (with its newline); see :meth:`_line` (its fragments
+        are not remembered here: only :meth:`exit` has a memo)."""
+        return self._line(ctx, self._record(ctx, decision), stage, stamp)
 
     def _line(self, ctx: RequestContext, call: _Call, stage: str, stamp: float) -> str:
         """The common case (a call's end with nothing but its code to tell: no answer of
@@ -454,24 +454,36 @@ class Audit:
                     and "impersonate-user" in headers)):
             return _ENCODER.encode(self.event(ctx, call.decision, stage, stamp)) + "\n"
         head, middle, tail = call.fragments or self._fragments(ctx, call)
-        # requestReceivedTimestamp and stageTimestamp: mostly in the same second, whose text
-        # is formatted once per second (_second_text); the microseconds are truncated, as Go
-        # formats them, and written as two _DIGITS3 lookups
+        # the JSON from after the audit ID to requestReceivedTimestamp's value, per code
+        coded = call.coded.get(code)
+        if coded is None:
+            coded = call.coded[code] = f'{middle}{code}}},"requestReceivedTimestamp":"'
+        # requestReceivedTimestamp and stageTimestamp, mostly in the same second: its text is
+        # formatted once per second (_second_text) and whether a time is in it is told by
+        # comparing floats (an int() call less per timestamp); the microseconds are truncated,
+        # as Go formats them, and written as two _DIGITS3 lookups (not ``:06d``)
         wall = ctx.wall_time
         if stamp < wall:
             stamp = wall
-        start = int(wall)
-        received = _second_text(start)
-        micros = int((wall - start) * 1_000_000)
+        if not _second_start <= wall < _second_next:
+            _second_text(int(wall))
+            if wall < _second_start:  # before 1970: int() rounded up, toward zero
+                return _ENCODER.encode(self.event(ctx, call.decision, stage, stamp)) + "\n"
+        received = _last_text
+        micros = int((wall - _second_start) * 1_000_000)
         if micros > 999_999:
             micros = 999_999
-        end = int(stamp)
-        staged = received if end == start else _second_text(end)
-        stage_micros = int((stamp - end) * 1_000_000)
+        if stamp < _second_next:  # and stamp >= wall: the same second
+            staged = received
+            stage_micros = int((stamp - _second_start) * 1_000_000)
+        else:
+            end = int(stamp)
+            staged = _second_text(end)
+            stage_micros = int((stamp - end) * 1_000_000)
         if stage_micros > 999_999:
             stage_micros = 999_999
         outcome = _DECISIONS.get(ctx.decision) or _ENCODER.encode(ctx.decision)
-        return (f'{head}{ctx.trace_id}{middle}{code}}},"requestReceivedTimestamp":"{received}.'
+        return (f'{head}{ctx.trace_id}{coded}{received}.'
                 f'{_DIGITS3[micros // 1000]}{_DIGITS3[micros % 1000]}Z","stageTimestamp":"{staged}.'
                 f'{_DIGITS3[stage_micros // 1000]}{_DIGITS3[stage_micros % 1000]}Z",'
                 f'"annotations":{{"opgate.dev/decision":{outcome}{tail}}}}}\n')
