@@ -110,7 +110,7 @@ def micro_time(wall: float) -> str:
     return f"{_second_text(second)}.{micros:06d}Z"
 
 
-# Three digits per index: the microseconds of a timestamp as two lookups (Audit._line), about
+# Three digits per index: the microseconds of a timestamp as two lookups (Audit.exit), about
 # half the cost of formatting them with ``:06d`` (which goes through the format-spec parser).
 _DIGITS3 = tuple(f"{i:03d}" for i in range(1000))
 
@@ -237,7 +237,7 @@ class _Call:
     joinable: bool  # no requestObject possible (Metadata, or not a resource request)
     impersonation: bool  # the policy set lets callers impersonate (Impersonate-User is logged)
     counter: Any  # opgate_audit_events_total{level}
-    # the JSON fragments of :meth:`Audit.line`'s common case, once one was joined, and the
+    # the JSON fragments of :meth:`Audit.exit`'s common case, once one was joined, and the
     # middle one completed per response code
     fragments: tuple[str, str, str] | None = None
     coded: dict[int, str] = field(default_factory=dict)
@@ -310,10 +310,64 @@ class Audit:
         call = self._calls.get(key)
         if call is None or call.info is not info or call.identity is not identity:
             call = self._remember(ctx, key)
-        if call.completes:
-            stamp = ctx.wall_time + ((ctx.finished or time.monotonic()) - ctx.started)
-            self._write(self._line(ctx, call, "ResponseComplete", stamp))
+        if not call.completes:
+            return
+        stamp = ctx.wall_time + ((ctx.finished or time.monotonic()) - ctx.started)
+        code = ctx.status_code
+        headers = ctx.headers
+        # The common case (nothing but the code to tell: no answer of opgate's own, no error,
+        # no request object, no forwarded addresses nor impersonation to log) is joined from
+        # the record's JSON fragments, here rather than in a method of its own (a call less);
+        # the rest is encoded from event(). Both give the same text (tests/unit/test_audit.py).
+        if (not code or ctx.answer is not None or ctx.error or not call.joinable
+                or (code >= 400 and ctx.decision != "allowed")
+                or (ctx.body and not info.name)
+                or "x-forwarded-for" in headers or "x-real-ip" in headers
+                # Impersonate-User is only logged where impersonation is allowed: only then
+                # is it worth a lookup
+                or ((call.impersonation or ctx.allow_impersonation)
+                    and "impersonate-user" in headers)):
+            self._write(self.line(ctx, call.decision, "ResponseComplete", stamp))
             call.counter.inc()
+            return
+        head, middle, tail = call.fragments or self._fragments(ctx, call)
+        # the JSON from after the audit ID to requestReceivedTimestamp's value, per code
+        coded = call.coded.get(code)
+        if coded is None:
+            coded = call.coded[code] = f'{middle}{code}}},"requestReceivedTimestamp":"'
+        # requestReceivedTimestamp and stageTimestamp, mostly in the same second: its text is
+        # formatted once per second (_second_text) and whether a time is in it is told by
+        # comparing floats (an int() call less per timestamp); the microseconds are truncated,
+        # as Go formats them, and written as two _DIGITS3 lookups (not ``:06d``)
+        wall = ctx.wall_time
+        if stamp < wall:
+            stamp = wall
+        if not _second_start <= wall < _second_next:
+            _second_text(int(wall))
+            if wall < _second_start:  # before 1970: int() rounded up, toward zero
+                self._write(self.line(ctx, call.decision, "ResponseComplete", stamp))
+                call.counter.inc()
+                return
+        received = _last_text
+        micros = int((wall - _second_start) * 1_000_000)
+        if micros > 999_999:
+            micros = 999_999
+        if stamp < _second_next:  # and stamp >= wall: the same second
+            staged = received
+            stage_micros = int((stamp - _second_start) * 1_000_000)
+        else:
+            end = int(stamp)
+            staged = _second_text(end)
+            stage_micros = int((stamp - end) * 1_000_000)
+        if stage_micros > 999_999:
+            stage_micros = 999_999
+        outcome = _DECISIONS.get(ctx.decision) or _ENCODER.encode(ctx.decision)
+        self._write(
+            f'{head}{ctx.trace_id}{coded}{received}.'
+            f'{_DIGITS3[micros // 1000]}{_DIGITS3[micros % 1000]}Z","stageTimestamp":"{staged}.'
+            f'{_DIGITS3[stage_micros // 1000]}{_DIGITS3[stage_micros % 1000]}Z",'
+            f'"annotations":{{"opgate.dev/decision":{outcome}{tail}}}}}\n')
+        call.counter.inc()
 
     def _exit_open(self, ctx: RequestContext, item: _Open) -> None:
         """The end of a long-running call (ResponseStarted first if the poll has not sent it)."""
@@ -412,84 +466,27 @@ class Audit:
 
     def _remember(self, ctx: RequestContext, key: tuple[Any, ...]) -> _Call:
         """A new :class:`_Call` record for :meth:`exit`'s memo (its key in ``key``)."""
-        decision = self.plan(ctx.policies).decide(ctx.info, ctx.identity)
-        call = self._record(ctx, decision)
-        if call.completes:  # the counter child exists once the first event is written
-            call.counter = telemetry.AUDIT_EVENTS.labels(decision.level)
+        info = ctx.info
+        decision = self.plan(ctx.policies).decide(info, ctx.identity)
+        completes = decision.level != "None" and "ResponseComplete" not in decision.omit_stages
+        call = _Call(
+            info, ctx.identity, decision, completes=completes,
+            joinable=decision.level == "Metadata" or not info.is_resource_request,
+            impersonation=bool(getattr(ctx.policies, "allow_impersonation", False)),
+            # the counter child exists once the first event is written
+            counter=telemetry.AUDIT_EVENTS.labels(decision.level) if completes else None)
         if len(self._calls) >= MEMO_SIZE:
             self._calls.clear()
         self._calls[key] = call
         return call
 
-    @staticmethod
-    def _record(ctx: RequestContext, decision: Decision) -> _Call:
-        info = ctx.info
-        return _Call(
-            info, ctx.identity, decision,
-            completes=(decision.level != "None"
-                       and "ResponseComplete" not in decision.omit_stages),
-            joinable=decision.level == "Metadata" or not info.is_resource_request,
-            impersonation=bool(getattr(ctx.policies, "allow_impersonation", False)),
-            counter=None)
-
     def line(self, ctx: RequestContext, decision: Decision, stage: str, stamp: float) -> str:
-        """:meth:`event` as its JSON line (with its newline); see :meth:`_line` (its fragments
-        are not remembered here: only :meth:`exit` has a memo)."""
-        return self._line(ctx, self._record(ctx, decision), stage, stamp)
-
-    def _line(self, ctx: RequestContext, call: _Call, stage: str, stamp: float) -> str:
-        """The common case (a call's end with nothing but its code to tell: no answer of
-        opgate's own, no error, no request object, no forwarded addresses nor impersonation to
-        log) is joined from JSON fragments remembered in the call's record; the rest is encoded
-        from :meth:`event`. Both give the same text (tests/unit/test_audit.py)."""
-        code = ctx.status_code
-        headers = ctx.headers
-        if (stage != "ResponseComplete" or not code or ctx.answer is not None or ctx.error
-                or not call.joinable or (code >= 400 and ctx.decision != "allowed")
-                or (ctx.body and not ctx.info.name)
-                or "x-forwarded-for" in headers or "x-real-ip" in headers
-                # Impersonate-User is only logged where impersonation is allowed: only then
-                # is it worth a lookup
-                or ((call.impersonation or ctx.allow_impersonation)
-                    and "impersonate-user" in headers)):
-            return _ENCODER.encode(self.event(ctx, call.decision, stage, stamp)) + "\n"
-        head, middle, tail = call.fragments or self._fragments(ctx, call)
-        # the JSON from after the audit ID to requestReceivedTimestamp's value, per code
-        coded = call.coded.get(code)
-        if coded is None:
-            coded = call.coded[code] = f'{middle}{code}}},"requestReceivedTimestamp":"'
-        # requestReceivedTimestamp and stageTimestamp, mostly in the same second: its text is
-        # formatted once per second (_second_text) and whether a time is in it is told by
-        # comparing floats (an int() call less per timestamp); the microseconds are truncated,
-        # as Go formats them, and written as two _DIGITS3 lookups (not ``:06d``)
-        wall = ctx.wall_time
-        if stamp < wall:
-            stamp = wall
-        if not _second_start <= wall < _second_next:
-            _second_text(int(wall))
-            if wall < _second_start:  # before 1970: int() rounded up, toward zero
-                return _ENCODER.encode(self.event(ctx, call.decision, stage, stamp)) + "\n"
-        received = _last_text
-        micros = int((wall - _second_start) * 1_000_000)
-        if micros > 999_999:
-            micros = 999_999
-        if stamp < _second_next:  # and stamp >= wall: the same second
-            staged = received
-            stage_micros = int((stamp - _second_start) * 1_000_000)
-        else:
-            end = int(stamp)
-            staged = _second_text(end)
-            stage_micros = int((stamp - end) * 1_000_000)
-        if stage_micros > 999_999:
-            stage_micros = 999_999
-        outcome = _DECISIONS.get(ctx.decision) or _ENCODER.encode(ctx.decision)
-        return (f'{head}{ctx.trace_id}{coded}{received}.'
-                f'{_DIGITS3[micros // 1000]}{_DIGITS3[micros % 1000]}Z","stageTimestamp":"{staged}.'
-                f'{_DIGITS3[stage_micros // 1000]}{_DIGITS3[stage_micros % 1000]}Z",'
-                f'"annotations":{{"opgate.dev/decision":{outcome}{tail}}}}}\n')
+        """:meth:`event` as its JSON line (with its newline); :meth:`exit` joins the same text
+        from remembered fragments in the common case."""
+        return _ENCODER.encode(self.event(ctx, decision, stage, stamp)) + "\n"
 
     def _fragments(self, ctx: RequestContext, call: _Call) -> tuple[str, str, str]:
-        """For :meth:`_line`'s common case, the JSON up to the audit ID, from after it to the
+        """For :meth:`exit`'s common case, the JSON up to the audit ID, from after it to the
         response code, and of the annotations after the decision (kept in ``call``)."""
         decision = call.decision
         ev = self.event(ctx, decision, "ResponseComplete", ctx.wall_time)
