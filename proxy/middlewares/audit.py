@@ -269,7 +269,7 @@ class Audit:
 
     async def entry(self, ctx: RequestContext) -> None:
         """Remember long-running calls, to record ResponseStarted when their head goes out."""
-        if not ctx.info.shape[7]:  # RequestInfo.is_long_running, without the property's call
+        if not ctx.info.is_long_running:
             return
         decision = self.plan(ctx.policies).decide(ctx.info, ctx.identity)
         if decision.level == "None" or "ResponseStarted" in decision.omit_stages:
