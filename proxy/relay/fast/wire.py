@@ -64,6 +64,11 @@ class WireHeaders(Mapping[str, str]):
                 _KEYS[key] = want
         return index.get(want)
 
+    def raw(self, key: str) -> bytes | None:
+        """The value of ``key`` as received (bytes, not decoded): for a middleware that only
+        hashes or compares a long value (the identity middleware's bearer token)."""
+        return self._raw(key)
+
     def get(self, key: str, default: str | None = None) -> str | None:  # type: ignore[override]
         value = self._raw(key)
         return default if value is None else value.decode("latin-1")
