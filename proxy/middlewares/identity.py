@@ -1,11 +1,17 @@
 """The identity middleware (``spec.identity``): who is calling, and may they make this call?
 
 First in the chain. It takes the bearer token of ``Authorization`` (never logged, never put in a
-message), verifies it once, and caches the result (a bounded LRU keyed by a SHA-256 of the token,
-until the token expires or 5 minutes, whichever is first), so a known token costs a dict lookup
-and the rule matching. A JWT of an accepted issuer is verified here (asymmetric signatures only,
-``iss``, ``aud``, ``exp``/``nbf`` with 30 s of leeway) with the keys the :class:`Authenticator`
-fetches; any other token goes to the apiserver (a TokenReview) and the apiserver decides.
+message), verifies it once, and caches the result (keyed by a SHA-256 of the token, never the
+token itself, until the token expires or 5 minutes, whichever is first), so a known token costs a
+hash, a dict lookup and the rule matching. The cache is bounded (``CACHE_SIZE`` tokens) and
+evicts by *second chance* (CLOCK), an approximation of least-recently-used that costs a hit one
+flag store instead of moving the entry to the end: the oldest entry goes, unless a call used it
+since it was inserted or last passed over, in which case it is moved to the end, unflagged, and
+the next oldest is considered.
+
+A JWT of an accepted issuer is verified here (asymmetric signatures only, ``iss``, ``aud``,
+``exp``/``nbf`` with 30 s of leeway) with the keys the :class:`Authenticator` fetches; any other
+token goes to the apiserver (a TokenReview) and the apiserver decides.
 PyJWT (and cryptography) are imported the first time a token that looks like a JWT is verified.
 
 Then each policy with an identity section must pass, in order: the token is accepted (401
@@ -20,7 +26,8 @@ The outcome of those checks depends only on the verified token and the call's
 :attr:`~proxy.engine.requestinfo.RequestInfo.shape`, so a cached token remembers the shapes
 every policy allowed without a word (no denial, no dryrun warning; never with
 ``subjectAccessReview``, which is asked per object): the next such call costs a hash of the
-token and two lookups.
+token and two lookups. That path (:meth:`IdentityCheck.entry`) hashes the header's bytes as the
+fast relay received them (no decoding of a ~1 KB value, no copies of it), nothing else.
 """
 
 from __future__ import annotations
@@ -72,7 +79,7 @@ class Authenticator(Protocol):
     async def access_review(self, attrs: Mapping[str, Any]) -> tuple[bool, str]: ...
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, eq=False)
 class _Verified:
     identity: Identity | None  # None: the apiserver said no (kept NEGATIVE_TTL)
     issuer: str  # issuer key: "kubernetes", an OIDC issuer URL, or "tokenreview"
@@ -80,7 +87,10 @@ class _Verified:
     audiences: tuple[str, ...]
     expires: float  # monotonic
     # call shapes that every policy of the current plan allowed (the plan clears the cache)
-    allowed: set[Shape] = field(default_factory=set, compare=False, repr=False)
+    allowed: set[Shape] = field(default_factory=set, repr=False)
+    # second chance: a call used the entry since eviction last passed over it (with
+    # ``allowed``, the only field that changes)
+    used: bool = field(default=False, repr=False)
 
 
 class _Invalid(Exception):
@@ -100,6 +110,28 @@ def _bearer(headers: Mapping[str, str]) -> str | None:
     scheme, _, token = value.strip().partition(" ")
     token = token.strip()
     return token if scheme.lower() == "bearer" and token else None
+
+
+# what str.strip() strips from text decoded as latin-1 (as the fast relay decodes header values)
+_STRIP = b" \t\n\r\x0b\x0c\x1c\x1d\x1e\x1f\x85\xa0"
+
+
+def _bearer_bytes(headers: Mapping[str, str]) -> bytes | None:
+    """The bytes of the token :func:`_bearer` finds (the cache key is their SHA-256).
+
+    With the fast relay's headers (``raw``: the value as received) this is :func:`_bearer` on
+    bytes, so a ~1 KB token is neither decoded nor encoded per call; the same token, because
+    ``_STRIP`` is what ``str.strip`` strips from latin-1 text and ``bytes.lower`` lowers the
+    ASCII letters, the only ones that lower into ``bearer``. Any other mapping: ``_bearer``,
+    encoded as before."""
+    raw = getattr(headers, "raw", None)
+    if raw is None:
+        token = _bearer(headers)
+        return None if token is None else token.encode()
+    value: bytes = raw("Authorization") or b""
+    scheme, _, found = value.strip(_STRIP).partition(b" ")
+    found = found.strip(_STRIP)
+    return found if scheme.lower() == b"bearer" and found else None
 
 
 def _action(info: RequestInfo, verb: str) -> str:
@@ -146,19 +178,35 @@ class IdentityCheck:
         return self._plan
 
     async def entry(self, ctx: RequestContext) -> Decision | None:
-        if not ctx.policies.section(SECTION):
+        # the plan of the set in force, without a call while it stays in force
+        plan = self._plan if ctx.policies is self._plan_for else self._plan_of(ctx.policies)
+        if not plan.section:
             return None
-        plan = self._plan_of(ctx.policies)
+        raw = _bearer_bytes(ctx.headers)
+        key = None
+        if raw is not None:
+            key = hashlib.sha256(raw).digest()  # the one hash of the call (_verify reuses it)
+            hit = self._tokens.get(key)
+            # a live token (negative entries allow nothing) that every policy already let make
+            # a call of this shape: nothing else to work out
+            if (hit is not None and ctx.info.shape in hit.allowed
+                    and hit.expires > time.monotonic()):
+                hit.used = True  # instead of move_to_end (see the module docstring)
+                ctx.identity = hit.identity
+                return None
+        return await self._decide(ctx, plan, key)
+
+    async def _decide(self, ctx: RequestContext, plan: _Plan,
+                      key: bytes | None) -> Decision | None:
+        """Every check, for a call that the remembered shapes of its token do not cover."""
         token = _bearer(ctx.headers)
         verified: _Verified | None = None
         problem = "no bearer token in the Authorization header"
         if token is not None:
-            hit = self._cached(token)
-            if hit is not None and ctx.info.shape in hit.allowed:
-                ctx.identity = hit.identity
-                return None
+            if key is None:  # _bearer_bytes and _bearer agree; this only keeps _verify safe
+                key = hashlib.sha256(token.encode()).digest()
             try:
-                verified = hit or await self._verify(token, plan)
+                verified = await self._verify(token, key, plan)
             except _Invalid as exc:
                 problem = f"invalid bearer token: {str(exc).replace(token, '<token>')}"
             except asyncio.CancelledError:
@@ -245,23 +293,13 @@ class IdentityCheck:
 
     # --- verification (cached) --------------------------------------------------------------
 
-    def _cached(self, token: str | None) -> _Verified | None:
-        """The live cache entry of a token the apiserver or a signature accepted, if any."""
-        if token is None:
-            return None
-        key = hashlib.sha256(token.encode()).digest()
-        hit = self._tokens.get(key)
-        if hit is None or hit.identity is None or hit.expires <= time.monotonic():
-            return None
-        self._tokens.move_to_end(key)
-        return hit
-
-    async def _verify(self, token: str, plan: _Plan) -> _Verified:
-        key = hashlib.sha256(token.encode()).digest()
+    async def _verify(self, token: str, key: bytes, plan: _Plan) -> _Verified:
+        """The cached verdict on ``token`` (``key``: the SHA-256 of its bytes), else a new one;
+        raises :class:`_Invalid` for a token the apiserver or a signature does not accept."""
         hit = self._tokens.get(key)
         if hit is not None:
             if hit.expires > time.monotonic():
-                self._tokens.move_to_end(key)
+                hit.used = True
                 if hit.identity is None:
                     raise _Invalid("the apiserver does not accept it")
                 return hit
@@ -272,10 +310,25 @@ class IdentityCheck:
             self._inflight[key] = future
             future.add_done_callback(lambda _: self._inflight.pop(key, None))
         result = await asyncio.shield(future)
-        self._remember(self._tokens, key, result)
+        self._remember_token(key, result)
         if result.identity is None:
             raise _Invalid("the apiserver does not accept it")
         return result
+
+    def _remember_token(self, key: bytes, verified: _Verified) -> None:
+        """Cache a verdict; a full cache first evicts by second chance (module docstring), so
+        the new entry is not a candidate, and it comes in unflagged: a token used once goes
+        before any token in use (a flood of new tokens does not push out the busy ones)."""
+        tokens = self._tokens
+        if key not in tokens:
+            while tokens and len(tokens) >= self.cache_size:
+                old_key, old = tokens.popitem(last=False)
+                if old.used:  # used since last passed over: keep it, at the end, once more
+                    old.used = False
+                    tokens[old_key] = old
+            # ends: a kept entry loses its flag, so within one round an unflagged one goes
+        tokens[key] = verified
+        tokens.move_to_end(key)
 
     def _remember(self, cache: OrderedDict[Any, Any], key: Any, value: Any) -> None:
         cache[key] = value
