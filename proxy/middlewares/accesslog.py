@@ -97,19 +97,13 @@ class AccessLog:
         # fields that only depend on it; infos are shared by equal calls (parse_request_info)
         self._parts: dict[int, tuple[RequestInfo, str, str]] = {}
         self._decisions: dict[str, str] = {}
+        self._users: dict[str, str] = {}  # user name: its escaped field
 
-    def _time(self, wall: float) -> str:
-        second = int(wall)
-        if second != self._second:
-            self._second = second
-            self._prefix = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second))
-        return self._prefix + _MILLIS[int((wall - second) * 1000)]
-
-    def _info_parts(self, info: RequestInfo) -> tuple[str, str]:
-        """``(escaped verb, the resource/path fields)`` of a call, remembered per info."""
+    def _info_parts(self, info: RequestInfo) -> tuple[RequestInfo, str, str]:
+        """``(info, escaped verb, the resource/path fields)`` of a call, remembered per info."""
         hit = self._parts.get(id(info))
         if hit is not None and hit[0] is info:
-            return hit[1], hit[2]
+            return hit
         if info.is_resource_request:
             resource = f"{info.resource}.{info.api_group}" if info.api_group else info.resource
             fields = ',"resource":' + _esc(resource)
@@ -121,36 +115,56 @@ class AccessLog:
                 fields += ',"name":' + _esc(info.name)
         else:
             fields = ',"path":' + _esc(info.path)
-        verb = _esc(info.verb)
         if len(self._parts) >= MEMO_SIZE:
             self._parts.clear()
-        self._parts[id(info)] = (info, verb, fields)
-        return verb, fields
+        hit = self._parts[id(info)] = (info, _esc(info.verb), fields)
+        return hit
+
+    def _user(self, user: str) -> str:
+        """``,"user":"<escaped>"``, remembered per user name in ``_users`` (a verified
+        identity's own string, so looking it up hashes nothing: a str caches its hash)."""
+        if len(self._users) >= MEMO_SIZE:
+            self._users.clear()
+        field = self._users[user] = ',"user":' + _esc(user)
+        return field
 
     def line(self, ctx: RequestContext) -> str:
-        return self._open_line(ctx) + "}"
+        return self._line(ctx)[:-1]
 
-    def _open_line(self, ctx: RequestContext) -> str:
-        """The line without its closing brace."""
-        verb, fields = self._info_parts(ctx.info)
+    def _line(self, ctx: RequestContext) -> str:
+        """The line and its newline, built by one f-string (one copy of the text; each
+        ``+`` of the former build copied the line so far)."""
+        info = ctx.info
+        parts = self._parts.get(id(info))  # _info_parts' hit, without its call
+        if parts is None or parts[0] is not info:
+            parts = self._info_parts(info)
         decision = self._decisions.get(ctx.decision)
         if decision is None:
             decision = self._decisions[ctx.decision] = _esc(ctx.decision)
-        line = (f'{{"time":"{self._time(ctx.wall_time)}","trace":"{ctx.trace_id}","verb":{verb}'
-                f',"code":{ctx.status_code},"decision":{decision}'
-                f',"duration_ms":{duration_ms(ctx.duration)}'
-                f',"bytes_in":{ctx.bytes_in},"bytes_out":{ctx.bytes_out}{fields}')
+        wall = ctx.wall_time  # _time, inlined: the prefix changes once a second
+        second = int(wall)
+        if second != self._second:
+            self._second = second
+            self._prefix = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second))
+        # ctx.duration without the property's call
+        duration = (ctx.finished or time.monotonic()) - ctx.started
+        tail = ""  # the optional fields (short strings: concatenating them copies little)
         instance = ctx.headers.get("opgate-instance")
         if instance:
-            line += ',"instance":' + _esc(instance[:256])
+            tail = ',"instance":' + _esc(instance[:256])
         if ctx.identity is not None:
-            line += ',"user":' + _esc(ctx.identity.user)
+            user = ctx.identity.user
+            tail += self._users.get(user) or self._user(user)  # a hit without _user's call
         if ctx.error:
-            line += ',"error":' + _esc(ctx.error)
-        return line
+            tail += ',"error":' + _esc(ctx.error)
+        return (f'{{"time":"{self._prefix}{_MILLIS[int((wall - second) * 1000)]}"'
+                f',"trace":"{ctx.trace_id}","verb":{parts[1]}'
+                f',"code":{ctx.status_code},"decision":{decision}'
+                f',"duration_ms":{duration_ms(duration)}'
+                f',"bytes_in":{ctx.bytes_in},"bytes_out":{ctx.bytes_out}{parts[2]}{tail}}}\n')
 
     async def exit(self, ctx: RequestContext) -> None:
         if self._writer is not None:
-            self._writer.write(self._open_line(ctx) + "}\n")
+            self._writer.write(self._line(ctx))
         elif log.isEnabledFor(logging.INFO):
             log.info(self.line(ctx))
