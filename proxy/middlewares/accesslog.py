@@ -6,9 +6,10 @@ when a middleware verified one. Never a token nor any other header value.
 
 This runs on every call, so it is built for the hot path: the line is assembled from strings
 escaped by the C JSON encoder (no dict, no ``json.dumps``), the fields that depend only on the
-call's RequestInfo are escaped once per info, the time prefix is formatted once per second, and
-an :class:`AccessWriter` batches lines into one ``write`` every few milliseconds instead of a
-flushed write per call. Without a writer, lines go to the ``opgate.access`` logger.
+call's RequestInfo are escaped once per info (the user's once per user name), the time prefix is
+formatted once per second, the line is one f-string, and an :class:`AccessWriter` batches lines
+into one ``write`` every few milliseconds instead of a flushed write per call. Without a writer,
+lines go to the ``opgate.access`` logger.
 """
 
 from __future__ import annotations
