@@ -40,6 +40,14 @@ _KEYS: dict[str, bytes] = {}  # header names middlewares ask for, as the index's
 _MAX_KEYS = 256
 
 
+
+def _wire_key(key: str) -> bytes:
+    """A header name as :class:`WireHeaders`' index keys it (remembered for the first names)."""
+    want = key.lower().encode("latin-1")
+    if len(_KEYS) < _MAX_KEYS:
+        _KEYS[key] = want
+    return want
+
 class WireHeaders(Mapping[str, str]):
     """The request's header pairs as the case-insensitive ``Mapping[str, str]`` middlewares read
     (``ctx.headers``). The first lookup indexes the pairs by lower-case name (the first of
@@ -51,36 +59,46 @@ class WireHeaders(Mapping[str, str]):
         self._pairs = pairs
         self._index: dict[bytes, bytes] | None = None
 
-    def _raw(self, key: str) -> bytes | None:
-        index = self._index
-        if index is None:
-            index = self._index = {}
-            for name, value in self._pairs:
-                index.setdefault(name.lower(), value)
-        want = _KEYS.get(key)
-        if want is None:
-            want = key.lower().encode("latin-1")
-            if len(_KEYS) < _MAX_KEYS:
-                _KEYS[key] = want
-        return index.get(want)
+    # get, raw and __contains__ each look up in one Python call (no shared helper call per
+    # lookup): middlewares ask a few headers of every call
+    def _build(self) -> dict[bytes, bytes]:
+        index: dict[bytes, bytes] = {}
+        for name, value in self._pairs:
+            index.setdefault(name.lower(), value)
+        self._index = index
+        return index
 
     def raw(self, key: str) -> bytes | None:
         """The value of ``key`` as received (bytes, not decoded): for a middleware that only
         hashes or compares a long value (the identity middleware's bearer token)."""
-        return self._raw(key)
+        index = self._index
+        if index is None:
+            index = self._build()
+        want = _KEYS.get(key)
+        return index.get(want if want is not None else _wire_key(key))
 
     def get(self, key: str, default: str | None = None) -> str | None:  # type: ignore[override]
-        value = self._raw(key)
+        index = self._index
+        if index is None:
+            index = self._build()
+        want = _KEYS.get(key)
+        value = index.get(want if want is not None else _wire_key(key))
         return default if value is None else value.decode("latin-1")
 
     def __getitem__(self, key: str) -> str:
-        value = self._raw(key)
+        value = self.raw(key)
         if value is None:
             raise KeyError(key)
         return value.decode("latin-1")
 
     def __contains__(self, key: object) -> bool:
-        return isinstance(key, str) and self._raw(key) is not None
+        if not isinstance(key, str):
+            return False
+        index = self._index
+        if index is None:
+            index = self._build()
+        want = _KEYS.get(key)
+        return (want if want is not None else _wire_key(key)) in index
 
     def __iter__(self) -> Iterator[str]:
         seen: set[bytes] = set()
