@@ -44,7 +44,7 @@ from proxy.middlewares.instance import (
     is_json_write,
 )
 from proxy.middlewares.ratelimit_spec import SECTION, BoundRule, Plan, bind_rules, parse_section
-from proxy.stores.base import BucketRequest, KeyVerdict, Store, StoreUnavailable, Verdict
+from proxy.stores.base import BucketRequest, Held, KeyVerdict, Store, StoreUnavailable, Verdict
 
 __all__ = ["SECTION", "InstanceOverrides", "MemoryInstanceOverrides", "RateLimit",
            "header_instance", "parse_section"]
@@ -83,7 +83,7 @@ class RateLimit:
     ) -> None:
         self.store = store
         # a token the store's replica already holds (leasing): taken without a coroutine
-        self._take: Callable[[BucketRequest], KeyVerdict | None] | None = getattr(
+        self._take: Callable[[BucketRequest], Held | None] | None = getattr(
             store, "take_local", None)
         self.overrides: InstanceOverrides = overrides or MemoryInstanceOverrides()
         self.instance_resolver = instance_resolver or InstanceResolver(self.overrides)
@@ -207,7 +207,7 @@ class RateLimit:
             if held is not None:  # _admit for one leased token
                 b = rules[0]
                 b.counters["allowed"].inc()
-                ctx.response_headers.extend(_headers(b.rule.burst, held.remaining, held.reset))
+                ctx.response_headers.extend(_headers(b.rule.burst, *held))
                 return None
         try:  # _acquire, inlined: one coroutine less on every call
             verdict = await self.store.acquire(requests)

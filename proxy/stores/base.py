@@ -24,6 +24,7 @@ from typing import Protocol, runtime_checkable
 
 __all__ = [
     "BucketRequest",
+    "Held",
     "KeyVerdict",
     "Reservation",
     "Reserved",
@@ -74,6 +75,13 @@ class KeyVerdict:
     retry_after: float = 0.0
     reset: float = 0.0
     granted: int = 0
+
+
+# What ``take_local`` (:mod:`proxy.stores.lease`) answers for a token this replica already
+# holds: the ``(remaining, reset)`` of the ``KeyVerdict(allowed=True, remaining=..., reset=...)``
+# that ``acquire`` would give. A plain tuple: it is built on every leased call, and a frozen
+# dataclass's ``__init__`` (one ``object.__setattr__`` per field) costs about four times as much.
+Held = tuple[int, float]
 
 
 @dataclass(frozen=True, slots=True)

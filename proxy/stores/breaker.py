@@ -28,6 +28,7 @@ from typing import Any, TypeVar
 from proxy.engine import telemetry
 from proxy.stores.base import (
     BucketRequest,
+    Held,
     KeyVerdict,
     Reservation,
     Reserved,
@@ -112,6 +113,9 @@ class ResilientStore:
         self.fallback = fallback or MemoryStore(clock=clock)
         self.replicas = max(1, replicas)
         self.breaker = CircuitBreaker(failures=failures, reset_after=reset_after, clock=clock)
+        # the primary's take_local, looked up once (not on every call)
+        self._take_primary: Callable[[BucketRequest], Held | None] | None = getattr(
+            primary, "take_local", None)
         self._probe: asyncio.Task[None] | None = None
         set_backend_gauge("redis")
 
@@ -119,12 +123,13 @@ class ResilientStore:
     def backend(self) -> str:
         return "redis" if self.breaker.allows() else "fallback"
 
-    def take_local(self, r: BucketRequest) -> KeyVerdict | None:
+    def take_local(self, r: BucketRequest) -> Held | None:
         """The primary's :meth:`~proxy.stores.lease.LeasingStore.take_local` while the breaker
         is closed (a leased token needs no round trip, so it tells nothing about the store's
         health); ``None`` otherwise."""
-        take = getattr(self.primary, "take_local", None)
-        return take(r) if take is not None and self.breaker.allows() else None
+        take = self._take_primary
+        # breaker.allows(), inlined: a method call less on every leased call
+        return take(r) if take is not None and self.breaker.state == "closed" else None
 
     async def _primary(self, call: Callable[[], Awaitable[T]]) -> T | None:
         """``call()`` on the primary store while the breaker lets it through, counting the

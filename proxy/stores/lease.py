@@ -25,6 +25,7 @@ from dataclasses import dataclass, replace
 from proxy.stores.base import (
     US,
     BucketRequest,
+    Held,
     KeyVerdict,
     Reservation,
     Reserved,
@@ -106,11 +107,12 @@ class LeasingStore:
                     self._leases[r.key].hits -= 1
             await asyncio.wait([asyncio.shield(f) for f in busy])
 
-    def take_local(self, r: BucketRequest) -> KeyVerdict | None:
-        """A token this replica holds for one leased request, taken without a round trip: the
-        answer ``acquire([r])`` would give, with the same bookkeeping; ``None`` (nothing changed
-        but the sweep) when ``acquire`` must decide (no lease, too few tokens, a cached
-        denial, or not a leased request)."""
+    def take_local(self, r: BucketRequest) -> Held | None:
+        """A token this replica holds for one leased request, taken without a round trip:
+        ``(remaining, reset)`` of the answer ``acquire([r])`` would give (allowed, the
+        :meth:`_lease_verdict`), with the same bookkeeping; ``None`` (nothing changed but the
+        sweep) when ``acquire`` must decide (no lease, too few tokens, a cached denial, or not
+        a leased request)."""
         if self._denied or not (r.lease or self.lease_all):
             return None
         now = self._clock()
@@ -126,12 +128,17 @@ class LeasingStore:
         lease.hits += 1
         lease.tokens -= r.cost
         self.local_hits += 1
-        return self._lease_verdict(r, now)
+        # _lease_verdict inlined, on the lease already at hand (no second lookup, no KeyVerdict)
+        reset = lease.reset_at - now
+        return lease.remaining + lease.tokens, reset if reset > 0.0 else 0.0
 
     def _serve_one(self, r: BucketRequest) -> Verdict | None:
         """:meth:`take_local` as ``acquire``'s first step for one request (the hot path)."""
-        key = self.take_local(r)
-        return None if key is None else Verdict(allowed=True, keys=(key,), backend="lease")
+        held = self.take_local(r)
+        if held is None:
+            return None
+        key = KeyVerdict(allowed=True, remaining=held[0], reset=held[1])
+        return Verdict(allowed=True, keys=(key,), backend="lease")
 
     def _cached_denial(self, requests: Sequence[BucketRequest], now: float) -> Verdict | None:
         hit = False

@@ -9,7 +9,14 @@ import pytest
 
 from proxy.engine import telemetry
 from proxy.stores import build_store
-from proxy.stores.base import BucketRequest, StoreUnavailable, Verdict, gcra_step, interval_us
+from proxy.stores.base import (
+    BucketRequest,
+    KeyVerdict,
+    StoreUnavailable,
+    Verdict,
+    gcra_step,
+    interval_us,
+)
 from proxy.stores.breaker import CircuitBreaker, ResilientStore
 from proxy.stores.lease import LeasingStore
 from proxy.stores.memory import MemoryStore
@@ -207,6 +214,40 @@ def test_leasing_shortcut_for_one_request_changes_nothing(
     fast, slow = replay(True), replay(False)
     assert fast == slow
     assert fast[2] > 1000  # the shortcut was taken
+
+
+def test_take_local_answers_what_acquire_would(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``take_local``'s ``(remaining, reset)`` is the allowed ``KeyVerdict`` the general
+    ``acquire`` gives for the same call, with the same leases and counters afterwards; ``None``
+    leaves the decision (and the state) to ``acquire``."""
+    import random
+
+    rnd, clock = random.Random(7), Clock()
+    fast = LeasingStore(Remote(clock), window=0.1, ttl=0.5, clock=clock)
+    slow = LeasingStore(Remote(clock), window=0.1, ttl=0.5, clock=clock)
+    monkeypatch.setattr(slow, "_serve_one", lambda r: None)
+    keys = [req("hot", rate=2000, burst=200, lease=True), req("cold", rate=15, burst=2, lease=True),
+            req("plain", rate=100, burst=20)]
+    held_calls = denied = 0
+    for _ in range(3000):
+        clock.now += 0.3 if rnd.random() < 0.01 else rnd.choice([0.0, 0.0001, 0.001, 0.02])
+        r = keys[0] if rnd.random() < 0.9 else rnd.choice(keys[1:])
+        expected = run(slow.acquire([r]))
+        held = fast.take_local(r)
+        if held is None:
+            assert run(fast.acquire([r])) == expected
+            denied += not expected.allowed
+            continue
+        held_calls += 1
+        assert expected.allowed and expected.backend == "lease"
+        assert expected.keys == (KeyVerdict(allowed=True, remaining=held[0], reset=held[1]),)
+        assert held[1] >= 0.0
+    assert held_calls > 1000 and denied > 10  # both paths were compared
+    assert fast.local_hits == slow.local_hits
+    assert ({k: (v.tokens, v.expires, v.remaining, v.reset_at, v.hits, v.rate)
+             for k, v in fast._leases.items()}
+            == {k: (v.tokens, v.expires, v.remaining, v.reset_at, v.hits, v.rate)
+                for k, v in slow._leases.items()})
 
 
 def test_leasing_caches_denials_until_retry_after() -> None:
