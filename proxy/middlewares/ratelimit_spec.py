@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from proxy.engine import telemetry
@@ -157,7 +157,12 @@ RESULTS = ("allowed", "denied", "waited", "dryrun", "unavailable", "fallback")
 
 @dataclass(frozen=True, slots=True)
 class BoundRule:
-    """A rule bound to its policy for one PolicySet."""
+    """A rule bound to its policy for one PolicySet.
+
+    ``allowed`` and ``limit_header`` are derived once, for the admitted calls' hot path:
+    ``counters["allowed"]`` without the dict lookup, and the ``RateLimit-Limit`` header (the
+    rule's burst) without a ``str()`` per call.
+    """
 
     rule: RateLimitRule
     policy: str
@@ -168,6 +173,12 @@ class BoundRule:
     needs_instance: bool
     prefix: str
     counters: Mapping[str, Any]
+    allowed: Any = field(init=False, repr=False, compare=False)
+    limit_header: tuple[str, str] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "allowed", self.counters["allowed"])
+        object.__setattr__(self, "limit_header", ("RateLimit-Limit", str(self.rule.burst)))
 
 
 class Plan:

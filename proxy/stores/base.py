@@ -79,8 +79,9 @@ class KeyVerdict:
 
 # What ``take_local`` (:mod:`proxy.stores.lease`) answers for a token this replica already
 # holds: the ``(remaining, reset)`` of the ``KeyVerdict(allowed=True, remaining=..., reset=...)``
-# that ``acquire`` would give. A plain tuple: it is built on every leased call, and a frozen
-# dataclass's ``__init__`` (one ``object.__setattr__`` per field) costs about four times as much.
+# that ``acquire`` would give (``reset`` never below 0). A plain tuple: it is built on every
+# leased call, and a frozen dataclass's ``__init__`` (one ``object.__setattr__`` per field)
+# costs about four times as much.
 Held = tuple[int, float]
 
 

@@ -372,29 +372,33 @@ def test_a_leased_token_is_taken_without_the_store_round_trip_and_answers_the_sa
 
     from proxy.stores.lease import LeasingStore
 
-    pset = policies("- {name: hot, qps: 300, burst: 60, lease: true}\n"
-                    "- {name: cold, match: {verbs: [list]}, qps: 5, burst: 2, lease: true}")
+    # GET: one rule, decided in entry; LIST: two rules (acquire); DELETE: one rule whose key is
+    # rendered per call (the leased token is taken in _enforce)
+    pset = policies("- {name: hot, match: {verbs: [get, list]}, qps: 300, burst: 60, lease: true}\n"
+                    "- {name: cold, match: {verbs: [list]}, qps: 5, burst: 2, lease: true}\n"
+                    "- {name: named, match: {verbs: [delete]}, key: '{user}/{name}', qps: 200,"
+                    " burst: 40, lease: true}")
+    paths = {"GET": "/api/v1/namespaces/a/pods/p", "LIST": "/api/v1/namespaces/a/pods",
+             "DELETE": "/api/v1/namespaces/a/pods/p"}
 
-    def replay(fast: bool) -> tuple[list[Any], int, int]:
+    def replay(fast: bool) -> tuple[list[Any], dict[str, int], int]:
         rnd, clock = random.Random(5), Clock()
         inner = MemoryStore(clock=clock)
         store = ResilientStore(LeasingStore(inner, window=0.1, ttl=0.5, clock=clock), clock=clock)
         mw = RateLimit(store=store)
         if not fast:
             mw._take = None
-        taken = 0
+        taken = dict.fromkeys(paths, 0)
         out: list[Any] = []
 
         async def go() -> None:
-            nonlocal taken
-            for _ in range(3000):
+            for _ in range(4000):
                 clock.now += rnd.choice([0.0, 0.0005, 0.002, 0.05])
-                method = rnd.choice(["GET", "GET", "GET", "LIST"])
-                ctx = (ctx_for(pset) if method == "GET"
-                       else ctx_for(pset, path="/api/v1/namespaces/a/pods"))
+                method = rnd.choice(["GET", "GET", "GET", "LIST", "DELETE", "DELETE"])
+                ctx = ctx_for(pset, "GET" if method == "LIST" else method, paths[method])
                 before = store.primary.local_hits  # type: ignore[attr-defined]
                 result = await mw.entry(ctx)
-                taken += store.primary.local_hits - before  # type: ignore[attr-defined]
+                taken[method] += store.primary.local_hits - before  # type: ignore[attr-defined]
                 out.append((None if result is None else result.status.code, headers_of(ctx)))
 
         asyncio.run(go())
@@ -402,9 +406,36 @@ def test_a_leased_token_is_taken_without_the_store_round_trip_and_answers_the_sa
 
     fast, slow = replay(True), replay(False)
     assert fast[0] == slow[0] and fast[2] == slow[2]
-    assert fast[1] > 1000  # most GETs took a held token
+    assert fast[1]["GET"] > 1000 and fast[1]["DELETE"] > 500  # most took a held token
     codes = [code for code, _ in fast[0]]
     assert None in codes and 429 in codes  # both admitted and throttled calls were compared
+
+
+@pytest.mark.parametrize("held", [(0, 0.0), (5, 0.2), (7, 63.0), (7, 63.2), (9, 64.0),
+                                  (3, 1000.5), (-1, 0.0)])
+@pytest.mark.parametrize("key", ["{user}", "{user}/{name}"])
+def test_a_held_token_admits_with_the_headers_of_its_verdict(
+    held: tuple[int, float], key: str,
+) -> None:
+    """A token ``take_local`` hands out is admitted (``allowed`` counted) with the headers
+    ``_admit`` gives its ``KeyVerdict``: in ``entry`` (a key known per shape) and in
+    ``_enforce`` (a key rendered per call) alike."""
+    from proxy.middlewares.ratelimit import _headers
+
+    class Holding(MemoryStore):
+        def take_local(self, r: BucketRequest) -> tuple[int, float]:
+            return held
+
+    name = "held-" + key.replace("{", "").replace("}", "").replace("/", "-")
+    pset = policies(f"- {{name: r, key: '{key}', qps: 10, burst: 50, lease: true}}", name=name)
+    store = Holding(clock=Clock())
+    mw = RateLimit(store=store)
+    before = decisions(name, "allowed")
+    ctx = ctx_for(pset)
+    assert asyncio.run(mw.entry(ctx)) is None
+    assert ctx.response_headers == list(_headers(50, *held))
+    assert decisions(name, "allowed") == before + 1
+    assert store.calls == 0
 
 
 def test_no_leased_token_is_taken_while_the_breaker_is_open() -> None:
