@@ -168,14 +168,8 @@ class RateLimit:
             # the hot path, decided here: a token this replica holds (leasing) admits the call
             # synchronously, without the _enforce coroutine and without a Verdict
             held = self._take(one)
-            if held is not None:  # _admit_held, inlined (a call less)
-                b = found.enforce[0]
-                b.allowed.inc()
-                remaining, reset = held
-                seconds = math.ceil(reset)
-                ctx.response_headers += (
-                    b.limit_header, ("RateLimit-Remaining", str(remaining if remaining > 0 else 0)),
-                    _RESET[seconds] if seconds < len(_RESET) else ("RateLimit-Reset", str(seconds)))
+            if held is not None:
+                self._admit_held(ctx, found.enforce[0], held)
                 return None
         enforce = found.enforce
         if found.requests is not None and not found.dryrun:  # the common case
