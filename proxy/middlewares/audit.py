@@ -317,9 +317,10 @@ class Audit:
         headers = ctx.headers
         # The common case (nothing but the code to tell: no answer of opgate's own, no error,
         # no request object, no forwarded addresses nor impersonation to log) is joined from
-        # the record's JSON fragments, here rather than in a method of its own (a call less);
-        # the rest is encoded from event(). Both give the same text (tests/unit/test_audit.py).
-        if (not code or ctx.answer is not None or ctx.error or not call.joinable
+        # the record's JSON fragments; the rest is encoded from event(). Both give the same
+        # text (tests/unit/test_audit.py).
+        line = None
+        if not (not code or ctx.answer is not None or ctx.error or not call.joinable
                 or (code >= 400 and ctx.decision != "allowed")
                 or (ctx.body and not info.name)
                 or "x-forwarded-for" in headers or "x-real-ip" in headers
@@ -327,9 +328,16 @@ class Audit:
                 # is it worth a lookup
                 or ((call.impersonation or ctx.allow_impersonation)
                     and "impersonate-user" in headers)):
-            self._write(self.line(ctx, call.decision, "ResponseComplete", stamp))
-            call.counter.inc()
+            line = self._joined(ctx, call, code, stamp)
+        if line is None:
+            self._emit(ctx, call.decision, "ResponseComplete", stamp)
             return
+        self._write(line)
+        call.counter.inc()
+
+    def _joined(self, ctx: RequestContext, call: _Call, code: int, stamp: float) -> str | None:
+        """:meth:`exit`'s common line, joined from ``call``'s fragments (``None`` before 1970,
+        where the seconds below do not hold: the caller encodes the event then)."""
         head, middle, tail = call.fragments or self._fragments(ctx, call)
         # the JSON from after the audit ID to requestReceivedTimestamp's value, per code
         coded = call.coded.get(code)
@@ -345,13 +353,9 @@ class Audit:
         if not _second_start <= wall < _second_next:
             _second_text(int(wall))
             if wall < _second_start:  # before 1970: int() rounded up, toward zero
-                self._write(self.line(ctx, call.decision, "ResponseComplete", stamp))
-                call.counter.inc()
-                return
+                return None
         received = _last_text
-        micros = int((wall - _second_start) * 1_000_000)
-        if micros > 999_999:
-            micros = 999_999
+        micros = min(int((wall - _second_start) * 1_000_000), 999_999)
         if stamp < _second_next:  # and stamp >= wall: the same second
             staged = received
             stage_micros = int((stamp - _second_start) * 1_000_000)
@@ -359,15 +363,12 @@ class Audit:
             end = int(stamp)
             staged = _second_text(end)
             stage_micros = int((stamp - end) * 1_000_000)
-        if stage_micros > 999_999:
-            stage_micros = 999_999
+        stage_micros = min(stage_micros, 999_999)
         outcome = _DECISIONS.get(ctx.decision) or _ENCODER.encode(ctx.decision)
-        self._write(
-            f'{head}{ctx.trace_id}{coded}{received}.'
-            f'{_DIGITS3[micros // 1000]}{_DIGITS3[micros % 1000]}Z","stageTimestamp":"{staged}.'
-            f'{_DIGITS3[stage_micros // 1000]}{_DIGITS3[stage_micros % 1000]}Z",'
-            f'"annotations":{{"opgate.dev/decision":{outcome}{tail}}}}}\n')
-        call.counter.inc()
+        return (f'{head}{ctx.trace_id}{coded}{received}.'
+                f'{_DIGITS3[micros // 1000]}{_DIGITS3[micros % 1000]}Z","stageTimestamp":"{staged}.'
+                f'{_DIGITS3[stage_micros // 1000]}{_DIGITS3[stage_micros % 1000]}Z",'
+                f'"annotations":{{"opgate.dev/decision":{outcome}{tail}}}}}\n')
 
     def _exit_open(self, ctx: RequestContext, item: _Open) -> None:
         """The end of a long-running call (ResponseStarted first if the poll has not sent it)."""
