@@ -128,8 +128,7 @@ class ResilientStore:
         is closed (a leased token needs no round trip, so it tells nothing about the store's
         health); ``None`` otherwise."""
         take = self._take_primary
-        # breaker.allows(), inlined: a method call less on every leased call
-        return take(r) if take is not None and self.breaker.state == "closed" else None
+        return take(r) if take is not None and self.breaker.allows() else None
 
     async def _primary(self, call: Callable[[], Awaitable[T]]) -> T | None:
         """``call()`` on the primary store while the breaker lets it through, counting the

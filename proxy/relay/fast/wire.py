@@ -40,13 +40,13 @@ _KEYS: dict[str, bytes] = {}  # header names middlewares ask for, as the index's
 _MAX_KEYS = 256
 
 
-
 def _wire_key(key: str) -> bytes:
     """A header name as :class:`WireHeaders`' index keys it (remembered for the first names)."""
     want = key.lower().encode("latin-1")
     if len(_KEYS) < _MAX_KEYS:
         _KEYS[key] = want
     return want
+
 
 class WireHeaders(Mapping[str, str]):
     """The request's header pairs as the case-insensitive ``Mapping[str, str]`` middlewares read
