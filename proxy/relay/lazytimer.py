@@ -18,6 +18,8 @@ from collections.abc import Callable
 
 __all__ = ["LazyTimer"]
 
+CLOCK_RESOLUTION = 0.001  # seconds: libuv's timer granularity
+
 
 class LazyTimer:
     """Calls ``callback`` once the deadline given to :meth:`set` has passed.
@@ -73,7 +75,10 @@ class LazyTimer:
         due = self._due
         if due is None:  # cleared meanwhile: stop until the next set()
             return
-        if due > self._loop.time():  # moved later meanwhile: wait for it
+        # moved later meanwhile: wait for it. Within a clock tick of the deadline counts as
+        # passed, as asyncio's own timers do: uvloop fires up to ~1 ms early (libuv counts
+        # whole milliseconds), and re-arming then would spin until the deadline.
+        if due > self._loop.time() + CLOCK_RESOLUTION:
             self._armed_at = due
             self._handle = self._loop.call_at(due, self._fire)
             return
