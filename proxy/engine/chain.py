@@ -9,9 +9,9 @@ A middleware is a plain object (mitmproxy's addon style)::
         sections = ("rateLimits",)  # optional: entry acts only on policy sets with one of these
 
         def wants_body(self, ctx: RequestContext) -> bool: ...  # optional: this call's body?
-        async def entry(self, ctx: RequestContext) -> Decision | None: ...  # before relaying
-        async def exit(self, ctx: RequestContext) -> None: ...              # after the response
-        async def retry(self, ctx: RequestContext) -> None: ...             # after a 409/429/5xx
+        def entry(self, ctx: RequestContext) -> Decision | None: ...  # before relaying
+        def exit(self, ctx: RequestContext) -> None: ...              # after the response
+        def retry(self, ctx: RequestContext) -> None: ...             # after a 409/429/5xx
 
 ``needs_body`` says a middleware may want request bodies at all; the optional ``wants_body``
 narrows it per call (the relay reads a body, bounded, only when one of them wants it, so every
@@ -22,23 +22,32 @@ without any of them, so the chain skips that hook for such a set (worked out onc
 An ``entry`` hook returns
 ``None`` (go on), a :class:`Deny` (the first one ends the chain) or a :class:`Delay` (sleep, then
 go on). Middlewares never touch sockets; the relay never knows which middlewares exist.
+
+A hook is a plain function or a coroutine function. A plain one answers at once, which is what
+the hot path wants: awaiting a coroutine per hook and per call costs more than most hooks' own
+work. When it has to wait (a Redis round trip, a token to verify) it returns a coroutine (it
+calls an ``async def``), and the chain awaits that. So :meth:`Chain.entry` and
+:meth:`Chain.exit` answer at once too when no hook had to wait, and return a coroutine
+otherwise; :func:`settle` awaits whichever came back, for callers off the hot path.
 """
 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
-from collections.abc import Awaitable, Callable, Sequence
-from typing import Protocol, runtime_checkable
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from proxy.engine import telemetry
-from proxy.engine.context import Decision, Delay, Deny, RequestContext
+from proxy.engine.context import Delay, Deny, RequestContext
 from proxy.engine.status import StatusError, internal_error
 
 log = logging.getLogger("opgate.chain")
 
-EntryHook = Callable[[RequestContext], Awaitable[Decision | None]]
-ExitHook = Callable[[RequestContext], Awaitable[None]]
+T = TypeVar("T")
+Maybe = T | Coroutine[Any, Any, T]  # what a hook or the chain returns: an answer, or its wait
+Hooks = tuple[tuple[str, bool, Callable[[RequestContext], Any]], ...]
 
 RETRYABLE = frozenset({409, 429})
 
@@ -52,6 +61,14 @@ class Middleware(Protocol):
 def is_retryable(code: int) -> bool:
     """409, 429 and 5xx: what clients retry, and what the retry hooks see."""
     return code in RETRYABLE or code >= 500
+
+
+async def settle(result: Maybe[T]) -> T:
+    """``result`` itself, or what it answers once awaited: for callers of a hook or of
+    :meth:`Chain.entry` / :meth:`Chain.exit` that may await (tests, the aiohttp core)."""
+    if inspect.isawaitable(result):
+        return await result  # type: ignore[no-any-return]
+    return result
 
 
 class Chain:
@@ -72,7 +89,7 @@ class Chain:
         self._active_for: object = None
         self._active = self._entry
 
-    def _entry_hooks(self, policies: object) -> tuple[tuple[str, bool, EntryHook], ...]:
+    def _entry_hooks(self, policies: object) -> Hooks:
         """The entry hooks that can act under ``policies`` (remembered for the last set)."""
         if policies is not self._active_for:
             section = getattr(policies, "section", None)
@@ -80,9 +97,9 @@ class Chain:
                 hook for hook, sections in zip(self._entry, self._sections, strict=True)
                 if sections is None or section is None or any(section(s) for s in sections))
             self._active_for = policies  # held: identity stays meaningful
-        return self._active  # type: ignore[return-value]
+        return self._active
 
-    def _hooks(self, hook: str) -> tuple[tuple[str, bool, Callable[..., Awaitable[object]]], ...]:
+    def _hooks(self, hook: str) -> Hooks:
         found = []
         for m in self.middlewares:
             fn = getattr(m, hook, None)
@@ -90,22 +107,41 @@ class Chain:
                 found.append((str(m.name), bool(getattr(m, "fail_open", False)), fn))  # type: ignore[attr-defined]
         return tuple(found)
 
-    async def entry(self, ctx: RequestContext) -> StatusError | None:
-        """Run the entry hooks; return the Status to answer with, or ``None`` to relay."""
-        for name, fail_open, hook in self._entry_hooks(ctx.policies):
+    def entry(self, ctx: RequestContext) -> Maybe[StatusError | None]:
+        """Run the entry hooks; return the Status to answer with, or ``None`` to relay (or a
+        coroutine answering that, once a hook has to wait)."""
+        hooks = self._entry_hooks(ctx.policies)
+        for i, (name, fail_open, hook) in enumerate(hooks):
             try:
-                decision = await hook(ctx)
-            except asyncio.CancelledError:
-                raise
+                decision = hook(ctx)
             except Exception:
-                telemetry.MIDDLEWARE_ERRORS.labels(name, "entry").inc()
-                log.exception("middleware %s crashed in entry (%s)", name, ctx.trace_id)
-                if fail_open:
+                if self._crashed(ctx, name, fail_open):
                     continue
-                ctx.decision = "error"
                 return internal_error(f"opgate: middleware {name} failed; see the opgate log")
             if decision is None:
                 continue
+            if isinstance(decision, Deny):
+                ctx.decision = decision.decision
+                return decision.status
+            return self._entry_waiting(ctx, hooks, i, decision)  # a coroutine, or a Delay
+        return None
+
+    async def _entry_waiting(self, ctx: RequestContext, hooks: Hooks, at: int,
+                             pending: object) -> StatusError | None:
+        """:meth:`entry` from hook ``at`` on, whose answer ``pending`` has to be awaited (or
+        is a :class:`Delay` to sleep)."""
+        for name, fail_open, hook in hooks[at:]:
+            try:
+                decision = hook(ctx) if pending is None else pending
+                pending = None
+                if decision is not None and inspect.isawaitable(decision):
+                    decision = await decision
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                if self._crashed(ctx, name, fail_open):
+                    continue
+                return internal_error(f"opgate: middleware {name} failed; see the opgate log")
             if isinstance(decision, Deny):
                 ctx.decision = decision.decision
                 return decision.status
@@ -113,28 +149,49 @@ class Chain:
                 await asyncio.sleep(decision.seconds)
         return None
 
-    async def exit(self, ctx: RequestContext) -> None:
-        """Run the exit hooks, then the retry hooks when the outcome is retryable."""
-        for name, _fail_open, hook in self._exit:  # _run_after, inlined: one coroutine less
+    @staticmethod
+    def _crashed(ctx: RequestContext, name: str, fail_open: bool) -> bool:
+        """Count and log the entry hook that raised; whether the call goes on (fail open)."""
+        telemetry.MIDDLEWARE_ERRORS.labels(name, "entry").inc()
+        log.exception("middleware %s crashed in entry (%s)", name, ctx.trace_id)
+        if not fail_open:
+            ctx.decision = "error"
+        return fail_open
+
+    def exit(self, ctx: RequestContext) -> Maybe[None]:
+        """Run the exit hooks, then the retry hooks when the outcome is retryable (returns a
+        coroutine that does the rest once a hook has to wait)."""
+        hooks = self._exit
+        for i, (name, _fail_open, hook) in enumerate(hooks):
             try:
-                await hook(ctx)
-            except asyncio.CancelledError:
-                raise
+                done = hook(ctx)
             except Exception:
                 telemetry.MIDDLEWARE_ERRORS.labels(name, "exit").inc()
                 log.exception("middleware %s crashed in exit (%s)", name, ctx.trace_id)
+                continue
+            if done is not None:
+                return self._exit_waiting(ctx, hooks, i, done)
+        if self._retry and is_retryable(ctx.status_code):
+            return self._run_after(self._retry, ctx, "retry")
+        return None
+
+    async def _exit_waiting(self, ctx: RequestContext, hooks: Hooks, at: int,
+                            pending: object) -> None:
+        await self._run_after(hooks[at:], ctx, "exit", pending)
         if self._retry and is_retryable(ctx.status_code):
             await self._run_after(self._retry, ctx, "retry")
 
     @staticmethod
-    async def _run_after(
-        hooks: tuple[tuple[str, bool, Callable[..., Awaitable[object]]], ...],
-        ctx: RequestContext,
-        point: str,
-    ) -> None:
+    async def _run_after(hooks: Hooks, ctx: RequestContext, point: str,
+                         pending: object = None) -> None:
+        """Run exit or retry ``hooks`` in turn, awaiting what they return; ``pending`` is what
+        the first one already returned."""
         for name, _fail_open, hook in hooks:
             try:
-                await hook(ctx)
+                done = hook(ctx) if pending is None else pending
+                pending = None
+                if done is not None and inspect.isawaitable(done):
+                    await done
             except asyncio.CancelledError:
                 raise
             except Exception:

@@ -164,7 +164,7 @@ class AccessLog:
                 f',"duration_ms":{duration_ms(duration)}'
                 f',"bytes_in":{ctx.bytes_in},"bytes_out":{ctx.bytes_out}{parts[2]}{tail}}}\n')
 
-    async def exit(self, ctx: RequestContext) -> None:
+    def exit(self, ctx: RequestContext) -> None:
         if self._writer is not None:
             self._writer.write(self._line(ctx))
         elif log.isEnabledFor(logging.INFO):

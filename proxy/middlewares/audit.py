@@ -267,7 +267,7 @@ class Audit:
     def wants_body(self, ctx: RequestContext) -> bool:
         return self.plan(ctx.policies).may_want_body(ctx.info)
 
-    async def entry(self, ctx: RequestContext) -> None:
+    def entry(self, ctx: RequestContext) -> None:
         """Remember long-running calls, to record ResponseStarted when their head goes out."""
         if not ctx.info.is_long_running:
             return
@@ -292,7 +292,7 @@ class Audit:
         if any(not item.started_sent for item in self._open.values()):
             self._timer = asyncio.get_running_loop().call_later(POLL_SECONDS, self._poll)
 
-    async def exit(self, ctx: RequestContext) -> None:
+    def exit(self, ctx: RequestContext) -> None:
         if self._open:  # long-running calls under way: is this one of them?
             item = self._open.pop(id(ctx), None)
             if item is not None and item.ctx is ctx:

@@ -171,14 +171,14 @@ class Capture:
             omit = "upgrade: only the request and the 101 are captured"
         return CallTap(rule, omit=omit)
 
-    async def entry(self, ctx: RequestContext) -> None:
+    def entry(self, ctx: RequestContext) -> None:
         rule = self._select(ctx)
         if rule is not None:
             ctx.tap = self._tap(ctx, rule)
         else:
             ctx.state[self.name] = False  # decided (and drawn): not captured
 
-    async def exit(self, ctx: RequestContext) -> None:
+    def exit(self, ctx: RequestContext) -> None:
         tap = ctx.tap
         if not isinstance(tap, CallTap):
             if ctx.answer is None or self.name in ctx.state:

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from proxy.engine import telemetry
+from proxy.engine.chain import Maybe
 from proxy.engine.context import Decision, Delay, Deny, RequestContext
 from proxy.engine.match import Match, parse_match
 from proxy.engine.schema import Fields, Located, PolicyError, sequence
@@ -134,7 +135,7 @@ class Faults:
             self._memo[key] = found
         return found
 
-    async def entry(self, ctx: RequestContext) -> Decision | None:
+    def entry(self, ctx: RequestContext) -> Maybe[Decision | None]:
         # the chain runs this hook only under a policy set with a faults section (``sections``)
         matching = self._matching(ctx)
         if not matching:
@@ -146,7 +147,7 @@ class Faults:
                 telemetry.DRYRUN_DENIALS.labels("faults").inc()
                 ctx.warn(f"fault {fault.name} of policy {policy.name} would fire (dryrun)")
                 continue
-            return await self._fire(ctx, fault, policy.name)
+            return self._fire(ctx, fault, policy.name)
         return None
 
     async def _fire(self, ctx: RequestContext, fault: Fault, policy: str) -> Decision:

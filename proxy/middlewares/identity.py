@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from proxy.engine import telemetry
+from proxy.engine.chain import Maybe
 from proxy.engine.context import Decision, Deny, Identity, RequestContext
 from proxy.engine.requestinfo import RequestInfo, Shape
 from proxy.engine.status import forbidden, service_unavailable, unauthorized
@@ -177,7 +178,7 @@ class IdentityCheck:
             self._tokens.clear()  # claim mappings may have changed
         return self._plan
 
-    async def entry(self, ctx: RequestContext) -> Decision | None:
+    def entry(self, ctx: RequestContext) -> Maybe[Decision | None]:
         # the plan of the set in force, without a call while it stays in force
         plan = self._plan if ctx.policies is self._plan_for else self._plan_of(ctx.policies)
         if not plan.section:
@@ -194,7 +195,7 @@ class IdentityCheck:
                 hit.used = True  # instead of move_to_end (see the module docstring)
                 ctx.identity = hit.identity
                 return None
-        return await self._decide(ctx, plan, key)
+        return self._decide(ctx, plan, key)  # verifies the token: awaited by the chain
 
     async def _decide(self, ctx: RequestContext, plan: _Plan,
                       key: bytes | None) -> Decision | None:

@@ -51,7 +51,7 @@ class Metrics:
         duration = None if info.is_long_running else telemetry.REQUEST_DURATION.labels(verb)
         return counter, duration
 
-    async def exit(self, ctx: RequestContext) -> None:
+    def exit(self, ctx: RequestContext) -> None:
         key = (ctx.info.shape, ctx.status_code, ctx.decision)
         series = self._series.get(key)
         if series is None:

@@ -64,6 +64,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from proxy.engine import telemetry
+from proxy.engine.chain import Maybe
 from proxy.engine.context import Decision, Deny, RequestContext
 from proxy.engine.status import forbidden, service_unavailable
 from proxy.middlewares.quota_spec import (
@@ -318,12 +319,16 @@ class Quota:
 
     # --- hooks ------------------------------------------------------------------------------
 
-    async def entry(self, ctx: RequestContext) -> Decision | None:
+    def entry(self, ctx: RequestContext) -> Maybe[Decision | None]:
         if ctx.info.verb not in _CREATING:  # reads, updates, deletes: nothing to count
             return None
         matched = self._matched(ctx)
         if matched is None:
             return None
+        return self._create(ctx, matched)
+
+    async def _create(self, ctx: RequestContext, matched: list[BoundQuota]) -> Decision | None:
+        """``entry`` for a create (or an apply) that quotas count."""
         info = ctx.info
         group, resource, namespace = info.api_group, info.resource, info.namespace
         apply = info.verb == "patch"
@@ -406,14 +411,14 @@ class Quota:
             ctx.state[STATE_KEY] = _Held(scope, member, expected, apply)
         return None
 
-    async def exit(self, ctx: RequestContext) -> None:
+    def exit(self, ctx: RequestContext) -> Maybe[None]:
         held: _Held | None = ctx.state.pop(STATE_KEY, None)
         if held is None:
-            return
+            return None
         created = _outcome(ctx.status_code, held.apply)
         self.counts.settle(held.expected, created)
-        await self.store.settle(held.scope, held.member,
-                                None if created is False else self.settle_seconds)
+        return self.store.settle(held.scope, held.member,
+                                 None if created is False else self.settle_seconds)
 
     def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
         try:

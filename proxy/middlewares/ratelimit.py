@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from proxy.engine import telemetry
+from proxy.engine.chain import Maybe
 from proxy.engine.context import Decision, Deny, RequestContext
 from proxy.engine.status import service_unavailable, too_many_requests
 from proxy.middlewares.instance import (
@@ -149,7 +150,7 @@ class RateLimit:
             log.exception("resolving {instance} failed (%s %s)", ctx.method, ctx.path)
             return None
 
-    async def entry(self, ctx: RequestContext) -> Decision | None:
+    def entry(self, ctx: RequestContext) -> Maybe[Decision | None]:
         plan = self._plan
         if ctx.policies is not self._plan_for:  # _plan_of's test first: no call per request
             plan = self._plan_of(ctx.policies)
@@ -173,7 +174,14 @@ class RateLimit:
                 return None
         enforce = found.enforce
         if found.requests is not None and not found.dryrun:  # the common case
-            return await self._enforce(ctx, enforce, found.requests)
+            return self._enforce(ctx, enforce, found.requests)
+        return self._enforce_matched(ctx, plan, found)
+
+    async def _enforce_matched(self, ctx: RequestContext, plan: Plan, found: _Matched
+                               ) -> Decision | None:
+        """``entry`` for calls whose buckets depend on more than their shape, or with dryrun
+        rules."""
+        enforce = found.enforce
         matched = found.rules
         values = self._values(ctx)
         if plan.needs_instance and any(b.needs_instance for b in matched):

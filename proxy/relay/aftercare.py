@@ -12,7 +12,7 @@ from collections.abc import Awaitable
 from typing import Any, TypeVar
 
 from proxy.engine import telemetry
-from proxy.engine.chain import Chain
+from proxy.engine.chain import Chain, settle
 from proxy.engine.context import RequestContext
 
 log = logging.getLogger("opgate.relay")
@@ -70,7 +70,7 @@ class Aftercare:
 
     async def _bounded_exit(self, ctx: RequestContext) -> None:
         try:
-            await asyncio.wait_for(self._chain.exit(ctx), EXIT_HOOK_TIMEOUT)
+            await asyncio.wait_for(settle(self._chain.exit(ctx)), EXIT_HOOK_TIMEOUT)
         except Exception:
             log.exception("exit hooks failed for a cancelled call (trace %s)", ctx.trace_id)
 

@@ -22,7 +22,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 from yarl import URL
 
-from proxy.engine.chain import Chain
+from proxy.engine.chain import Chain, settle
 from proxy.engine.context import RequestContext
 from proxy.engine.requestinfo import parse_request_info
 from proxy.engine.status import StatusError, internal_error
@@ -113,7 +113,7 @@ class Relay:
         resp = await self._after.track(ctx, self._serve(request, ctx))
         if self._after.has_hooks:
             # shielded: a client that leaves now must not cut the hooks short
-            await asyncio.shield(self._chain.exit(ctx))
+            await asyncio.shield(settle(self._chain.exit(ctx)))
         return resp
 
     async def _serve(self, request: web.BaseRequest, ctx: RequestContext) -> web.StreamResponse:
@@ -149,7 +149,7 @@ class Relay:
         try:
             if request.body_exists and self._wants_body is not None and self._wants_body(ctx):
                 ctx.body = await read_body(request, limit=self.settings.max_body_bytes)
-            denied = await self._chain.entry(ctx)
+            denied = await settle(self._chain.entry(ctx))
             if denied is not None:
                 return await self._answer(request, ctx, denied, close=upgrade)
             if upgrade:

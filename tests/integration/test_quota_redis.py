@@ -16,6 +16,7 @@ from redis.asyncio import Redis
 
 from proxy.app import section_parsers
 from proxy.engine import telemetry
+from proxy.engine.chain import settle
 from proxy.engine.context import Deny, RequestContext
 from proxy.engine.policies import PolicySet, build_policy_set
 from proxy.engine.requestinfo import parse_request_info
@@ -179,9 +180,9 @@ def test_quota_through_a_redis_outage(server: RedisServer,
         mw = Quota(counts=counts, store=store)
         other = Quota(counts=counts, store=other_store)
         redis_before = metric("opgate_quota_reservations_total", {"backend": "redis"})
-        assert await mw.entry(create(closed, "a")) is None
-        assert await other.entry(create(closed, "b")) is None  # sees "a" at once: 1 + 2 = 3
-        denied = await mw.entry(create(closed, "c"))
+        assert await settle(mw.entry(create(closed, "a"))) is None
+        assert await settle(other.entry(create(closed, "b"))) is None  # sees "a" at once: 1 + 2 = 3
+        denied = await settle(mw.entry(create(closed, "c")))
         assert isinstance(denied, Deny) and denied.status.code == 403
         assert "used: count/configmaps=3, limited: count/configmaps=3" in denied.status.message
         assert metric("opgate_quota_reservations_total", {"backend": "redis"}) \
@@ -191,11 +192,11 @@ def test_quota_through_a_redis_outage(server: RedisServer,
         fallback_before = metric("opgate_quota_reservations_total", {"backend": "fallback"})
         server.stop()
         start = time.monotonic()
-        down = [await mw.entry(create(closed, f"x-{i}")) for i in range(3)]
+        down = [await settle(mw.entry(create(closed, f"x-{i}"))) for i in range(3)]
         assert all(isinstance(d, Deny) and d.status.code == 503 for d in down)
         assert "quota store is unavailable" in down[0].status.message  # type: ignore[union-attr]
         # failure: open: in-process reservations (this replica's own: 1 object + 2 places)
-        local = [await mw.entry(create(opened, f"o-{i}")) for i in range(3)]
+        local = [await settle(mw.entry(create(opened, f"o-{i}"))) for i in range(3)]
         assert [d is None for d in local] == [True, True, False]
         assert time.monotonic() - start < 1.0  # nothing waits on a dead Redis
         assert metric("opgate_redis_errors_total") >= errors + 2
@@ -208,10 +209,10 @@ def test_quota_through_a_redis_outage(server: RedisServer,
         deadline = time.monotonic() + 5
         while store.health()["breaker"] != "closed":
             assert time.monotonic() < deadline, store.health()
-            await mw.entry(create(opened, "probe"))
+            await settle(mw.entry(create(opened, "probe")))
             await asyncio.sleep(0.05)
         # back on Redis: the reservations in it were lost with the server (it kept no data)
-        fresh = [await mw.entry(create(closed, f"r-{i}")) for i in range(3)]
+        fresh = [await settle(mw.entry(create(closed, f"r-{i}"))) for i in range(3)]
         assert [d is None for d in fresh] == [True, True, False]
         await store.close()
         await other_store.close()

@@ -15,6 +15,7 @@ import aiohttp
 import pytest
 
 from proxy.engine import telemetry
+from proxy.engine.chain import settle
 from proxy.engine.context import Deny, Identity, RequestContext
 from proxy.engine.policies import PolicySet, build_policy_set
 from proxy.engine.requestinfo import parse_request_info
@@ -59,13 +60,13 @@ def test_flooding_instance_does_not_reduce_another(server: RedisServer) -> None:
 
         async def flood() -> None:
             while time.monotonic() < end:
-                result = await mw.entry(ctx_for(pset, instance="a/W/flood"))
+                result = await settle(mw.entry(ctx_for(pset, instance="a/W/flood")))
                 admitted["flood"] += result is None
                 await asyncio.sleep(0)
 
         async def calm() -> None:
             while time.monotonic() < end - 0.05:
-                result = await mw.entry(ctx_for(pset, instance="a/W/calm"))
+                result = await settle(mw.entry(ctx_for(pset, instance="a/W/calm")))
                 admitted["calm"] += result is None
                 admitted["calm_calls"] += 1
                 await asyncio.sleep(0.2)  # 5/s, under its own 10/s
@@ -119,7 +120,7 @@ def test_redis_outage_and_recovery(server: RedisServer, caplog: pytest.LogCaptur
 
     async def timed(mw: RateLimit, path: str) -> tuple[Any, float]:
         start = time.monotonic()
-        result = await mw.entry(ctx_for(pset, path=path))
+        result = await settle(mw.entry(ctx_for(pset, path=path)))
         return result, time.monotonic() - start
 
     async def go() -> None:
@@ -154,7 +155,7 @@ def test_redis_outage_and_recovery(server: RedisServer, caplog: pytest.LogCaptur
         deadline = time.monotonic() + 5
         while store.health()["backend"] != "redis":
             assert time.monotonic() < deadline, store.health()
-            await mw.entry(ctx_for(pset, path=get_path))
+            await settle(mw.entry(ctx_for(pset, path=get_path)))
             await asyncio.sleep(0.05)
         assert (await timed(mw, list_path))[0] is None
         assert "rate-limit store is back" in caplog.text

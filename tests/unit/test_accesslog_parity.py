@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from proxy.engine.chain import settle
 from proxy.engine.context import Identity, RequestContext
 from proxy.engine.policies import EMPTY
 from proxy.engine.requestinfo import parse_request_info
@@ -98,7 +99,7 @@ def test_the_writer_gets_the_reference_lines() -> None:
         writer = AccessWriter(out)
         log = AccessLog(writer=writer)
         for ctx in contexts:
-            await log.exit(ctx)
+            await settle(log.exit(ctx))
         writer.close()
 
     asyncio.run(main())

@@ -17,7 +17,7 @@ from multidict import CIMultiDict
 
 from proxy.app import section_parsers
 from proxy.engine import telemetry
-from proxy.engine.chain import Chain
+from proxy.engine.chain import Chain, settle
 from proxy.engine.context import Deny, Identity, RequestContext
 from proxy.engine.policies import EMPTY, PolicySet, build_policy_set
 from proxy.engine.requestinfo import parse_request_info
@@ -88,9 +88,9 @@ def finish(ctx: RequestContext, code: int, seconds: float = 0.012) -> None:
 
 def run_call(auditor: Audit, ctx: RequestContext, code: int = 200) -> None:
     async def call() -> None:
-        assert await auditor.entry(ctx) is None
+        assert await settle(auditor.entry(ctx)) is None
         finish(ctx, code)
-        await auditor.exit(ctx)
+        await settle(auditor.exit(ctx))
     asyncio.run(call())
 
 
@@ -226,7 +226,7 @@ def test_joined_lines_equal_the_encoded_event(case: str) -> None:
     if case != "before-1970":
         check_shape(json.loads(expected))
     for _ in range(2):
-        asyncio.run(auditor.exit(ctx))
+        asyncio.run(settle(auditor.exit(ctx)))
         assert out.lines.pop() == expected + "\n"
     if case.startswith("impersonation-allowed"):
         assert json.loads(expected)["impersonatedUser"] == {"username": "jane"}
@@ -261,7 +261,7 @@ def test_joined_lines_follow_each_caller_and_the_policy_set_in_force() -> None:
                 ctx = make_ctx("GET", path, query, pset=pset, headers=headers)
                 ctx.identity, ctx.remote, ctx.wall_time = identity, remote, 1_764_480_600.25
                 finish(ctx, 200)
-                asyncio.run(auditor.exit(ctx))
+                asyncio.run(settle(auditor.exit(ctx)))
                 decision = auditor.plan(pset).decide(ctx.info, identity)
                 if decision.level == "None":
                     assert out.lines == []
@@ -295,7 +295,7 @@ def test_verbs_are_the_apiservers(method: str, path: str, query: str, verb: str)
 
 async def _exit(auditor: Audit, ctx: RequestContext, code: int) -> None:
     finish(ctx, code)
-    await auditor.exit(ctx)
+    await settle(auditor.exit(ctx))
 
 
 @pytest.mark.parametrize(("remote", "headers", "expected"), [
@@ -350,11 +350,11 @@ def test_a_denial_is_recorded_with_its_status() -> None:
     ctx = make_ctx("DELETE", "/api/v1/namespaces/kube-system/configmaps/c")
 
     async def call() -> None:
-        denied = await chain.entry(ctx)
+        denied = await settle(chain.entry(ctx))
         assert denied is status
         ctx.answer = denied  # what the relay does with it
         finish(ctx, denied.code)
-        await chain.exit(ctx)
+        await settle(chain.exit(ctx))
     asyncio.run(call())
     (ev,) = out.events
     check_shape(ev)
@@ -495,7 +495,7 @@ def test_watch_gets_response_started_when_its_head_goes_out(
     ctx.identity = SA
 
     async def call() -> None:
-        await auditor.entry(ctx)
+        await settle(auditor.entry(ctx))
         await asyncio.sleep(0.05)
         assert out.lines == []  # no head yet
         ctx.status_code = 200  # the relay, when the upstream's head went out
@@ -503,7 +503,7 @@ def test_watch_gets_response_started_when_its_head_goes_out(
         assert [e["stage"] for e in out.events] == ["ResponseStarted"]
         await asyncio.sleep(0.05)
         ctx.finished = time.monotonic()
-        await auditor.exit(ctx)
+        await settle(auditor.exit(ctx))
         auditor.close()
     asyncio.run(call())
     started, complete = out.events
@@ -610,7 +610,7 @@ def test_the_whole_path_to_a_file(tmp_path: Path) -> None:
             ctx = make_ctx("DELETE", f"/api/v1/namespaces/a/configmaps/c{i}")
             ctx.identity = SA
             finish(ctx, 200)
-            await auditor.exit(ctx)
+            await settle(auditor.exit(ctx))
         await asyncio.sleep(0.1)  # the batch goes out within AccessWriter's 50 ms
     asyncio.run(calls())
     writer.close()

@@ -20,6 +20,7 @@ from multidict import CIMultiDict
 from proxy.app import section_parsers
 from proxy.capture import FlowFile, to_flow
 from proxy.engine import telemetry
+from proxy.engine.chain import settle
 from proxy.engine.check import check
 from proxy.engine.context import Identity, RequestContext
 from proxy.engine.logfile import RotatingFile
@@ -131,7 +132,7 @@ async def test_the_example_policy_is_valid_and_does_what_it_says() -> None:
              ("GET", "/api/v1/namespaces/a/configmaps/c", None)]
     for method, path, limit in cases:
         ctx = make_ctx(method, path, pset=pset)
-        await cap.entry(ctx)
+        await settle(cap.entry(ctx))
         assert (ctx.tap.limit if isinstance(ctx.tap, CallTap) else None) == limit, path
 
 
@@ -140,7 +141,7 @@ async def test_without_a_section_every_call_is_tapped() -> None:
     for method, path in (("GET", "/api/v1/pods"), ("POST", "/apis/apps/v1/namespaces/a/x"),
                          ("GET", "/healthz")):
         ctx = make_ctx(method, path)
-        await cap.entry(ctx)
+        await settle(cap.entry(ctx))
         assert isinstance(ctx.tap, CallTap)
         assert ctx.tap.limit == DEFAULT_MAX_BODY
 
@@ -157,7 +158,7 @@ async def test_first_matching_rule_decides_and_unmatched_calls_are_not_tapped() 
               DEFAULT_MAX_BODY)]
     for method, path, user, limit in cases:
         ctx = make_ctx(method, path, pset=pset, user=user)
-        await cap.entry(ctx)
+        await settle(cap.entry(ctx))
         got = ctx.tap.limit if isinstance(ctx.tap, CallTap) else None
         assert got == limit, (method, path, user)
 
@@ -169,7 +170,7 @@ async def test_sample_draws_per_call() -> None:
     tapped = []
     for _ in range(3):
         ctx = make_ctx("GET", "/api/v1/namespaces/a/pods/p", pset=pset)
-        await cap.entry(ctx)
+        await settle(cap.entry(ctx))
         tapped.append(ctx.tap is not None)
     assert tapped == [True, False, True]
 
@@ -181,7 +182,7 @@ async def test_a_reloaded_policy_set_decides_from_then_on() -> None:
     decided = []
     for pset in (before, after, before):
         ctx = make_ctx("GET", "/api/v1/namespaces/a/pods/p", pset=pset)
-        await cap.entry(ctx)
+        await settle(cap.entry(ctx))
         decided.append(ctx.tap is not None)
     assert decided == [True, False, True]
 
@@ -192,9 +193,9 @@ async def test_a_call_not_drawn_at_entry_is_not_drawn_again_when_opgate_answers(
     cap = Capture(write=written.append, rng=lambda: next(draws))
     ctx = make_ctx("GET", "/api/v1/namespaces/a/pods/p",
                    pset=policies("    - {match: {verbs: [get]}, sample: 0.5}\n"))
-    await cap.entry(ctx)  # 0.9: not this one
+    await settle(cap.entry(ctx))  # 0.9: not this one
     ctx.answer = forbidden("opgate: upstream unreachable")
-    await cap.exit(ctx)
+    await settle(cap.exit(ctx))
     assert written == []
 
 
@@ -280,7 +281,7 @@ def test_opgate_own_answer_is_the_response_with_the_decision(tmp_path: Path) -> 
     ctx.status_code = 403
     ctx.warn("opgate: dryrun says hi")
     calls: list[CapturedCall] = []
-    asyncio.run(Capture(write=calls.append).exit(ctx))  # denied before capture's entry ran
+    asyncio.run(settle(Capture(write=calls.append).exit(ctx)))  # denied before capture's entry ran
     (flow,) = write_and_read(tmp_path, *calls)
     assert flow.response.status_code == 403
     status = json.loads(flow.response.content)

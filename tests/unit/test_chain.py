@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from proxy.engine import telemetry
-from proxy.engine.chain import Chain, is_retryable
+from proxy.engine.chain import Chain, is_retryable, settle
 from proxy.engine.context import Delay, Deny, RequestContext
 from proxy.engine.requestinfo import parse_request_info
 from proxy.engine.status import forbidden
@@ -64,9 +64,9 @@ def test_hooks_run_in_order_and_missing_hooks_are_skipped() -> None:
     calls: list[str] = []
     chain = Chain([Recorder("a", calls), ExitOnly(calls), Recorder("b", calls)])
     ctx = make_ctx()
-    assert asyncio.run(chain.entry(ctx)) is None
+    assert asyncio.run(settle(chain.entry(ctx))) is None
     ctx.status_code = 200
-    asyncio.run(chain.exit(ctx))
+    asyncio.run(settle(chain.exit(ctx)))
     assert calls == ["a.entry", "b.entry", "a.exit", "exitonly.exit", "b.exit"]
     assert chain.needs_body is True
 
@@ -76,7 +76,7 @@ def test_first_deny_ends_the_chain() -> None:
     denial = forbidden("no")
     chain = Chain([Recorder("a", calls, Deny(denial, "denied")), Recorder("b", calls)])
     ctx = make_ctx()
-    assert asyncio.run(chain.entry(ctx)) is denial
+    assert asyncio.run(settle(chain.entry(ctx))) is denial
     assert ctx.decision == "denied"
     assert calls == ["a.entry"]
 
@@ -85,7 +85,7 @@ def test_delay_waits_then_goes_on() -> None:
     calls: list[str] = []
     chain = Chain([Recorder("a", calls, Delay(0.05)), Recorder("b", calls)])
     started = time.monotonic()
-    assert asyncio.run(chain.entry(make_ctx())) is None
+    assert asyncio.run(settle(chain.entry(make_ctx()))) is None
     assert time.monotonic() - started >= 0.05
     assert calls == ["a.entry", "b.entry"]
 
@@ -101,7 +101,7 @@ def test_crash_in_entry_is_contained(fail_open: bool, expect_code: int | None,
         "opgate_middleware_errors_total", {"middleware": "crash", "hook": "entry"}) or 0
     chain = Chain([Recorder("crash", calls, crash="entry", fail_open=fail_open),
                    Recorder("b", calls)])
-    result = asyncio.run(chain.entry(make_ctx()))
+    result = asyncio.run(settle(chain.entry(make_ctx())))
     assert (result.code if result else None) == expect_code
     assert calls == expect_calls
     after = telemetry.REGISTRY.get_sample_value(
@@ -114,7 +114,7 @@ def test_crash_in_exit_does_not_stop_later_hooks() -> None:
     chain = Chain([Recorder("a", calls, crash="exit"), Recorder("b", calls)])
     ctx = make_ctx()
     ctx.status_code = 200
-    asyncio.run(chain.exit(ctx))
+    asyncio.run(settle(chain.exit(ctx)))
     assert calls == ["a.exit", "b.exit"]
 
 
@@ -127,7 +127,7 @@ def test_retry_hooks_see_retryable_outcomes(code: int, retry: bool) -> None:
     chain = Chain([Recorder("a", calls)])
     ctx = make_ctx()
     ctx.status_code = code
-    asyncio.run(chain.exit(ctx))
+    asyncio.run(settle(chain.exit(ctx)))
     assert ("a.retry" in calls) is retry is is_retryable(code)
 
 
@@ -155,9 +155,9 @@ def test_entry_hooks_of_absent_sections_are_skipped() -> None:
         calls.clear()
         ctx = make_ctx()
         ctx.policies = policies  # type: ignore[assignment]
-        assert asyncio.run(chain.entry(ctx)) is None
+        assert asyncio.run(settle(chain.entry(ctx))) is None
         ctx.status_code = 200
-        asyncio.run(chain.exit(ctx))  # exit hooks always run
+        asyncio.run(settle(chain.exit(ctx)))  # exit hooks always run
         return calls[:]
 
     without, with_one = _Sections("faults"), _Sections("quotas")
@@ -166,3 +166,119 @@ def test_entry_hooks_of_absent_sections_are_skipped() -> None:
                              "b.exit"]
     assert run(without) == ["a.entry", "b.entry", "a.exit", "scoped.exit", "b.exit"]
     assert run(with_one)[:3] == ["a.entry", "scoped.entry", "b.entry"]
+
+
+class Plain:
+    """Hooks as plain functions (the hot-path form): ``wait`` makes one of them return a
+    coroutine instead of answering at once (its slow path), ``crash`` raises either at once
+    or inside that coroutine."""
+
+    needs_body = False
+    fail_open = False
+
+    def __init__(self, name: str, calls: list[str], decision: Any = None, *, wait: str = "",
+                 crash: str = "") -> None:
+        self.name, self.calls, self.decision = name, calls, decision
+        self.wait, self.crash = wait, crash
+
+    async def _later(self, hook: str) -> Any:
+        await asyncio.sleep(0)
+        self.calls.append(f"{self.name}.{hook} (waited)")
+        if self.crash == f"{hook} (waited)":
+            raise RuntimeError("boom")
+        return self.decision if hook == "entry" else None
+
+    def entry(self, ctx: RequestContext) -> Any:
+        if self.wait == "entry":
+            return self._later("entry")
+        self.calls.append(f"{self.name}.entry")
+        if self.crash == "entry":
+            raise RuntimeError("boom")
+        return self.decision
+
+    def exit(self, ctx: RequestContext) -> Any:
+        if self.wait == "exit":
+            return self._later("exit")
+        self.calls.append(f"{self.name}.exit")
+        if self.crash == "exit":
+            raise RuntimeError("boom")
+        return None
+
+
+def test_plain_hooks_answer_without_a_coroutine() -> None:
+    calls: list[str] = []
+    denial = Deny(forbidden("no"), "denied")
+    chain = Chain([Plain("a", calls), Plain("b", calls)])
+    ctx = make_ctx()
+    assert chain.entry(ctx) is None  # no coroutine to await: the answer itself
+    ctx.status_code = 200
+    assert chain.exit(ctx) is None
+    assert calls == ["a.entry", "b.entry", "a.exit", "b.exit"]
+    denying = Chain([Plain("a", calls, denial), Plain("b", calls)])
+    ctx = make_ctx()
+    assert denying.entry(ctx) is denial.status
+    assert ctx.decision == "denied"
+
+
+def test_a_waiting_hook_makes_the_chain_wait_and_keeps_the_order() -> None:
+    calls: list[str] = []
+    denial = Deny(forbidden("no"), "denied")
+    chain = Chain([Plain("a", calls), Plain("b", calls, wait="entry"), Plain("c", calls),
+                   Plain("d", calls, denial), Plain("e", calls)])
+    ctx = make_ctx()
+    waiting = chain.entry(ctx)
+    assert asyncio.iscoroutine(waiting)
+    assert calls == ["a.entry"]  # b's answer is not in yet: c has not run
+    assert asyncio.run(settle(waiting)) is denial.status
+    assert calls == ["a.entry", "b.entry (waited)", "c.entry", "d.entry"]
+    assert ctx.decision == "denied"
+
+    calls.clear()
+    ctx.status_code = 200
+    chain = Chain([Plain("a", calls), Plain("b", calls, wait="exit"), Plain("c", calls)])
+    waiting = chain.exit(ctx)
+    assert asyncio.iscoroutine(waiting) and calls == ["a.exit"]
+    asyncio.run(settle(waiting))
+    assert calls == ["a.exit", "b.exit (waited)", "c.exit"]
+
+
+def test_a_waiting_hook_that_denies_or_delays() -> None:
+    calls: list[str] = []
+    denial = Deny(forbidden("no"), "denied")
+    chain = Chain([Plain("a", calls, denial, wait="entry"), Plain("b", calls)])
+    assert asyncio.run(settle(chain.entry(make_ctx()))) is denial.status
+    assert calls == ["a.entry (waited)"]
+    calls.clear()
+    chain = Chain([Plain("a", calls, Delay(0.05)), Plain("b", calls)])
+    waiting = chain.entry(make_ctx())
+    assert asyncio.iscoroutine(waiting)  # a delay is a wait too
+    started = time.monotonic()
+    assert asyncio.run(settle(waiting)) is None
+    assert time.monotonic() - started >= 0.045
+    assert calls == ["a.entry", "b.entry"]
+
+
+@pytest.mark.parametrize("fail_open, expect_code", [(False, 500), (True, None)])
+def test_crash_while_waiting_is_contained(fail_open: bool, expect_code: int | None) -> None:
+    calls: list[str] = []
+    crashing = Plain("a", calls, wait="entry", crash="entry (waited)")
+    crashing.fail_open = fail_open
+    chain = Chain([crashing, Plain("b", calls)])
+    ctx = make_ctx()
+    labels = {"middleware": "a", "hook": "entry"}
+    before = telemetry.REGISTRY.get_sample_value("opgate_middleware_errors_total", labels) or 0
+    result = asyncio.run(settle(chain.entry(ctx)))
+    after = telemetry.REGISTRY.get_sample_value("opgate_middleware_errors_total", labels)
+    assert after == before + 1
+    if expect_code is None:
+        assert result is None and calls == ["a.entry (waited)", "b.entry"]
+    else:
+        assert result is not None and result.code == expect_code and ctx.decision == "error"
+        assert calls == ["a.entry (waited)"]
+
+    calls.clear()
+    chain = Chain([Plain("a", calls, crash="exit"), Plain("b", calls, wait="exit",
+                                                           crash="exit (waited)"),
+                   Plain("c", calls)])
+    asyncio.run(settle(chain.exit(ctx)))  # every exit hook runs, crashes or not
+    assert calls == ["a.exit", "b.exit (waited)", "c.exit"]

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from proxy.engine.chain import settle
 from proxy.engine.check import check
 from proxy.engine.context import Delay, Deny, RequestContext
 from proxy.engine.policies import load_policy_set
@@ -47,12 +48,14 @@ WIDGET = "/apis/demo.opgate.dev/v1/namespaces/a/widgets/w"
     ("PUT", "/api/v1/namespaces/a/configmaps/c", False),
 ])
 def test_match(tmp_path: Path, method: str, path: str, fires: bool) -> None:
-    decision = asyncio.run(Faults().entry(ctx_for(policies(tmp_path, CONFLICTS), method, path)))
+    ctx = ctx_for(policies(tmp_path, CONFLICTS), method, path)
+    decision = asyncio.run(settle(Faults().entry(ctx)))
     assert isinstance(decision, Deny) is fires
 
 
 def test_conflict_answer_is_an_apiserver_like_status(tmp_path: Path) -> None:
-    decision = asyncio.run(Faults().entry(ctx_for(policies(tmp_path, CONFLICTS), "PUT", WIDGET)))
+    ctx = ctx_for(policies(tmp_path, CONFLICTS), "PUT", WIDGET)
+    decision = asyncio.run(settle(Faults().entry(ctx)))
     assert isinstance(decision, Deny)
     assert decision.decision == "fault"
     body = json.loads(decision.status.body())
@@ -62,7 +65,7 @@ def test_conflict_answer_is_an_apiserver_like_status(tmp_path: Path) -> None:
 
 def test_429_carries_an_integer_retry_after(tmp_path: Path) -> None:
     p = policies(tmp_path, "  faults:\n    - respond: {code: 429, retryAfter: 3s}\n")
-    decision = asyncio.run(Faults().entry(ctx_for(p, "GET", "/api/v1/pods")))
+    decision = asyncio.run(settle(Faults().entry(ctx_for(p, "GET", "/api/v1/pods"))))
     assert isinstance(decision, Deny)
     assert ("Retry-After", "3") in decision.status.headers
 
@@ -71,28 +74,28 @@ def test_probability_uses_the_rng(tmp_path: Path) -> None:
     p = policies(tmp_path, "  faults:\n    - probability: 0.25\n      respond: {code: 500}\n")
     values = iter([0.1, 0.3, 0.2, 0.9])
     mw = Faults(rng=lambda: next(values))
-    fired = [isinstance(asyncio.run(mw.entry(ctx_for(p, "GET", "/api/v1/pods"))), Deny)
+    fired = [isinstance(asyncio.run(settle(mw.entry(ctx_for(p, "GET", "/api/v1/pods")))), Deny)
              for _ in range(4)]
     assert fired == [True, False, True, False]
 
 
 def test_delay_only_relays_after_waiting(tmp_path: Path) -> None:
     p = policies(tmp_path, "  faults:\n    - match: {verbs: [list]}\n      delay: 250ms\n")
-    decision = asyncio.run(Faults().entry(ctx_for(p, "GET", "/api/v1/pods")))
+    decision = asyncio.run(settle(Faults().entry(ctx_for(p, "GET", "/api/v1/pods"))))
     assert decision == Delay(0.25)
 
 
 def test_delay_then_answer(tmp_path: Path) -> None:
     p = policies(tmp_path, "  faults:\n    - delay: 100ms\n      respond: {code: 503}\n")
     started = time.monotonic()
-    decision = asyncio.run(Faults().entry(ctx_for(p, "GET", "/api/v1/pods")))
+    decision = asyncio.run(settle(Faults().entry(ctx_for(p, "GET", "/api/v1/pods"))))
     assert time.monotonic() - started >= 0.1
     assert isinstance(decision, Deny) and decision.status.code == 503
 
 
 def test_dryrun_warns_and_never_fires(tmp_path: Path) -> None:
     ctx = ctx_for(policies(tmp_path, CONFLICTS, mode="dryrun"), "PUT", WIDGET)
-    assert asyncio.run(Faults().entry(ctx)) is None
+    assert asyncio.run(settle(Faults().entry(ctx))) is None
     [(name, value)] = ctx.response_headers
     assert name == "Warning" and "widget-conflicts" in value and "dryrun" in value
 

@@ -23,6 +23,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 
 from proxy.engine import telemetry
+from proxy.engine.chain import settle
 from proxy.engine.context import Deny, Identity, RequestContext
 from proxy.engine.policies import load_policy_set
 from proxy.engine.requestinfo import parse_request_info
@@ -150,7 +151,7 @@ def ctx_for(policies: Any, method: str, path: str, token: str | None,
 
 
 def run(check: IdentityCheck, ctx: RequestContext) -> Deny | None:
-    decision = asyncio.run(check.entry(ctx))
+    decision = asyncio.run(settle(check.entry(ctx)))
     assert decision is None or isinstance(decision, Deny)
     return decision
 
@@ -277,7 +278,7 @@ def test_verified_tokens_are_cached(tmp_path: Path) -> None:
     async def calls() -> None:
         await asyncio.gather(*(check.entry(ctx_for(policies, "GET", CM, token))
                                for _ in range(5)))
-        await check.entry(ctx_for(policies, "GET", CM, token))
+        await settle(check.entry(ctx_for(policies, "GET", CM, token)))
 
     asyncio.run(calls())
     assert auth.calls == ["keys k1"]

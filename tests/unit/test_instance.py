@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 
+from proxy.engine.chain import settle
 from proxy.engine.context import RequestContext
 from proxy.engine.policies import PolicySet, build_policy_set
 from proxy.engine.requestinfo import parse_request_info
@@ -182,9 +183,9 @@ def test_resolver_runs_only_when_a_matched_rule_needs_instance() -> None:
 - {name: user, key: '{user}', qps: 100}
 - {name: inst, match: {verbs: [create]}, key: '{instance}', qps: 100}
 """)
-    asyncio.run(mw.entry(with_policies(ctx("GET", CM + "/cm", ctype=None), both)))
+    asyncio.run(settle(mw.entry(with_policies(ctx("GET", CM + "/cm", ctype=None), both))))
     assert resolver.calls == 0  # only the {user} rule matches a get
-    asyncio.run(mw.entry(with_policies(ctx("POST", CM, OWNED), both)))
+    asyncio.run(settle(mw.entry(with_policies(ctx("POST", CM, OWNED), both))))
     assert resolver.calls == 1
 
 
@@ -198,23 +199,24 @@ def test_failures_never_fail_the_call() -> None:
                  "instanceAnnotation: opgate.dev/qps, maxQps: 10}")
     store = MemoryStore()
     mw = RateLimit(store=store, instance_resolver=Counting(fail=True))
-    assert asyncio.run(mw.entry(with_policies(ctx("POST", CM, OWNED), rules))) is None
+    assert asyncio.run(settle(mw.entry(with_policies(ctx("POST", CM, OWNED), rules)))) is None
     assert list(store._tats) == ["op/inst/-"]
     store = MemoryStore()
     mw = RateLimit(store=store, overrides=RaisingOverrides())
-    assert asyncio.run(mw.entry(with_policies(ctx("POST", CM, OWNED), rules))) is None
+    assert asyncio.run(settle(mw.entry(with_policies(ctx("POST", CM, OWNED), rules)))) is None
     assert list(store._tats) == ["op/inst/a/Widget/w1"]  # the plain qps, its own bucket
 
 
 def test_owner_reference_counts_against_the_owner_bucket() -> None:
     rules = pset("- {name: inst, key: '{instance}', qps: 1, burst: 1}")
     mw = RateLimit(store=MemoryStore())
-    first = asyncio.run(mw.entry(with_policies(ctx("GET", CM, ctype=None,
-                                                   header="a/Widget/w1"), rules)))
+    first = asyncio.run(settle(mw.entry(with_policies(ctx("GET", CM, ctype=None,
+                                                   header="a/Widget/w1"), rules))))
     assert first is None
-    second = asyncio.run(mw.entry(with_policies(ctx("POST", CM, OWNED), rules)))
+    second = asyncio.run(settle(mw.entry(with_policies(ctx("POST", CM, OWNED), rules))))
     assert second is not None and second.status.code == 429
-    assert asyncio.run(mw.entry(with_policies(ctx("POST", CM, {"metadata": {}}), rules))) is None
+    unowned = with_policies(ctx("POST", CM, {"metadata": {}}), rules)
+    assert asyncio.run(settle(mw.entry(unowned))) is None
 
 
 # --- the informer pool: its cache, without a network ----------------------------------------

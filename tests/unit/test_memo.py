@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from proxy.engine.chain import settle
 from proxy.engine.context import Deny, Identity, RequestContext
 from proxy.engine.policies import EMPTY
 from proxy.engine.requestinfo import parse_request_info
@@ -39,7 +40,7 @@ def test_scoped_middlewares_do_nothing_without_their_section() -> None:
     for mw in (IdentityCheck(authenticator=auth), Faults(), RateLimit(store=MemoryStore())):
         ctx = RequestContext(info=parse_request_info("POST", CM), method="POST", path=CM,
                              query="", headers={}, policies=EMPTY)
-        assert mw.sections and asyncio.run(mw.entry(ctx)) is None
+        assert mw.sections and asyncio.run(settle(mw.entry(ctx))) is None
         assert (ctx.response_headers, ctx.identity, ctx.decision) == ([], None, "allowed")
     assert auth.calls == []
 
@@ -138,7 +139,7 @@ def test_faults_match_per_user_and_policy_set(tmp_path: Path) -> None:
     def fire(user: str, policies: Any = pset, path: str = tf.WIDGET) -> bool:
         ctx = tf.ctx_for(policies, "PUT", path)
         ctx.identity = Identity(user=user) if user else None
-        return isinstance(asyncio.run(mw.entry(ctx)), Deny)
+        return isinstance(asyncio.run(settle(mw.entry(ctx))), Deny)
 
     for _ in range(2):
         assert fire("alice") and not fire("bob") and not fire("")
@@ -152,7 +153,7 @@ def test_faults_roll_the_dice_on_every_call(tmp_path: Path) -> None:
     mw = Faults(rng=lambda: next(rolls))
     body = tf.CONFLICTS.replace("respond:", "probability: 0.5\n      respond:")
     pset = tf.policies(tmp_path, body)
-    fired = [isinstance(asyncio.run(mw.entry(tf.ctx_for(pset, "PUT", tf.WIDGET))), Deny)
+    fired = [isinstance(asyncio.run(settle(mw.entry(tf.ctx_for(pset, "PUT", tf.WIDGET)))), Deny)
              for _ in range(4)]
     assert fired == [False, True, False, True]
 
@@ -168,7 +169,7 @@ def test_ratelimit_keys_with_a_name_or_user_keep_their_own_buckets() -> None:
     mw, store = tr.make()
 
     async def go(path: str, user: str = "alice") -> Any:
-        return await mw.entry(tr.ctx_for(pset, path=path, user=user))
+        return await settle(mw.entry(tr.ctx_for(pset, path=path, user=user)))
 
     async def calls() -> list[bool]:
         return [await go("/api/v1/namespaces/a/pods/p") is None,
@@ -193,7 +194,7 @@ def test_ratelimit_dryrun_rules_warn_on_every_call() -> None:
         out = []
         for _ in range(3):
             ctx = tr.ctx_for(pset)
-            assert await mw.entry(ctx) is None
+            assert await settle(mw.entry(ctx)) is None
             out.append([v for k, v in ctx.response_headers if k == "Warning"])
         return out
 
@@ -208,10 +209,10 @@ def test_ratelimit_follows_the_policy_set() -> None:
     other = tr.policies("- {name: a, match: {verbs: [list]}, qps: 0.001, burst: 1}")
 
     async def calls() -> list[bool]:
-        return [await mw.entry(tr.ctx_for(tight)) is None,
-                await mw.entry(tr.ctx_for(tight)) is None,
-                await mw.entry(tr.ctx_for(other)) is None,
-                await mw.entry(tr.ctx_for(tight)) is None]
+        return [await settle(mw.entry(tr.ctx_for(tight))) is None,
+                await settle(mw.entry(tr.ctx_for(tight))) is None,
+                await settle(mw.entry(tr.ctx_for(other))) is None,
+                await settle(mw.entry(tr.ctx_for(tight))) is None]
 
     assert asyncio.run(calls()) == [True, False, True, False]
 
@@ -226,7 +227,7 @@ def test_metrics_series_per_code_and_decision_and_no_duration_for_watches() -> N
     for code in (200, 404, 200):
         ctx = tr.ctx_for(EMPTY, path=CM + "/c")
         ctx.status_code = code
-        asyncio.run(m.exit(ctx))
+        asyncio.run(settle(m.exit(ctx)))
     assert _count(**labels, code="200") == before["200"] + 2
     assert _count(**labels, code="404") == before["404"] + 1
     watch = tr.ctx_for(EMPTY, path=CM, query="watch=1")
@@ -260,7 +261,7 @@ def test_access_log_writer_gets_the_line_the_logger_would() -> None:
     ctx = tr.ctx_for(EMPTY, path=f"{CM}/x")
     ctx.status_code, ctx.error = 503, "upstream refused"
     ctx.finished = ctx.started + 0.0123
-    asyncio.run(log.exit(ctx))
+    asyncio.run(settle(log.exit(ctx)))
     log._writer.close()  # type: ignore[union-attr]
     assert out.getvalue() == log.line(ctx) + "\n"
     assert json.loads(out.getvalue())["error"] == "upstream refused"

@@ -9,6 +9,7 @@ import logging
 import pytest
 
 from proxy.engine import telemetry
+from proxy.engine.chain import settle
 from proxy.engine.context import Identity
 from proxy.middlewares import metrics as metrics_mod
 from proxy.middlewares.accesslog import AccessLog
@@ -26,7 +27,7 @@ def test_request_counted_with_its_labels() -> None:
     labels = dict(verb="get", group="apps", resource="deployments", code="200",
                   decision="allowed")
     before = _count(**labels)
-    asyncio.run(Metrics().exit(ctx))
+    asyncio.run(settle(Metrics().exit(ctx)))
     assert _count(**labels) == before + 1
 
 
@@ -34,7 +35,7 @@ def test_non_resource_paths_do_not_become_labels() -> None:
     ctx = make_ctx("GET", "/some/random/path/abc123")
     ctx.status_code = 404
     before = _count(verb="get", group="", resource="", code="404", decision="allowed")
-    asyncio.run(Metrics().exit(ctx))
+    asyncio.run(settle(Metrics().exit(ctx)))
     assert _count(verb="get", group="", resource="", code="404", decision="allowed") == before + 1
 
 
@@ -44,7 +45,7 @@ def test_invented_resources_collapse_to_other(monkeypatch: pytest.MonkeyPatch) -
     for i in range(10):
         ctx = make_ctx("GET", f"/apis/g{i}.example/v1/things{i}")
         ctx.status_code = 404
-        asyncio.run(m.exit(ctx))
+        asyncio.run(settle(m.exit(ctx)))
     assert len(m._resources) == 3
     assert _count(verb="list", group="other", resource="other", code="404",
                   decision="allowed") >= 7
@@ -57,7 +58,7 @@ def test_access_log_line(caplog: pytest.LogCaptureFixture) -> None:
     logger = logging.getLogger("opgate.access")
     logger.setLevel(logging.INFO)
     with caplog.at_level(logging.INFO, logger="opgate.access"):
-        asyncio.run(AccessLog().exit(ctx))
+        asyncio.run(settle(AccessLog().exit(ctx)))
     [record] = [r for r in caplog.records if r.name == "opgate.access"]
     line = json.loads(record.getMessage())
     assert line["verb"] == "delete"
@@ -92,7 +93,7 @@ def test_writer_batches_and_flushes() -> None:
         for i in range(3):
             ctx = make_ctx("GET", f"/api/v1/namespaces/a/configmaps/c{i}")
             ctx.status_code = 200
-            await mw.exit(ctx)
+            await settle(mw.exit(ctx))
         assert out.getvalue() == ""  # batched, not yet written
         await asyncio.sleep(0.2)
         assert len(out.getvalue().splitlines()) == 3  # written within FLUSH_SECONDS

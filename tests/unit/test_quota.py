@@ -17,6 +17,7 @@ import pytest
 
 from proxy.app import section_parsers
 from proxy.engine import telemetry
+from proxy.engine.chain import settle
 from proxy.engine.context import Deny, RequestContext
 from proxy.engine.policies import PolicySet, build_policy_set
 from proxy.engine.requestinfo import parse_request_info
@@ -64,7 +65,7 @@ def run(coro: object) -> object:
 
 def decide(mw: Quota, ctx: RequestContext) -> object:
     async def go() -> object:
-        decision = await mw.entry(ctx)
+        decision = await settle(mw.entry(ctx))
         return decision
     return run(go())
 
@@ -115,7 +116,7 @@ def test_below_the_limit_admits_and_reserves() -> None:
 
 async def _exit(mw: Quota, ctx: RequestContext, code: int) -> None:
     ctx.status_code = code
-    await mw.exit(ctx)
+    await settle(mw.exit(ctx))
 
 
 def test_at_the_limit_denies_with_the_apiservers_words() -> None:
@@ -382,11 +383,11 @@ def test_the_watch_showing_the_object_lets_its_reservation_go_soon() -> None:
 
     async def go() -> dict[str, float]:
         ctx = ctx_for(pset, body={"metadata": {"name": "cm-1"}})
-        assert await mw.entry(ctx) is None
+        assert await settle(mw.entry(ctx)) is None
         counts.add("", "configmaps", "team-a", "cm-1")  # the event may come before the answer
         await asyncio.sleep(0)  # the settlement runs as a task
         ctx.status_code = 201
-        await mw.exit(ctx)  # 201: "at most 30 s more" does not lengthen the 5 s
+        await settle(mw.exit(ctx))  # 201: "at most 30 s more" does not lengthen the 5 s
         return reservations(mw)
 
     (expiry,) = run(go()).values()

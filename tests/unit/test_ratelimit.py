@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from proxy.engine import telemetry
+from proxy.engine.chain import settle
 from proxy.engine.context import Deny, Identity, RequestContext
 from proxy.engine.policies import PolicySet, build_policy_set
 from proxy.engine.requestinfo import parse_request_info
@@ -65,7 +66,7 @@ def test_429_status_shape_and_headers() -> None:
     before = decisions("shape", "denied")
 
     async def go() -> list[Any]:
-        return [await mw.entry(c) for c in [ctx_for(pset) for _ in range(3)]]
+        return [await settle(mw.entry(c)) for c in [ctx_for(pset) for _ in range(3)]]
 
     first, second, third = asyncio.run(go())
     assert first is None and second is None
@@ -88,7 +89,7 @@ def test_admitted_calls_get_ratelimit_headers() -> None:
     pset = policies("- {name: r, qps: 10, burst: 5}")
     mw, _ = make()
     ctx = ctx_for(pset)
-    assert asyncio.run(mw.entry(ctx)) is None
+    assert asyncio.run(settle(mw.entry(ctx))) is None
     assert headers_of(ctx) == {"RateLimit-Limit": "5", "RateLimit-Remaining": "4",
                                "RateLimit-Reset": "1"}
 
@@ -98,11 +99,11 @@ def test_no_matching_rule_makes_no_store_call() -> None:
     mw, store = make()
     for _ in range(5):
         ctx = ctx_for(pset)
-        assert asyncio.run(mw.entry(ctx)) is None
+        assert asyncio.run(settle(mw.entry(ctx))) is None
         assert ctx.response_headers == []
     assert store.calls == 0
     empty = build_policy_set([], parsers={"rateLimits": parse_section})
-    assert asyncio.run(mw.entry(ctx_for(empty))) is None and store.calls == 0
+    assert asyncio.run(settle(mw.entry(ctx_for(empty)))) is None and store.calls == 0
 
 
 @pytest.mark.parametrize("where", ["policy", "rule"])
@@ -114,7 +115,7 @@ def test_dryrun_warns_counts_and_never_denies(where: str) -> None:
         "opgate_dryrun_denials_total", {"middleware": "ratelimit"}) or 0.0
     contexts = [ctx_for(pset) for _ in range(3)]
     for ctx in contexts:
-        assert asyncio.run(mw.entry(ctx)) is None
+        assert asyncio.run(settle(mw.entry(ctx))) is None
     assert not any(name == "Warning" for name, _ in contexts[0].response_headers)
     for ctx in contexts[1:]:
         warnings = [v for name, v in ctx.response_headers if name == "Warning"]
@@ -132,7 +133,7 @@ def test_dryrun_rule_does_not_block_enforced_rule() -> None:
 - {name: trial, qps: 1, burst: 1, mode: dryrun}
 """)
     mw, _ = make()
-    results = [asyncio.run(mw.entry(ctx_for(pset))) for _ in range(4)]
+    results = [asyncio.run(settle(mw.entry(ctx_for(pset)))) for _ in range(4)]
     assert [r is None for r in results] == [True, True, True, False]
 
 
@@ -141,7 +142,7 @@ def test_watch_counts_once_and_is_not_excluded() -> None:
     mw, store = make()
     ctx = ctx_for(pset, "GET", "/api/v1/namespaces/a/pods", "watch=true")
     assert ctx.info.verb == "watch" and ctx.info.is_long_running
-    assert asyncio.run(mw.entry(ctx)) is None
+    assert asyncio.run(settle(mw.entry(ctx))) is None
     assert store.calls == 1
     assert headers_of(ctx)["RateLimit-Remaining"] == "1"  # one token for the whole watch
     assert not hasattr(mw, "exit")  # nothing counts per event or at the end of the stream
@@ -158,12 +159,12 @@ def test_long_running_calls_excluded_unless_named(method: str, path: str, query:
     wide = policies("- {name: all, qps: 1, burst: 1}")
     mw, store = make()
     for _ in range(3):
-        assert asyncio.run(mw.entry(ctx_for(wide, method, path, query))) is None
+        assert asyncio.run(settle(mw.entry(ctx_for(wide, method, path, query)))) is None
     assert store.calls == 0
     sub = path.rsplit("/", 1)[1]
     named = policies(f"- {{name: conn, match: {{resources: [pods/{sub}]}}, qps: 1, burst: 1}}")
-    assert asyncio.run(mw.entry(ctx_for(named, method, path, query))) is None
-    assert isinstance(asyncio.run(mw.entry(ctx_for(named, method, path, query))), Deny)
+    assert asyncio.run(settle(mw.entry(ctx_for(named, method, path, query)))) is None
+    assert isinstance(asyncio.run(settle(mw.entry(ctx_for(named, method, path, query)))), Deny)
 
 
 def test_all_matching_rules_must_pass_atomically() -> None:
@@ -172,23 +173,25 @@ def test_all_matching_rules_must_pass_atomically() -> None:
 - {name: narrow, match: {verbs: [get]}, qps: 1, burst: 1}
 """)
     mw, store = make()
-    assert asyncio.run(mw.entry(ctx_for(pset))) is None
-    denied = asyncio.run(mw.entry(ctx_for(pset)))
+    assert asyncio.run(settle(mw.entry(ctx_for(pset)))) is None
+    denied = asyncio.run(settle(mw.entry(ctx_for(pset))))
     assert isinstance(denied, Deny) and '"narrow"' in denied.status.message
     assert store.calls == 2  # both rules in one store call each time
     listing = ctx_for(pset, "GET", "/api/v1/namespaces/a/pods")  # only "wide" matches a list
-    assert asyncio.run(mw.entry(listing)) is None
+    assert asyncio.run(settle(mw.entry(listing))) is None
     assert headers_of(listing)["RateLimit-Remaining"] == "3"  # the denied call took nothing
 
 
 def test_key_template_separates_buckets() -> None:
     pset = policies("- {name: per-ns, key: '{namespace}/{resource}', qps: 1, burst: 1}")
     mw, store = make()
-    assert asyncio.run(mw.entry(ctx_for(pset, path="/api/v1/namespaces/a/pods/p"))) is None
-    assert asyncio.run(mw.entry(ctx_for(pset, path="/api/v1/namespaces/b/pods/p"))) is None
-    assert asyncio.run(mw.entry(ctx_for(pset, path="/api/v1/namespaces/a/configmaps/c"))) is None
-    assert isinstance(asyncio.run(mw.entry(ctx_for(pset, path="/api/v1/namespaces/a/pods/q"))),
-                      Deny)
+    def entry(path: str) -> object:
+        return asyncio.run(settle(mw.entry(ctx_for(pset, path=path))))
+
+    assert entry("/api/v1/namespaces/a/pods/p") is None
+    assert entry("/api/v1/namespaces/b/pods/p") is None
+    assert entry("/api/v1/namespaces/a/configmaps/c") is None
+    assert isinstance(entry("/api/v1/namespaces/a/pods/q"), Deny)
     assert sorted(store._tats) == ["op/per-ns/a/configmaps", "op/per-ns/a/pods", "op/per-ns/b/pods"]
 
 
@@ -219,10 +222,10 @@ def test_instance_header_annotation_override_and_shards() -> None:
     mw = RateLimit(store=store, overrides=overrides)
     for instance in ("a/Widget/slow", "a/Widget/greedy", "a/Widget/bad", "a/Widget/none"):
         ctx = ctx_for(pset, headers={"Opgate-Instance": instance})
-        assert asyncio.run(mw.entry(ctx)) is None
+        assert asyncio.run(settle(mw.entry(ctx))) is None
         assert "opgate-instance" in ctx.drop_request_headers
-    asyncio.run(mw.entry(ctx_for(pset, headers={"Opgate-Instance": "not-an-instance"})))
-    asyncio.run(mw.entry(ctx_for(pset, user="")))
+    asyncio.run(settle(mw.entry(ctx_for(pset, headers={"Opgate-Instance": "not-an-instance"}))))
+    asyncio.run(settle(mw.entry(ctx_for(pset, user=""))))
     seen = [call[0] for call in store.seen]
     assert [(r.key, r.rate) for r in seen] == [
         ("op/per-instance/alice/a/Widget/slow", 0.5),
@@ -260,7 +263,7 @@ def test_instance_without_header_gets_its_own_qps() -> None:
                      headers={"Content-Type": "application/vnd.kubernetes.protobuf"})
     assert not mw.wants_body(itself)
     for ctx in (create, itself, ctx_for(pset)):
-        assert asyncio.run(mw.entry(ctx)) is None
+        assert asyncio.run(settle(mw.entry(ctx))) is None
     assert [(c[0].key, c[0].rate) for c in store.seen] == [
         ("op/per-instance/a/Widget/w1", 10.0), ("op/per-instance/a/Widget/w1", 10.0),
         ("op/per-instance/-", 1.0)]
@@ -276,7 +279,7 @@ def test_one_flooding_instance_does_not_slow_another() -> None:
         for instance, count in (("a/W/flood", 20), ("a/W/calm", 1 if step % 2 else 0)):
             for _ in range(count):
                 ctx = ctx_for(pset, headers={"Opgate-Instance": instance})
-                admitted[instance] += asyncio.run(mw.entry(ctx)) is None
+                admitted[instance] += asyncio.run(settle(mw.entry(ctx))) is None
     assert admitted["a/W/calm"] == 50
     assert 5 + 5 * 10 - 2 <= admitted["a/W/flood"] <= 5 + 5 * 10
 
@@ -286,7 +289,7 @@ def test_wait_mode_queues_fifo_then_rejects_past_max_wait() -> None:
     mw, _ = make(clock=time.monotonic)  # type: ignore[arg-type]
 
     async def call(i: int, order: list[int]) -> Any:
-        result = await mw.entry(ctx_for(pset))
+        result = await settle(mw.entry(ctx_for(pset)))
         if result is None:
             order.append(i)
         return result
@@ -342,26 +345,26 @@ def test_store_down_open_admits_closed_answers_503(wrapped: bool) -> None:
 """, name=f"down-{suffix}")
     store: Any = ResilientStore(Down(), failures=1) if wrapped else Down()
     mw = RateLimit(store=store)
-    assert asyncio.run(mw.entry(ctx_for(pset))) is None
-    denied = asyncio.run(mw.entry(ctx_for(pset, path="/api/v1/namespaces/a/pods")))
+    assert asyncio.run(settle(mw.entry(ctx_for(pset)))) is None
+    denied = asyncio.run(settle(mw.entry(ctx_for(pset, path="/api/v1/namespaces/a/pods"))))
     assert isinstance(denied, Deny) and denied.decision == "unavailable"
     assert denied.status.code == 503 and denied.status.reason == "ServiceUnavailable"
     assert '"strict"' in denied.status.message and "fails closed" in denied.status.message
     assert decisions(f"down-{suffix}", "unavailable") == 1
     dry = policies("- {name: strict, qps: 1, mode: dryrun}", name=f"dry-down-{suffix}")
     ctx = ctx_for(dry)
-    assert asyncio.run(mw.entry(ctx)) is None
+    assert asyncio.run(settle(mw.entry(ctx))) is None
     assert any("would answer 503 (dryrun)" in v for _, v in ctx.response_headers)
 
 
 def test_plan_is_rebuilt_only_for_a_new_policy_set() -> None:
     first = policies("- {name: a, qps: 1, burst: 1}")
     mw, _ = make()
-    asyncio.run(mw.entry(ctx_for(first)))
+    asyncio.run(settle(mw.entry(ctx_for(first))))
     plan = mw._plan
-    asyncio.run(mw.entry(ctx_for(first)))
+    asyncio.run(settle(mw.entry(ctx_for(first))))
     assert mw._plan is plan
-    asyncio.run(mw.entry(ctx_for(policies("- {name: a, qps: 1, burst: 5}"))))
+    asyncio.run(settle(mw.entry(ctx_for(policies("- {name: a, qps: 1, burst: 5}")))))
     assert mw._plan is not plan
 
 
@@ -397,7 +400,7 @@ def test_a_leased_token_is_taken_without_the_store_round_trip_and_answers_the_sa
                 method = rnd.choice(["GET", "GET", "GET", "LIST", "DELETE", "DELETE"])
                 ctx = ctx_for(pset, "GET" if method == "LIST" else method, paths[method])
                 before = store.primary.local_hits  # type: ignore[attr-defined]
-                result = await mw.entry(ctx)
+                result = await settle(mw.entry(ctx))
                 taken[method] += store.primary.local_hits - before  # type: ignore[attr-defined]
                 out.append((None if result is None else result.status.code, headers_of(ctx)))
 
@@ -432,7 +435,7 @@ def test_a_held_token_admits_with_the_headers_of_its_verdict(
     mw = RateLimit(store=store)
     before = decisions(name, "allowed")
     ctx = ctx_for(pset)
-    assert asyncio.run(mw.entry(ctx)) is None
+    assert asyncio.run(settle(mw.entry(ctx))) is None
     assert ctx.response_headers == list(_headers(50, *held))
     assert decisions(name, "allowed") == before + 1
     assert store.calls == 0

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import time
 from functools import partial
+from types import CoroutineType
 from urllib.parse import unquote
 
 import httptools
@@ -138,7 +139,9 @@ class FastRelay:
         await self._after.track(ctx, self._serve(req, ctx))
         if self._after.has_hooks:
             req.cancellable = False
-            await self._chain.exit(ctx)
+            waiting = self._chain.exit(ctx)
+            if waiting is not None:  # a hook has to wait (chain.exit answers at once if not)
+                await waiting
 
     async def _serve(self, req: Request, ctx: RequestContext) -> None:
         try:
@@ -150,7 +153,9 @@ class FastRelay:
                 if body is None:
                     raise errors.Answer(errors.too_large(limit), close=True)
                 ctx.body = body
-            denied = await self._chain.entry(ctx)
+            denied = self._chain.entry(ctx)
+            if type(denied) is CoroutineType:  # a hook has to wait
+                denied = await denied
             if denied is not None:
                 self._answer(req, ctx, denied, close=req.upgrade)
                 return
