@@ -18,7 +18,10 @@ is ~50x slower, so its time-based amortization windows are stretched as much
 (:mod:`bench.slowed`). Valgrind emulates a CPU without SHA extensions: the identity row pays
 ~25k instructions for the SHA-256 of the caller's token that cost ~1.5 µs on the real CPU.
 
-    python bench/instructions.py [--calls 1000] [--rows relay,identity,full]
+    python bench/instructions.py [--calls 1000] [--rows relay,identity,full] [--keep DIR]
+
+``--keep DIR`` keeps each row's callgrind dump of the measured calls as ``DIR/<row>.callgrind``
+(read it with ``callgrind_annotate``: which C functions and libraries the instructions go to).
 
 Needs ``valgrind`` (Debian package) besides what ``python -m bench`` needs. ~30 s per row.
 """
@@ -97,8 +100,10 @@ def serve_argv(row: Row, work: Path, upstream: Upstream, redis_url: str, port: i
     return argv
 
 
-def counted(pid: int, out: str, work: Callable[[], None]) -> tuple[int, float]:
-    """Instructions the process executed while ``work`` ran, and its seconds."""
+def counted(pid: int, out: str, work: Callable[[], None],
+            keep: Path | None = None) -> tuple[int, float]:
+    """Instructions the process executed while ``work`` ran, and its seconds (its dump copied
+    to ``keep``)."""
     before = set(glob.glob(out + "*"))
     subprocess.run(["callgrind_control", "-i", "on", str(pid)], check=True, capture_output=True)
     started = time.monotonic()
@@ -114,14 +119,17 @@ def counted(pid: int, out: str, work: Callable[[], None]) -> tuple[int, float]:
         time.sleep(0.1)
     time.sleep(0.5)
     for path in fresh:
-        for line in Path(path).read_text().splitlines():
+        text = Path(path).read_text()
+        for line in text.splitlines():
             if line.startswith("totals:"):
                 total += int(line.split()[1])
+        if keep is not None:
+            keep.write_text(text)
     return total, seconds
 
 
 def measure(row: Row, procs: Procs, work: Path, upstream: Upstream, redis_url: str,
-            calls: int, headers: dict[str, str]) -> float:
+            calls: int, headers: dict[str, str], keep: Path | None = None) -> float:
     port, admin = free_port(), free_port()
     out = str(work / "callgrind.out")
     argv = ["valgrind", "--tool=callgrind", "--instr-atstart=no",
@@ -144,7 +152,8 @@ def measure(row: Row, procs: Procs, work: Path, upstream: Upstream, redis_url: s
 
         batch(WARM_CALLS)
         assert proc.pid is not None
-        busy, seconds = counted(proc.pid, out, lambda: batch(calls))
+        busy, seconds = counted(proc.pid, out, lambda: batch(calls),
+                                None if keep is None else keep / f"{row.name}.callgrind")
         idle, idle_seconds = counted(proc.pid, out, lambda: time.sleep(seconds))
         return (busy - idle * seconds / idle_seconds) / calls
     finally:
@@ -156,7 +165,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--calls", type=int, default=1000)
     parser.add_argument("--rows", default=",".join(r.name for r in ROWS),
                         help="comma-separated: " + ", ".join(r.name for r in ROWS))
+    parser.add_argument("--keep", type=Path, metavar="DIR",
+                        help="keep each row's callgrind dump of the measured calls in DIR")
     args = parser.parse_args(argv)
+    if args.keep is not None:
+        args.keep.mkdir(parents=True, exist_ok=True)
     wanted = args.rows.split(",")
     unknown = set(wanted) - {r.name for r in ROWS}
     if unknown:
@@ -180,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
                 sub = work / row.name
                 sub.mkdir()
                 results[row.name] = measure(row, procs, sub, upstream, redis_url, args.calls,
-                                            headers)
+                                            headers, args.keep)
                 print(f"{row.name:<10} {results[row.name]:>10,.0f} instructions/call",
                       file=sys.stderr, flush=True)
         finally:
