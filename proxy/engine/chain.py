@@ -110,7 +110,9 @@ class Chain:
     def entry(self, ctx: RequestContext) -> Maybe[StatusError | None]:
         """Run the entry hooks; return the Status to answer with, or ``None`` to relay (or a
         coroutine answering that, once a hook has to wait)."""
-        hooks = self._entry_hooks(ctx.policies)
+        hooks = self._active  # _entry_hooks' answer while the same set is in force, uncalled
+        if ctx.policies is not self._active_for:
+            hooks = self._entry_hooks(ctx.policies)
         for i, (name, fail_open, hook) in enumerate(hooks):
             try:
                 decision = hook(ctx)
