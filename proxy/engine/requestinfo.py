@@ -80,8 +80,13 @@ class RequestInfo:
     subresource: str = ""
     name: str = ""
     parts: tuple[str, ...] = ()
-    # derived from the fields above once, when built (see the properties below)
+    # derived from the fields above once, when built: plain attributes, as the relay and the
+    # middlewares read them several times per call
     shape: Shape = field(init=False, repr=False, compare=False)
+    # True where the apiserver lifts its request timeout and in-flight limit
+    is_long_running: bool = field(init=False, repr=False, compare=False)
+    # the verb to authorize: ``verb``, except pod exec/attach/portforward are always create
+    policy_verb: str = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.verb in LONG_RUNNING_VERBS:
@@ -103,16 +108,8 @@ class RequestInfo:
         object.__setattr__(self, "shape", (
             policy_verb, self.verb, self.api_group, self.resource, self.subresource,
             self.namespace, self.is_resource_request, long_running))
-
-    @property
-    def is_long_running(self) -> bool:
-        """True where the apiserver lifts its request timeout and in-flight limit."""
-        return self.shape[7]
-
-    @property
-    def policy_verb(self) -> str:
-        """The verb to authorize: ``verb``, except pod exec/attach/portforward are always create."""
-        return self.shape[0]
+        object.__setattr__(self, "is_long_running", long_running)
+        object.__setattr__(self, "policy_verb", policy_verb)
 
 
 _cache: dict[tuple[str, str, str], RequestInfo] = {}
