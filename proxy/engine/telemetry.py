@@ -10,16 +10,19 @@ With ``--workers N`` every worker writes its values to files in ``PROMETHEUS_MUL
 each gauge's ``multiprocess_mode`` says how it combines the live workers' values. In a single
 process the mode is ignored.
 
-The metrics updated on every call (requests, durations, in-flight, watches, rate-limit
-decisions) are :class:`Deferred`: their children add up in plain floats, without
-prometheus_client's lock (nor, in multiprocess mode, its ``getpid`` and mmap write per update),
-and hand the sums to the real prometheus_client children in :func:`flush`. ``flush`` runs before
-anything reads ``REGISTRY`` (a collector registered first does it), so what ``/metrics`` shows
-is exactly what it would be with an update per call. In multiprocess mode the supervisor reads
-the files, not this process: there ``flush`` runs ``FLUSH_EVERY`` (50 ms) after an update, and
-at exit, so the supervisor's ``/metrics`` is at most that much behind, and a worker killed by
-SIGKILL loses at most its last 50 ms of counts (a flush per loop iteration measured ~15% more
-CPU per call with 2 workers).
+The metrics updated on every call (requests, durations, rate-limit decisions) are
+:class:`Deferred`: their children add up in plain floats, without prometheus_client's lock (nor,
+in multiprocess mode, its ``getpid`` and mmap write per update), and hand the sums to the real
+prometheus_client children in :func:`flush`. The gauges of calls in flight and watches open are
+:class:`Level`: the relay keeps their value in a plain number (``INFLIGHT.now += 1``, no call at
+all) and ``flush`` sets the gauge to it. ``flush`` runs before anything reads ``REGISTRY`` (a
+collector registered first does it), so what ``/metrics`` shows is exactly what it would be with
+an update per call. In multiprocess mode the supervisor reads the files, not this process: there
+``flush`` runs ``FLUSH_EVERY`` (50 ms) after an update, the levels are published every
+``FLUSH_EVERY`` (:func:`publish_levels`, started by the relay), and all of it at exit, so the
+supervisor's ``/metrics`` is at most that much behind, and a worker killed by SIGKILL loses at
+most its last 50 ms of counts (a flush per loop iteration measured ~15% more CPU per call with 2
+workers).
 Updates come from the event loop's thread only (as every hot-path update does).
 """
 
@@ -43,10 +46,12 @@ _MULTIPROCESS = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR")
 FLUSH_EVERY = 0.05  # seconds a worker's updates may wait before they reach the shared files
 _dirty: list[_Child] = []
 _flush_loop: asyncio.AbstractEventLoop | None = None  # the loop a flush is scheduled on
+_levels: list[Level] = []
+_levels_loop: asyncio.AbstractEventLoop | None = None  # the loop publishing the levels
 
 
 def flush() -> None:
-    """Hand every pending sum to its prometheus_client child."""
+    """Hand every pending sum to its prometheus_client child, every level to its gauge."""
     global _flush_loop
     _flush_loop = None
     while _dirty:
@@ -54,6 +59,26 @@ def flush() -> None:
         _dirty.clear()
         for child in pending:
             child.flush()
+    for level in _levels:
+        level.publish()
+
+
+def publish_levels() -> None:
+    """In multiprocess mode, publish every :class:`Level` each ``FLUSH_EVERY`` on the running
+    loop from now on (once per loop): a level changes without a call that could schedule a
+    flush. In a single process nothing: a scrape flushes."""
+    global _levels_loop
+    loop = asyncio.get_running_loop()
+    if not _MULTIPROCESS or _levels_loop is loop:
+        return
+    _levels_loop = loop
+
+    def tick() -> None:
+        for level in _levels:
+            level.publish()
+        loop.call_later(FLUSH_EVERY, tick)
+
+    loop.call_later(FLUSH_EVERY, tick)
 
 
 if _MULTIPROCESS:  # a worker that stops between an update and the next loop iteration
@@ -175,7 +200,7 @@ class Deferred:
     """A prometheus_client metric whose updates are summed here and flushed (module docstring).
 
     ``labels`` takes the label values positionally or by name, as prometheus_client does; a
-    metric without labels is updated directly (``INFLIGHT.inc()``).
+    metric without labels is updated directly (``.inc()`` on the Deferred itself).
     """
 
     __slots__ = ("_children", "_kind", "_self", "metric")
@@ -211,6 +236,39 @@ class Deferred:
         self._self.set(value)
 
 
+class Level:
+    """A gauge without labels whose value its owner keeps in ``now``, a plain number: the relay
+    counts each call in and out with ``INFLIGHT.now += 1`` and ``-= 1``, no call at all.
+    :func:`flush` (every scrape) sets the gauge to ``now`` when it changed; in multiprocess mode
+    :func:`publish_levels` does it every ``FLUSH_EVERY`` too. ``inc``/``dec``/``set`` for
+    callers off the hot path."""
+
+    __slots__ = ("_shown", "metric", "now")
+
+    def __init__(self, metric: Gauge) -> None:
+        if metric._labelnames:
+            raise ValueError("a Level is a gauge without labels")
+        self.metric = metric
+        self.now: float = 0
+        self._shown: float = 0  # the value the gauge was last set to (it starts at 0)
+        _levels.append(self)
+
+    def inc(self, amount: float = 1) -> None:
+        self.now += amount
+
+    def dec(self, amount: float = 1) -> None:
+        self.now -= amount
+
+    def set(self, value: float) -> None:
+        self.now = value
+
+    def publish(self) -> None:
+        now = self.now
+        if now != self._shown:
+            self._shown = now
+            self.metric.set(now)
+
+
 class _Flusher:
     """Registered first in ``REGISTRY``: whatever collects it sees every pending update."""
 
@@ -240,10 +298,10 @@ UPSTREAM_DURATION = Deferred(Histogram(
     "opgate_upstream_duration_seconds", "Time until the apiserver's response headers arrived.",
     ["verb"], buckets=_LATENCY_BUCKETS, registry=REGISTRY,
 ))
-INFLIGHT = Deferred(Gauge("opgate_inflight_requests", "Calls being handled now.",
-                          registry=REGISTRY, multiprocess_mode="livesum"))
-WATCHES_OPEN = Deferred(Gauge("opgate_watches_open", "Watch streams open now.", registry=REGISTRY,
-                              multiprocess_mode="livesum"))
+INFLIGHT = Level(Gauge("opgate_inflight_requests", "Calls being handled now.",
+                       registry=REGISTRY, multiprocess_mode="livesum"))
+WATCHES_OPEN = Level(Gauge("opgate_watches_open", "Watch streams open now.", registry=REGISTRY,
+                           multiprocess_mode="livesum"))
 UPSTREAM_ERRORS = Counter(
     "opgate_upstream_errors_total", "Calls that failed to reach the apiserver.", ["kind"],
     registry=REGISTRY,

@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 from proxy.engine import telemetry
 from proxy.engine.chain import Chain, settle
 from proxy.engine.context import RequestContext
+from proxy.engine.telemetry import INFLIGHT, WATCHES_OPEN
 
 log = logging.getLogger("opgate.relay")
 
@@ -34,27 +35,33 @@ class Aftercare:
 
     async def track(self, ctx: RequestContext, call: Awaitable[T]) -> T:
         """Await ``call`` counted in the gauges; if it is cancelled (the client went away),
-        record that and run the exit hooks in the background. Sets ``ctx.finished``; the caller
-        runs the exit hooks of a call that completed."""
+        record that and run the exit hooks in the background (:meth:`gone`). Sets
+        ``ctx.finished``; the caller runs the exit hooks of a call that completed. (The fast
+        relay does the same in its own coroutine, without this extra layer.)"""
         watch = ctx.info.verb == "watch"
-        telemetry.INFLIGHT.inc()
+        INFLIGHT.now += 1
         if watch:
-            telemetry.WATCHES_OPEN.inc()
+            WATCHES_OPEN.now += 1
         try:
             result = await call
         except BaseException:  # cancelled: the client has gone
-            ctx.status_code = ctx.status_code or CLIENT_GONE
-            ctx.error = ctx.error or "client went away"
-            ctx.finished = time.monotonic()
-            if self.has_hooks:
-                self.exit_later(ctx)
+            self.gone(ctx)
             raise
         finally:
-            telemetry.INFLIGHT.dec()
+            INFLIGHT.now -= 1
             if watch:
-                telemetry.WATCHES_OPEN.dec()
+                WATCHES_OPEN.now -= 1
         ctx.finished = time.monotonic()
         return result
+
+    def gone(self, ctx: RequestContext) -> None:
+        """The call was cancelled (its client went away): record that, and run the exit hooks
+        in the background."""
+        ctx.status_code = ctx.status_code or CLIENT_GONE
+        ctx.error = ctx.error or "client went away"
+        ctx.finished = time.monotonic()
+        if self.has_hooks:
+            self.exit_later(ctx)
 
     def observe_upstream(self, verb: str, seconds: float) -> None:
         """Record the time until the upstream's response headers (one histogram child per verb)."""

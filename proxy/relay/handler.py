@@ -26,6 +26,7 @@ from proxy.engine.chain import Chain, settle
 from proxy.engine.context import RequestContext
 from proxy.engine.requestinfo import parse_request_info
 from proxy.engine.status import StatusError, internal_error
+from proxy.engine.telemetry import publish_levels
 from proxy.relay import errors, tunnel
 from proxy.relay.aftercare import CLIENT_GONE, Aftercare
 from proxy.relay.calls import PolicyStoreLike, RelaySettings, body_predicate, trace_ids
@@ -81,6 +82,7 @@ class Relay:
         self._after = Aftercare(chain)
 
     async def start(self) -> None:
+        publish_levels()  # with --workers: the in-flight and watch gauges' levels
         if self._session is None:
             self._session = make_session(
                 self._endpoint, connect_timeout=self.settings.connect_timeout

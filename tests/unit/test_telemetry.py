@@ -145,3 +145,80 @@ def test_multiprocess_mode_flushes_on_a_new_loop_after_an_old_one_closed(
         return float(target._value.get())
 
     assert asyncio.run(update()) == 1.0
+
+
+def test_level_is_published_at_a_scrape_and_only_when_it_moved() -> None:
+    registry = CollectorRegistry()
+    level = telemetry.Level(Gauge("level_m", "d", registry=registry))
+    try:
+        level.now += 1
+        level.now += 1
+        assert registry.get_sample_value("level_m") == 0  # a plain number until a flush
+        telemetry.flush()
+        assert registry.get_sample_value("level_m") == 2
+        level.now -= 1
+        level.dec()
+        level.inc(3)
+        telemetry.flush()
+        assert registry.get_sample_value("level_m") == 3
+        level.metric.set(7)  # (nobody else sets it: a flush that finds no change leaves it)
+        telemetry.flush()
+        assert registry.get_sample_value("level_m") == 7
+        level.set(0)
+        telemetry.flush()
+        assert registry.get_sample_value("level_m") == 0
+    finally:
+        telemetry._levels.remove(level)
+
+
+def test_level_refuses_a_labelled_gauge() -> None:
+    with pytest.raises(ValueError, match="without labels"):
+        telemetry.Level(Gauge("level_l", "d", ["verb"], registry=CollectorRegistry()))
+
+
+def test_multiprocess_mode_publishes_levels_every_flush_every(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With --workers nothing calls flush when a level moves: publish_levels keeps them
+    published, at most FLUSH_EVERY late, once per loop however often it is called."""
+    monkeypatch.setattr(telemetry, "_MULTIPROCESS", True)
+    monkeypatch.setattr(telemetry, "_levels_loop", None)
+    registry = CollectorRegistry()
+    level = telemetry.Level(Gauge("level_mp", "d", registry=registry))
+
+    def shown() -> float | None:
+        return level.metric._value.get()  # type: ignore[attr-defined,no-any-return]
+
+    async def go() -> list[float | None]:
+        telemetry.publish_levels()
+        telemetry.publish_levels()
+        seen = []
+        level.now += 1
+        await asyncio.sleep(0)
+        seen.append(shown())
+        await asyncio.sleep(telemetry.FLUSH_EVERY * 2)
+        seen.append(shown())
+        level.now -= 1
+        await asyncio.sleep(telemetry.FLUSH_EVERY * 2)
+        seen.append(shown())
+        return seen
+
+    try:
+        assert asyncio.run(go()) == [0.0, 1.0, 0.0]
+        level.now += 1  # a new loop publishes again: the old one's ticks died with it
+        assert asyncio.run(go()) == [0.0, 2.0, 1.0]
+    finally:
+        telemetry._levels.remove(level)
+
+
+def test_single_process_mode_publishes_levels_only_when_read(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(telemetry, "_MULTIPROCESS", False)
+    monkeypatch.setattr(telemetry, "_levels_loop", None)
+
+    async def go() -> None:
+        telemetry.publish_levels()
+
+    asyncio.run(go())
+    assert telemetry._levels_loop is None

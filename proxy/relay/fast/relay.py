@@ -28,6 +28,7 @@ from proxy.engine.chain import Chain
 from proxy.engine.context import RequestContext
 from proxy.engine.requestinfo import parse_request_info
 from proxy.engine.status import StatusError, internal_error
+from proxy.engine.telemetry import INFLIGHT, WATCHES_OPEN, publish_levels
 from proxy.relay import errors
 from proxy.relay.aftercare import Aftercare
 from proxy.relay.calls import PolicyStoreLike, RelaySettings, body_predicate, trace_ids
@@ -91,7 +92,9 @@ class FastRelay:
                                      user_agent="opgate-readyz")
 
     async def start(self) -> None:
-        """Nothing to start (connections open on demand); the same interface as ``Relay``."""
+        """Connections open on demand; with ``--workers`` the gauges' levels are published
+        from now on (the same interface as ``Relay``)."""
+        publish_levels()
 
     def server(self) -> FastServer:
         """A server for this relay's calls (:func:`proxy.relay.listen.serve_api` listens)."""
@@ -136,7 +139,21 @@ class FastRelay:
             trace_id=_next_trace_id(),
             remote=req.conn.remote,
         )
-        await self._after.track(ctx, self._serve(req, ctx))
+        # counted in the gauges as Aftercare.track does it, without a coroutine of its own
+        watch = ctx.info.verb == "watch"
+        INFLIGHT.now += 1
+        if watch:
+            WATCHES_OPEN.now += 1
+        try:
+            await self._serve(req, ctx)
+        except BaseException:  # cancelled: the client has gone
+            self._after.gone(ctx)
+            raise
+        finally:
+            INFLIGHT.now -= 1
+            if watch:
+                WATCHES_OPEN.now -= 1
+        ctx.finished = time.monotonic()
         if self._after.has_hooks:
             req.cancellable = False
             waiting = self._chain.exit(ctx)
