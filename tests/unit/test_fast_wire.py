@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from proxy.relay.fast import wire
 from proxy.relay.fast.wire import WireHeaders, request_head, response_head, switch_head
 
 
@@ -30,6 +31,41 @@ def test_response_head_drops_hop_by_hop_and_connection_named_headers() -> None:
     )
     assert head == (b"HTTP/1.1 200 OK\r\nContent-Type: a/b\r\nWarning: 299 - \"w\"\r\n"
                     b"Retry-After: 1\r\nContent-Length: 3\r\n\r\n")
+
+
+def test_response_head_drops_by_name_whatever_the_case_and_keeps_same_length_names() -> None:
+    """Only names of a dropped name's length, or starting with P, are compared lower-cased."""
+    head = response_head(
+        status=200, reason=b"OK",
+        headers=[(b"CONNECTION", b"keep-alive"), (b"proxy-authenticate", b"x"), (b"TE", b"t"),
+                 (b"pRoXy-X", b"p"), (b"content-LENGTH", b"9"), (b"TRANSFER-encoding", b"c"),
+                 (b"Trailer", b"t"), (b"Upgrade", b"u"), (b"KEEP-ALIVE", b"5"),
+                 (b"X-Same-Len", b"10"), (b"Content-Langu", b"13"), (b"X-Length-Is-14", b"14"),
+                 (b"Pragma", b"no-cache"), (b"Proxy", b"5"), (b"P", b"1"), (b"", b"0"),
+                 (b"X-Seventeen-Chars", b"17"), (b"X-Sixteen-Chars-", b"16")],
+        extra=[], framing=b"",
+    )
+    assert head == (b"HTTP/1.1 200 OK\r\nX-Same-Len: 10\r\nContent-Langu: 13\r\n"
+                    b"X-Length-Is-14: 14\r\nPragma: no-cache\r\nProxy: 5\r\nP: 1\r\n: 0\r\n"
+                    b"X-Seventeen-Chars: 17\r\nX-Sixteen-Chars-: 16\r\n\r\n")
+
+
+def test_response_head_encodes_middleware_headers_the_same_once_remembered() -> None:
+    pairs = [("RateLimit-Limit", "10"), ("RateLimit-Remaining", "9"), ("Warning", '299 - "w"')]
+    want = (b"HTTP/1.1 200 OK\r\nRateLimit-Limit: 10\r\nRateLimit-Remaining: 9\r\n"
+            b'Warning: 299 - "w"\r\n\r\n')
+    for _ in range(2):  # the second time from what the first remembered
+        assert response_head(status=200, reason=b"OK", headers=[], extra=pairs,
+                             framing=b"") == want
+    assert wire._EXTRA[("RateLimit-Limit", "10")] == b"RateLimit-Limit: 10\r\n"
+    for i in range(wire._MAX_EXTRA + 10):  # past the bound: still encoded, no longer kept
+        extra = [("X-N", str(i)), ("X-\xe9", "\xff")]
+        assert response_head(status=204, reason=b"", headers=[], extra=extra, framing=b"") == (
+            b"HTTP/1.1 204 No Content\r\nX-N: %d\r\nX-\xe9: \xff\r\n\r\n" % i)
+    assert len(wire._EXTRA) <= wire._MAX_EXTRA
+    with pytest.raises(UnicodeEncodeError):  # as before: latin-1 or nothing
+        response_head(status=200, reason=b"OK", headers=[], extra=[("X", "\u2603")],
+                      framing=b"")
 
 
 def test_request_head_for_an_upgrade_keeps_upgrade_and_strips_the_rest() -> None:

@@ -196,10 +196,10 @@ class UpstreamConnection(FlowForwarding, asyncio.Protocol):
         length: bytes | None = None
         chunked = False
         for name, value in self._headers:
-            low = name.lower()
-            if low == b"content-length":
+            size = len(name)  # only names of the two lengths are lower()ed
+            if size == 14 and name.lower() == b"content-length":
                 length = value.strip()
-            elif low == b"transfer-encoding":
+            elif size == 17 and name.lower() == b"transfer-encoding":
                 chunked = b"chunked" in value.lower()
         no_body = self.head_only or status in (204, 304)
         self._until_close = not (chunked or length is not None or no_body)

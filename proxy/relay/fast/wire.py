@@ -35,7 +35,13 @@ _HOP_ONLY = frozenset({b"keep-alive", b"close", b"upgrade"})  # Connection value
 _DROP_PREFIXES = (b"proxy-", b"opgate-")
 _IMPERSONATE = b"impersonate-"
 NOTHING: frozenset[bytes] = frozenset()
+# the lengths of the names response_head drops (hop-by-hop, Content-Length; any Proxy-* name
+# starts with P): the names of other lengths go out without a lower() each
+_DROP_LENGTHS = frozenset({len(n) for n in _HOP} | {len(b"content-length")})
+_P = frozenset(b"Pp")
 _LINES: dict[int, bytes] = {}
+_EXTRA: dict[tuple[str, str], bytes] = {}  # encoded middleware header lines, the first ones
+_MAX_EXTRA = 256
 _KEYS: dict[str, bytes] = {}  # header names middlewares ask for, as the index's keys
 _MAX_KEYS = 256
 
@@ -203,21 +209,35 @@ def response_head(
     parts = [status_line(status, reason)]
     named: frozenset[bytes] = NOTHING
     for name, value in headers:
-        low = name.lower()
-        if low in _HOP or low.startswith(b"proxy-") or low == b"content-length":
-            if low == b"connection" and value.strip().lower() not in _HOP_ONLY:
-                named = connection_tokens(headers) - _HOP  # names beyond the standard ones
-            continue
+        size = len(name)
+        if size in _DROP_LENGTHS or (size > 5 and name[0] in _P):
+            low = name.lower()
+            if low in _HOP or low.startswith(b"proxy-") or low == b"content-length":
+                if low == b"connection" and value.strip().lower() not in _HOP_ONLY:
+                    named = connection_tokens(headers) - _HOP  # names beyond the standard ones
+                continue
         parts += (name, b": ", value, b"\r\n")
     if named:  # rare: names the upstream listed in Connection are hop-by-hop too
         parts = [parts[0]] + [
             p for i in range(1, len(parts), 4) if parts[i].lower() not in named
             for p in parts[i : i + 4]
         ]
-    for name_s, value_s in extra:
-        parts += (name_s.encode("latin-1"), b": ", value_s.encode("latin-1"), b"\r\n")
+    for pair in extra:
+        line = _EXTRA.get(pair)
+        if line is None:
+            line = _extra_line(pair)
+        parts.append(line)
     parts += (framing, b"\r\n")
     return b"".join(parts)
+
+
+def _extra_line(pair: tuple[str, str]) -> bytes:
+    """``name: value\\r\\n`` of a middleware's header (remembered for the first pairs: most
+    repeat, as ``RateLimit-Limit`` does)."""
+    line = f"{pair[0]}: {pair[1]}\r\n".encode("latin-1")
+    if len(_EXTRA) < _MAX_EXTRA:
+        _EXTRA[pair] = line
+    return line
 
 
 def switch_head(*, reason: bytes, headers: Headers, extra: Iterable[tuple[str, str]]) -> bytes:
