@@ -80,24 +80,44 @@ class TokenSource:
     keeps the last good token and is logged once per failure streak.
     """
 
-    __slots__ = ("_checked", "_failing", "_file", "_header", "_stamp")
+    __slots__ = ("_checked", "_failing", "_file", "_header", "_raw", "_stamp")
 
     def __init__(self, *, token: str | None = None, token_file: str | None = None) -> None:
         self._file = token_file
-        self._header: str | None = f"Bearer {token}" if token else None
+        self._header: str | None = None
+        self._raw: bytes | None = None
+        self._set(f"Bearer {token}" if token else None)
         self._stamp: tuple[int, int, int] | None = None
         self._checked = 0.0
         self._failing = False
         if token_file:
             self._refresh(time.monotonic())
 
-    def authorization(self) -> str | None:
-        """The ``Authorization`` value, or ``None`` when opgate has no credentials to add."""
+    def authorization(self, now: float | None = None) -> str | None:
+        """The ``Authorization`` value, or ``None`` when opgate has no credentials to add.
+        ``now``: the caller's ``time.monotonic()`` of this instant, if it has one."""
         if self._file is not None:
-            now = time.monotonic()
+            if now is None:
+                now = time.monotonic()
             if now - self._checked >= 1.0:
                 self._refresh(now)
         return self._header
+
+    def authorization_raw(self, now: float | None = None) -> bytes | None:
+        """:meth:`authorization` as bytes (latin-1), encoded once per token."""
+        if self._file is not None:
+            if now is None:
+                now = time.monotonic()
+            if now - self._checked >= 1.0:
+                self._refresh(now)
+        raw = self._raw
+        if raw is None and self._header is not None:  # (a token latin-1 cannot encode raises)
+            raw = self._raw = self._header.encode("latin-1")
+        return raw
+
+    def _set(self, header: str | None) -> None:
+        self._header = header
+        self._raw = None  # encoded when first asked for
 
     def _refresh(self, now: float) -> None:
         self._checked = now
@@ -118,4 +138,4 @@ class TokenSource:
             log.info("upstream token file %s (re)loaded", self._file)
         self._failing = False
         self._stamp = stamp
-        self._header = f"Bearer {token}" if token else None
+        self._set(f"Bearer {token}" if token else None)

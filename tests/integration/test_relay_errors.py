@@ -181,6 +181,7 @@ class Recorder:
         self.exits.append(
             {"path": ctx.path, "code": ctx.status_code, "in": ctx.bytes_in, "out": ctx.bytes_out,
              "upstream": ctx.upstream_seconds, "finished": ctx.finished, "error": ctx.error,
+             "started": ctx.started,
              "decision": ctx.decision, "answer": ctx.answer}
         )
 
@@ -225,6 +226,8 @@ async def test_middleware_deny_delay_crash_and_exit_hooks() -> None:
     assert post["out"] == len(body)
     assert post["upstream"] > 0
     assert post["finished"] > 0
+    # the upstream's part of the call fits in the call
+    assert post["finished"] - post["started"] >= post["upstream"] - 1e-9
     assert post["error"] == ""
     assert rec.bodies == [None] * 4  # no middleware asked for bodies
 

@@ -86,3 +86,22 @@ def test_names_of_the_same_lengths_frame_nothing() -> None:
                              b"chunked\r\n\r\nuntil close")
     assert recorder.heads == [(200, None, False)]
     assert conn._until_close
+
+
+def test_acquire_judges_an_idle_connection_at_the_callers_instant() -> None:
+    async def go() -> None:
+        pool = UpstreamPool(host="127.0.0.1", port=1, tls=None, server_hostname=None,
+                            connect_timeout=1.0, keepalive=30.0)
+        loop = asyncio.get_running_loop()
+        kept, stale = UpstreamConnection(pool, loop), UpstreamConnection(pool, loop)
+        for conn, since in ((stale, 100.0), (kept, 200.0)):
+            conn.transport = Transport()  # type: ignore[assignment]
+            conn.idle_since = since
+            pool._idle.append(conn)
+        assert await pool.acquire(now=229.0) == (kept, True)
+        pool._idle.append(kept)
+        with pytest.raises(OSError):  # both too old at 231: closed, and a new one fails here
+            await pool.acquire(now=231.0)
+        assert kept.closed and stale.closed and not pool._idle
+
+    asyncio.run(go())

@@ -210,6 +210,26 @@ def test_token_source_follows_a_rotating_file(tmp_path: Path, monkeypatch: Any) 
     assert TokenSource().authorization() is None
 
 
+def test_token_source_raw_follows_the_file_as_bytes_at_the_callers_instant(
+    tmp_path: Path, monkeypatch: Any,
+) -> None:
+    monkeypatch.setattr(endpoint.time, "monotonic", lambda: 1000.0)
+    path = tmp_path / "token"
+    path.write_text("one\n")
+    source = TokenSource(token_file=str(path))
+    assert source.authorization_raw() == b"Bearer one"
+    path.write_text("two-longer")
+    assert source.authorization_raw(1000.5) == b"Bearer one"  # checked at most once a second
+    assert source.authorization_raw(1001.1) == b"Bearer two-longer"
+    assert source.authorization(1001.2) == "Bearer two-longer"
+    path.write_text("")
+    assert source.authorization_raw(1002.2) is None  # an empty file: no credentials to add
+    assert TokenSource(token="fixed").authorization_raw() == b"Bearer fixed"
+    assert TokenSource().authorization_raw() is None
+    with pytest.raises(UnicodeEncodeError):  # as the relay's encode of it raised
+        TokenSource(token="\u2603").authorization_raw()
+
+
 @pytest.mark.parametrize(
     ("listen", "parsed"),
     [

@@ -153,7 +153,8 @@ class FastRelay:
             INFLIGHT.now -= 1
             if watch:
                 WATCHES_OPEN.now -= 1
-        ctx.finished = time.monotonic()
+        if not ctx.finished:  # (_relay sets it when the response ended with its head)
+            ctx.finished = time.monotonic()
         if self._after.has_hooks:
             req.cancellable = False
             waiting = self._chain.exit(ctx)
@@ -212,7 +213,10 @@ class FastRelay:
         lines.append(b"Content-Length: %d\r\n\r\n" % len(body))
         req.conn.write(b"".join(lines) + body)
 
-    def _head(self, req: Request, ctx: RequestContext, *, upgrade: bool = False) -> bytes:
+    def _head(
+        self, req: Request, ctx: RequestContext, *, upgrade: bool = False,
+        now: float | None = None,
+    ) -> bytes:
         if ctx.body is not None:
             framing = b"Content-Length: %d\r\n" % len(ctx.body)
         elif req.chunked:
@@ -221,7 +225,7 @@ class FastRelay:
             framing = b"Content-Length: " + req.content_length + b"\r\n"
         else:
             framing = b""
-        auth = self._token.authorization()
+        auth = self._token.authorization_raw(now)
         allowed = ctx.allow_impersonation or bool(
             getattr(ctx.policies, "allow_impersonation", False)
         )
@@ -230,7 +234,7 @@ class FastRelay:
             method=req.method, target=self._prefix + req.url, host=self._host,
             headers=req.headers, named=named,
             drop=ctx.drop_request_headers, allow_impersonation=allowed,
-            authorization=auth.encode("latin-1") if auth else None, framing=framing,
+            authorization=auth, framing=framing,
             upgrade=upgrade,
         )
         if impersonating:
@@ -240,21 +244,23 @@ class FastRelay:
 
     async def _relay(self, req: Request, ctx: RequestContext) -> None:
         client = req.conn
-        data = self._head(req, ctx)
+        now = time.monotonic()  # for the token file's check, the pool, and the upstream's timing
+        data = self._head(req, ctx, now=now)
         streaming = req.has_body and ctx.body is None
         long_running = ctx.info.is_long_running
         head_only = req.method == b"HEAD"
         settings = self.settings
         for attempt in (0, 1):
             try:
-                conn, reused = await self.pool.acquire()
+                conn, reused = await self.pool.acquire(now if attempt == 0 else None)
             except (OSError, TimeoutError) as e:
                 raise errors.upstream_failed(e, ctx, self._base) from e
             exchange = (Exchange if ctx.tap is None else partial(TappedExchange, ctx.tap))(
                 client, extra=ctx.response_headers, defer_head=not long_running,
                 head_only=head_only, http11=req.http11, keep_alive=req.keep_alive,
             )
-            started = time.monotonic()
+            # a pooled connection came at once: the upstream's timing starts at the same instant
+            started = now if reused and attempt == 0 else time.monotonic()
             client.flow = conn
             conn.flow = client
             conn.send(exchange, data, head_only=head_only, streaming=streaming)
@@ -280,8 +286,11 @@ class FastRelay:
                         continue  # a stale keep-alive connection: once more on a fresh one
                     raise errors.upstream_failed(e, ctx, self._base) from e
                 ctx.status_code = exchange.status
-                ctx.upstream_seconds = time.monotonic() - started
+                now = time.monotonic()
+                ctx.upstream_seconds = now - started
                 self._after.observe_upstream(ctx.info.verb, ctx.upstream_seconds)
+                if exchange.done.done():  # the whole response came with its head: it ended now
+                    ctx.finished = now
                 complete = await exchange.done
             except BaseException:
                 conn.close()

@@ -258,9 +258,11 @@ class UpstreamPool:
         self._all: set[UpstreamConnection] = set()
         self.opened = 0  # connections ever opened (for tests and benchmarks)
 
-    async def acquire(self) -> tuple[UpstreamConnection, bool]:
-        """A connection and whether it was reused from the pool."""
-        now = time.monotonic()
+    async def acquire(self, now: float | None = None) -> tuple[UpstreamConnection, bool]:
+        """A connection and whether it was reused from the pool (``now``: the caller's
+        ``time.monotonic()`` of this instant, if it has one)."""
+        if now is None:
+            now = time.monotonic()
         idle = self._idle
         while idle:
             conn = idle.pop()
