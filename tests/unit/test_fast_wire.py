@@ -103,3 +103,15 @@ def test_request_head_adds_opgates_token_only_when_the_client_sent_none() -> Non
     own = head([(b"authorization", b"Bearer client")])
     assert b"authorization: Bearer client\r\n" in own and b"opgate" not in own
 
+
+
+def test_response_head_status_lines_the_same_once_remembered() -> None:
+    for _ in range(2):
+        assert response_head(status=200, reason=b"OK", headers=[], extra=[],
+                             framing=b"") == b"HTTP/1.1 200 OK\r\n\r\n"
+        assert response_head(status=404, reason=b"", headers=[], extra=[],
+                             framing=b"") == b"HTTP/1.1 404 Not Found\r\n\r\n"
+    for code in range(100, 100 + wire._MAX_STATUS_LINES + 10):  # past the bound: not kept
+        assert response_head(status=code, reason=b"Odd", headers=[], extra=[],
+                             framing=b"") == b"HTTP/1.1 %d Odd\r\n\r\n" % code
+    assert len(wire._STATUS_LINES) <= wire._MAX_STATUS_LINES

@@ -40,6 +40,8 @@ NOTHING: frozenset[bytes] = frozenset()
 _DROP_LENGTHS = frozenset({len(n) for n in _HOP} | {len(b"content-length")})
 _P = frozenset(b"Pp")
 _LINES: dict[int, bytes] = {}
+_STATUS_LINES: dict[tuple[int, bytes], bytes] = {}  # upstream (status, reason) pairs, the first
+_MAX_STATUS_LINES = 64
 _EXTRA: dict[tuple[str, str], bytes] = {}  # encoded middleware header lines, the first ones
 _MAX_EXTRA = 256
 _KEYS: dict[str, bytes] = {}  # header names middlewares ask for, as the index's keys
@@ -206,7 +208,12 @@ def response_head(
     framing: bytes,
 ) -> bytes:
     """The client response head: the upstream's end-to-end headers, ``extra``, ``framing``."""
-    parts = [status_line(status, reason)]
+    line = _STATUS_LINES.get((status, reason))  # the upstream says "200 OK" over and over
+    if line is None:
+        line = status_line(status, reason)
+        if len(_STATUS_LINES) < _MAX_STATUS_LINES:
+            _STATUS_LINES[status, reason] = line
+    parts = [line]
     named: frozenset[bytes] = NOTHING
     for name, value in headers:
         size = len(name)
