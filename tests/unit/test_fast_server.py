@@ -63,3 +63,134 @@ def test_names_of_the_same_lengths_change_nothing() -> None:
                   b"X-Seventeen-Chars: chunked\r\nX-Exp-: 100-continue\r\n\r\n")
     assert (req.content_length, req.has_body, req.chunked) == (None, False, False)
     assert not req.expect_continue and not req.connection
+
+
+# --- one task per connection, the calls in turn ------------------------------------------
+
+
+class Peer(Transport):
+    """A client transport that records what was written and whether it was closed."""
+
+    def __init__(self) -> None:
+        self.out = b""
+        self.closed = False
+
+    def write(self, data: bytes) -> None:
+        self.out += data
+
+    def close(self) -> None:
+        self.closed = True
+
+    def pause_reading(self) -> None:
+        pass
+
+    def resume_reading(self) -> None:
+        pass
+
+
+GET = b"GET /%d HTTP/1.1\r\nHost: h\r\n\r\n"
+
+
+async def settle() -> None:
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+def test_the_calls_of_a_connection_run_in_turn_in_one_task_that_ends_with_it() -> None:
+    async def go() -> None:
+        seen: list[tuple[bytes, asyncio.Task[None] | None]] = []
+        release = asyncio.Event()
+
+        async def handler(req: Request) -> None:
+            seen.append((req.url, asyncio.current_task()))
+            assert req.task is asyncio.current_task()
+            if req.url == b"/1":
+                await release.wait()
+            req.conn.write(b"answer " + req.url + b"\n")
+
+        peer = Peer()
+        conn = ClientConnection(handler)
+        conn.connection_made(peer)  # type: ignore[arg-type]
+        conn.data_received(GET % 1 + GET % 2 + GET % 3)  # pipelined: they wait their turn
+        await settle()
+        assert [u for u, _ in seen] == [b"/1"] and conn.busy
+        release.set()
+        await settle()
+        assert [u for u, _ in seen] == [b"/1", b"/2", b"/3"]
+        assert peer.out == b"answer /1\nanswer /2\nanswer /3\n"
+        conn.data_received(GET % 4)  # later, on the kept-alive connection: the same task
+        await settle()
+        assert [u for u, _ in seen][-1] == b"/4" and not conn.busy
+        worker = seen[0][1]
+        assert worker is not None and all(t is worker for _, t in seen)
+        assert not worker.done()  # idle, waiting for the next request
+        conn.connection_lost(None)
+        await settle()
+        assert worker.done() and not worker.cancelled()  # ended with the connection
+        assert not peer.closed
+
+    asyncio.run(go())
+
+
+def test_a_client_that_leaves_cancels_its_call_and_the_connections_task() -> None:
+    async def go() -> None:
+        started = asyncio.Event()
+        cancelled: list[bool] = []
+
+        async def handler(req: Request) -> None:
+            started.set()
+            try:
+                await asyncio.sleep(60)
+            except asyncio.CancelledError:
+                cancelled.append(True)
+                raise
+
+        conn = ClientConnection(handler)
+        conn.connection_made(Peer())  # type: ignore[arg-type]
+        conn.data_received(GET % 1)
+        await started.wait()
+        task = conn.current.task if conn.current is not None else None
+        conn.connection_lost(None)
+        await settle()
+        assert cancelled == [True] and task is not None and task.cancelled()
+        assert not conn.busy
+
+    asyncio.run(go())
+
+
+def test_a_call_that_fails_closes_the_connection_and_a_later_one_gets_a_new_task() -> None:
+    async def go() -> None:
+        tasks: list[asyncio.Task[None] | None] = []
+
+        async def handler(req: Request) -> None:
+            tasks.append(asyncio.current_task())
+            if req.url == b"/1":
+                raise RuntimeError("boom")
+
+        peer = Peer()
+        conn = ClientConnection(handler)
+        conn.connection_made(peer)  # type: ignore[arg-type]
+        conn.data_received(GET % 1)
+        await settle()
+        assert peer.closed and not conn.busy
+        assert tasks[0] is not None and tasks[0].done()
+        conn.data_received(GET % 2)  # (bytes the transport still hands over)
+        await settle()
+        assert len(tasks) == 2 and tasks[1] is not tasks[0]
+
+    asyncio.run(go())
+
+
+def test_a_connection_not_kept_alive_closes_after_its_call() -> None:
+    async def go() -> None:
+        async def handler(req: Request) -> None:
+            req.conn.write(b"answer")
+
+        peer = Peer()
+        conn = ClientConnection(handler)
+        conn.connection_made(peer)  # type: ignore[arg-type]
+        conn.data_received(b"GET / HTTP/1.1\r\nConnection: close\r\n\r\n")
+        await settle()
+        assert peer.out == b"answer" and peer.closed
+
+    asyncio.run(go())

@@ -1,7 +1,7 @@
 """The fast relay: the same engine contract as :class:`proxy.relay.handler.Relay`, less machinery.
 
 Per call: ``parse_request_info`` → :class:`RequestContext` → ``chain.entry`` → relay over a
-pooled upstream connection → ``chain.exit``, with one task per call and no coroutine per body
+pooled upstream connection → ``chain.exit``, with one task per connection and no coroutine per body
 chunk: bodies flow by protocol callbacks (client → upstream through ``Request.attach``,
 upstream → client through :class:`~proxy.relay.fast.exchange.Exchange`), with backpressure by
 ``pause_reading`` on the feeding transport whenever the other one's write buffer is full.
