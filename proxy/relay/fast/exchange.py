@@ -64,7 +64,6 @@ class Exchange:
     def __init__(
         self,
         client: ClientConnection,
-        *,
         extra: Iterable[tuple[str, str]],
         defer_head: bool,
         head_only: bool,

@@ -129,15 +129,12 @@ class FastRelay:
         if "%" in path:
             path = unquote(path)
         method = req.method.decode("ascii")
+        # (info, method, path, query, headers, policies, trace_id, remote), positional: Python
+        # 3.11 calls a class given keywords through a dict (~3.7k instructions more per call)
         ctx = RequestContext(
-            info=parse_request_info(method, path, query),
-            method=method,
-            path=path,
-            query=query,
-            headers=WireHeaders(req.headers),
-            policies=self._policies.current,  # type: ignore[arg-type]
-            trace_id=_next_trace_id(),
-            remote=req.conn.remote,
+            parse_request_info(method, path, query), method, path, query,
+            WireHeaders(req.headers), self._policies.current,  # type: ignore[arg-type]
+            _next_trace_id(), req.conn.remote,
         )
         # counted in the gauges as Aftercare.track does it, without a coroutine of its own
         watch = ctx.info.verb == "watch"
@@ -255,9 +252,10 @@ class FastRelay:
                 conn, reused = await self.pool.acquire(now if attempt == 0 else None)
             except (OSError, TimeoutError) as e:
                 raise errors.upstream_failed(e, ctx, self._base) from e
+            # (client, extra, defer_head, head_only, http11, keep_alive), positional as above
             exchange = (Exchange if ctx.tap is None else partial(TappedExchange, ctx.tap))(
-                client, extra=ctx.response_headers, defer_head=not long_running,
-                head_only=head_only, http11=req.http11, keep_alive=req.keep_alive,
+                client, ctx.response_headers, not long_running, head_only, req.http11,
+                req.keep_alive,
             )
             # a pooled connection came at once: the upstream's timing starts at the same instant
             started = now if reused and attempt == 0 else time.monotonic()

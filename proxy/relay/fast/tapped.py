@@ -18,8 +18,9 @@ __all__ = ["TappedExchange"]
 class TappedExchange(Exchange):
     __slots__ = ("tap",)
 
-    def __init__(self, tap: BodyTap, client: ClientConnection, **options: Any) -> None:
-        super().__init__(client, **options)
+    def __init__(self, tap: BodyTap, client: ClientConnection, *args: Any,
+                 **options: Any) -> None:
+        super().__init__(client, *args, **options)
         self.tap = tap
 
     def on_head(
