@@ -355,7 +355,7 @@ class Audit:
             if wall < _second_start:  # before 1970: int() rounded up, toward zero
                 return None
         received = _last_text
-        micros = min(int((wall - _second_start) * 1_000_000), 999_999)
+        micros = int((wall - _second_start) * 1_000_000)
         if stamp < _second_next:  # and stamp >= wall: the same second
             staged = received
             stage_micros = int((stamp - _second_start) * 1_000_000)
@@ -363,7 +363,12 @@ class Audit:
             end = int(stamp)
             staged = _second_text(end)
             stage_micros = int((stamp - end) * 1_000_000)
-        stage_micros = min(stage_micros, 999_999)
+        # a time just below the next second may round up to 1_000_000: clamped by comparison,
+        # not min() (a builtin call that parses keywords: ~1.2k instructions each)
+        if micros > 999_999:
+            micros = 999_999
+        if stage_micros > 999_999:
+            stage_micros = 999_999
         outcome = _DECISIONS.get(ctx.decision) or _ENCODER.encode(ctx.decision)
         return (f'{head}{ctx.trace_id}{coded}{received}.'
                 f'{_DIGITS3[micros // 1000]}{_DIGITS3[micros % 1000]}Z","stageTimestamp":"{staged}.'
