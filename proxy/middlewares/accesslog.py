@@ -147,8 +147,10 @@ class AccessLog:
         if second != self._second:
             self._second = second
             self._prefix = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second))
-        # ctx.duration without the property's call
-        duration = (ctx.finished or time.monotonic()) - ctx.started
+        # duration_ms(ctx.duration), inlined: a Python call less (~250 instructions)
+        ms = ("%.3f" % (((ctx.finished or time.monotonic()) - ctx.started) * 1000)).rstrip("0")
+        if ms[-1] == ".":
+            ms += "0"
         tail = ""  # the optional fields (short strings: concatenating them copies little)
         instance = ctx.headers.get("opgate-instance")
         if instance:
@@ -161,7 +163,7 @@ class AccessLog:
         return (f'{{"time":"{self._prefix}{_MILLIS[int((wall - second) * 1000)]}"'
                 f',"trace":"{ctx.trace_id}","verb":{parts[1]}'
                 f',"code":{ctx.status_code},"decision":{decision}'
-                f',"duration_ms":{duration_ms(duration)}'
+                f',"duration_ms":{ms}'
                 f',"bytes_in":{ctx.bytes_in},"bytes_out":{ctx.bytes_out}{parts[2]}{tail}}}\n')
 
     def exit(self, ctx: RequestContext) -> None:
