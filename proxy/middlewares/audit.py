@@ -110,9 +110,13 @@ def micro_time(wall: float) -> str:
     return f"{_second_text(second)}.{micros:06d}Z"
 
 
-# Three digits per index: the microseconds of a timestamp as two lookups (Audit.exit), about
-# half the cost of formatting them with ``:06d`` (which goes through the format-spec parser).
-_DIGITS3 = tuple(f"{i:03d}" for i in range(1000))
+# The six fractional digits of a timestamp as two lookups, by thousands of microseconds and
+# the rest (Audit._joined; about half the cost of ``:06d``, which goes through the format-spec
+# parser), each with the constant text around it in the line (fewer pieces to join): the point
+# before the first three, and after the last three the text up to the next value
+_MILLIS3 = tuple(f".{i:03d}" for i in range(1000))
+_RECEIVED3 = tuple(f'{i:03d}Z","stageTimestamp":"' for i in range(1000))
+_STAGED3 = tuple(f'{i:03d}Z","annotations":{{"opgate.dev/decision":' for i in range(1000))
 
 
 def _ip(text: str) -> str | None:
@@ -346,7 +350,7 @@ class Audit:
         # requestReceivedTimestamp and stageTimestamp, mostly in the same second: its text is
         # formatted once per second (_second_text) and whether a time is in it is told by
         # comparing floats (an int() call less per timestamp); the microseconds are truncated,
-        # as Go formats them, and written as two _DIGITS3 lookups (not ``:06d``)
+        # as Go formats them, and written as two lookups each (not ``:06d``)
         wall = ctx.wall_time
         if stamp < wall:
             stamp = wall
@@ -370,10 +374,10 @@ class Audit:
         if stage_micros > 999_999:
             stage_micros = 999_999
         outcome = _DECISIONS.get(ctx.decision) or _ENCODER.encode(ctx.decision)
-        return (f'{head}{ctx.trace_id}{coded}{received}.'
-                f'{_DIGITS3[micros // 1000]}{_DIGITS3[micros % 1000]}Z","stageTimestamp":"{staged}.'
-                f'{_DIGITS3[stage_micros // 1000]}{_DIGITS3[stage_micros % 1000]}Z",'
-                f'"annotations":{{"opgate.dev/decision":{outcome}{tail}}}}}\n')
+        return (f'{head}{ctx.trace_id}{coded}'
+                f'{received}{_MILLIS3[micros // 1000]}{_RECEIVED3[micros % 1000]}'
+                f'{staged}{_MILLIS3[stage_micros // 1000]}{_STAGED3[stage_micros % 1000]}'
+                f'{outcome}{tail}}}}}\n')
 
     def _exit_open(self, ctx: RequestContext, item: _Open) -> None:
         """The end of a long-running call (ResponseStarted first if the poll has not sent it)."""
