@@ -104,6 +104,27 @@ def test_writer_batches_and_flushes() -> None:
     assert names == ["c0", "c1", "c2"]
 
 
+def test_a_full_batch_goes_out_at_once() -> None:
+    import io
+
+    from proxy.middlewares.accesslog import FLUSH_LINES, AccessWriter
+
+    out = io.StringIO()
+
+    async def main() -> None:
+        writer = AccessWriter(out)
+        for i in range(FLUSH_LINES - 1):
+            writer.write(f"{i}\n")
+        assert out.getvalue() == ""
+        writer.write("last\n")  # the batch is full: written now, not at the timer
+        assert out.getvalue().splitlines() == [*map(str, range(FLUSH_LINES - 1)), "last"]
+        writer.write("next\n")
+        writer.close()
+
+    asyncio.run(main())
+    assert out.getvalue().endswith("last\nnext\n")
+
+
 def test_duration_ms_is_str_of_round() -> None:
     import random
 
