@@ -69,8 +69,9 @@ def random_ctx(rnd: random.Random) -> RequestContext:
     ctx.wall_time = 1_764_480_600 + rnd.random() * 5
     ctx.started = 100.0
     ctx.finished = 100.0 + rnd.random() * 10 ** rnd.uniform(-7, 3)
-    ctx.status_code = rnd.choice([200, 201, 404, 429, 503])
-    ctx.bytes_in, ctx.bytes_out = rnd.randrange(10**6), rnd.randrange(10**9)
+    ctx.status_code = rnd.choice([0, 200, 201, 404, 429, 499, 503, 1000, 1234])
+    ctx.bytes_in = rnd.choice([0, 999, 1000, rnd.randrange(1000), rnd.randrange(10**6)])
+    ctx.bytes_out = rnd.choice([0, rnd.randrange(1000), rnd.randrange(10**9)])
     ctx.decision = rnd.choice(["allowed", "denied", "throttled", 'we"ird'])
     if rnd.random() < 0.6:
         ctx.identity = Identity(user=rnd.choice(USERS))
