@@ -27,7 +27,7 @@ log = logging.getLogger("opgate.access")
 
 _esc = json.encoder.encode_basestring  # the C encoder: quotes and escapes one string
 FLUSH_SECONDS = 0.05
-FLUSH_LINES = 256  # ~64 KiB of access-log lines, ~150 KiB of audit events
+FLUSH_BYTES = 64 * 1024
 MEMO_SIZE = 4096  # calls (RequestInfo) whose escaped fields are remembered
 # the end of the timestamp, per millisecond, and the text up to the trace id's value
 _MILLIS = tuple(f'.{ms:03d}Z","trace":"' for ms in range(1000))
@@ -47,21 +47,20 @@ def duration_ms(seconds: float) -> str:
 class AccessWriter:
     """Batches access-log lines and writes them with one call per batch.
 
-    A batch goes out when it holds ``FLUSH_LINES`` lines or ``FLUSH_SECONDS`` after its first
-    line (so a line is never held longer than that), and at :meth:`close`. Lines are counted,
-    not their bytes: a running byte total cost ~450 instructions per line more, and what a batch
-    holds is bounded anyway by what the calls of ``FLUSH_SECONDS`` wrote.
+    A batch goes out when it reaches ``FLUSH_BYTES`` or ``FLUSH_SECONDS`` after its first line
+    (so a line is never held longer than that), and at :meth:`close`.
     """
 
     def __init__(self, stream: IO[str]) -> None:
         self._stream = stream
         self._lines: list[str] = []
+        self._size = 0
         self._timer: asyncio.TimerHandle | None = None
 
     def write(self, line: str) -> None:
-        lines = self._lines
-        lines.append(line)
-        if len(lines) >= FLUSH_LINES:
+        self._lines.append(line)
+        self._size += len(line)
+        if self._size >= FLUSH_BYTES:
             self.flush()
         elif self._timer is None:
             try:
@@ -79,6 +78,7 @@ class AccessWriter:
             return
         data = "".join(self._lines)
         self._lines.clear()
+        self._size = 0
         try:
             self._stream.write(data)
             self._stream.flush()

@@ -104,25 +104,28 @@ def test_writer_batches_and_flushes() -> None:
     assert names == ["c0", "c1", "c2"]
 
 
-def test_a_full_batch_goes_out_at_once() -> None:
+def test_a_batch_of_flush_bytes_goes_out_at_once() -> None:
+    """The batch is bounded in bytes, not lines: an audit line can hold a whole request
+    object, and a batch that grew without bound would be dropped whole by the writer thread."""
     import io
 
-    from proxy.middlewares.accesslog import FLUSH_LINES, AccessWriter
+    from proxy.middlewares.accesslog import FLUSH_BYTES, AccessWriter
 
     out = io.StringIO()
+    big = "x" * (FLUSH_BYTES // 4 - 1) + "\n"
 
     async def main() -> None:
         writer = AccessWriter(out)
-        for i in range(FLUSH_LINES - 1):
-            writer.write(f"{i}\n")
-        assert out.getvalue() == ""
-        writer.write("last\n")  # the batch is full: written now, not at the timer
-        assert out.getvalue().splitlines() == [*map(str, range(FLUSH_LINES - 1)), "last"]
+        for _ in range(3):
+            writer.write(big)
+        assert out.getvalue() == ""  # below FLUSH_BYTES: waits for the timer
+        writer.write(big)  # FLUSH_BYTES reached: written now
+        assert out.getvalue() == big * 4
         writer.write("next\n")
         writer.close()
 
     asyncio.run(main())
-    assert out.getvalue().endswith("last\nnext\n")
+    assert out.getvalue().endswith(big + "next\n")
 
 
 def test_duration_ms_is_str_of_round() -> None:
