@@ -318,7 +318,18 @@ class Audit:
             self._calls.clear()
             self._last.clear()
             self._calls_for = ctx.policies
-        agent = ctx.headers.get("user-agent")
+        headers = ctx.headers
+        by_name = getattr(headers, "by_name", None)
+        if by_name is not None:  # the fast relay's headers: one dict for the names read here
+            index = by_name()
+            raw_agent = index.get(b"user-agent")
+            agent = None if raw_agent is None else raw_agent.decode("latin-1")
+            forwarded = b"x-forwarded-for" in index or b"x-real-ip" in index
+            impersonated = b"impersonate-user" in index
+        else:
+            agent = headers.get("user-agent")
+            forwarded = "x-forwarded-for" in headers or "x-real-ip" in headers
+            impersonated = "impersonate-user" in headers
         call = self._last.get(id(info))
         if (call is None or call.info is not info or call.identity is not identity
                 or call.agent != agent or call.query != ctx.query or call.remote != ctx.remote):
@@ -327,7 +338,6 @@ class Audit:
             return
         stamp = ctx.wall_time + ((ctx.finished or time.monotonic()) - ctx.started)
         code = ctx.status_code
-        headers = ctx.headers
         # The common case (nothing but the code to tell: no answer of opgate's own, no error,
         # no request object, no forwarded addresses nor impersonation to log) is joined from
         # the record's JSON fragments; the rest is encoded from event(). Both give the same
@@ -336,11 +346,9 @@ class Audit:
         if not (not code or ctx.answer is not None or ctx.error or not call.joinable
                 or (code >= 400 and ctx.decision != "allowed")
                 or (ctx.body and not info.name)
-                or "x-forwarded-for" in headers or "x-real-ip" in headers
-                # Impersonate-User is only logged where impersonation is allowed: only then
-                # is it worth a lookup
-                or ((call.impersonation or ctx.allow_impersonation)
-                    and "impersonate-user" in headers)):
+                or forwarded
+                # Impersonate-User is only logged where impersonation is allowed
+                or (impersonated and (call.impersonation or ctx.allow_impersonation))):
             line = self._joined(ctx, call, code, stamp)
         if line is None:
             self._emit(ctx, call.decision, "ResponseComplete", stamp)

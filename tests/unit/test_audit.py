@@ -31,6 +31,7 @@ from proxy.middlewares.audit import (
     micro_time,
     request_uri,
 )
+from proxy.relay.fast.wire import WireHeaders
 
 TOKEN = "eyJhbGciOiJSUzI1NiJ9.c2VjcmV0LXRva2Vu.c2lnbmF0dXJl"
 SA = Identity(user="system:serviceaccount:ops:op", uid="4d2c-11",
@@ -58,12 +59,20 @@ def policies(audit: str = "", *, impersonation: bool = False) -> PolicySet:
 
 
 def make_ctx(method: str, path: str, query: str = "", *, pset: PolicySet = EMPTY,
-             headers: dict[str, str] | None = None, body: bytes | None = None) -> RequestContext:
+             headers: dict[str, str] | None = None, body: bytes | None = None,
+             agent: bool = True, wire: bool = False) -> RequestContext:
+    """``wire``: the headers as the fast relay hands them over (:class:`WireHeaders` over the
+    bytes received, UTF-8 here), not aiohttp's mapping."""
     hdrs: CIMultiDict[str] = CIMultiDict({"Authorization": f"Bearer {TOKEN}",
                                           "User-Agent": "kubectl/v1.33.0 (linux/amd64)"})
+    if not agent:
+        del hdrs["User-Agent"]
     hdrs.update(headers or {})
+    mapping: Any = hdrs
+    if wire:
+        mapping = WireHeaders([(k.encode(), v.encode()) for k, v in hdrs.items()])
     ctx = RequestContext(info=parse_request_info(method, path, query), method=method, path=path,
-                         query=query, headers=hdrs, policies=pset, trace_id="5a1f-f1c")
+                         query=query, headers=mapping, policies=pset, trace_id="5a1f-f1c")
     ctx.body = body
     return ctx
 
@@ -150,7 +159,8 @@ _ODD_AGENT = 'kubectl "quoted" \\ \u00e9\u4e2d\x01'
     "impersonation-allowed-per-call", "end-of-second", "before-received", "throttled-200",
     "odd-decision", "before-1970", "early-seconds",
 ])
-def test_joined_lines_equal_the_encoded_event(case: str) -> None:
+@pytest.mark.parametrize("wire", [False, True], ids=["aiohttp-headers", "wire-headers"])
+def test_joined_lines_equal_the_encoded_event(case: str, wire: bool) -> None:
     """The exit hook joins JSON fragments it remembers per kind of call in the common case:
     the text must be exactly what encoding :meth:`Audit.event` gives (``Audit.line``), for
     every case, twice (memo miss, hit)."""
@@ -190,11 +200,10 @@ def test_joined_lines_equal_the_encoded_event(case: str) -> None:
         headers["Impersonate-User"] = "jane"
         if case == "impersonation-allowed":
             pset = policies(impersonation=True)
-    ctx = make_ctx(method, path, query, pset=pset, headers=headers, body=body)
+    ctx = make_ctx(method, path, query, pset=pset, headers=headers, body=body,
+                   agent=case != "no-agent", wire=wire)
     ctx.allow_impersonation = case == "impersonation-allowed-per-call"
     ctx.remote = {"unix-socket": "", "ipv6": "::1"}.get(case, "127.0.0.1")
-    if case == "no-agent":
-        del ctx.headers["User-Agent"]
     if case != "unverified":
         ctx.identity = SA
     ctx.wall_time = 1_764_480_600.25
@@ -234,7 +243,8 @@ def test_joined_lines_equal_the_encoded_event(case: str) -> None:
         assert "impersonatedUser" not in json.loads(expected)
 
 
-def test_joined_lines_follow_each_caller_and_the_policy_set_in_force() -> None:
+@pytest.mark.parametrize("wire", [False, True], ids=["aiohttp-headers", "wire-headers"])
+def test_joined_lines_follow_each_caller_and_the_policy_set_in_force(wire: bool) -> None:
     """Calls sharing one RequestInfo but not their identity, user agent, address or query, and
     a new policy set for the same calls: each line is still exactly the encoded event."""
     auditor = Audit(write=Lines())
@@ -258,7 +268,7 @@ def test_joined_lines_follow_each_caller_and_the_policy_set_in_force() -> None:
             for identity, headers, remote, query in variants:
                 out = Lines()
                 auditor._write = out
-                ctx = make_ctx("GET", path, query, pset=pset, headers=headers)
+                ctx = make_ctx("GET", path, query, pset=pset, headers=headers, wire=wire)
                 ctx.identity, ctx.remote, ctx.wall_time = identity, remote, 1_764_480_600.25
                 finish(ctx, 200)
                 asyncio.run(settle(auditor.exit(ctx)))

@@ -76,6 +76,12 @@ class WireHeaders(Mapping[str, str]):
         self._index = index
         return index
 
+    def by_name(self) -> dict[bytes, bytes]:
+        """Every header as received, by lower-case name (the first of repeated names): for a
+        middleware that reads several headers of every call, one call instead of one each."""
+        index = self._index
+        return index if index is not None else self._build()
+
     def raw(self, key: str) -> bytes | None:
         """The value of ``key`` as received (bytes, not decoded): for a middleware that only
         hashes or compares a long value (the identity middleware's bearer token)."""
