@@ -63,14 +63,24 @@ class CircuitBreaker:
         self.threshold = max(1, failures)
         self.reset_after = reset_after
         self.clock = clock
+        self.closed = True  # state == "closed", kept by the state setter (a flag to read per call)
         self.state = "closed"
         self.consecutive = 0
         self.opened_at = 0.0
         self.last_error = ""
         self.trips = 0
 
+    @property
+    def state(self) -> str:
+        return self._state
+
+    @state.setter
+    def state(self, value: str) -> None:
+        self._state = value
+        self.closed = value == "closed"
+
     def allows(self) -> bool:
-        return self.state == "closed"
+        return self.closed
 
     def probe_due(self) -> bool:
         """True once per ``reset_after`` while open: the caller runs one probe."""
@@ -128,7 +138,7 @@ class ResilientStore:
         is closed (a leased token needs no round trip, so it tells nothing about the store's
         health); ``None`` otherwise."""
         take = self._take_primary
-        return take(r) if take is not None and self.breaker.allows() else None
+        return take(r) if take is not None and self.breaker.closed else None
 
     async def _primary(self, call: Callable[[], Awaitable[T]]) -> T | None:
         """``call()`` on the primary store while the breaker lets it through, counting the

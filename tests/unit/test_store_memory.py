@@ -348,6 +348,25 @@ def test_breaker_counts_consecutive_failures_only() -> None:
     assert breaker.failure("x") and breaker.state == "open"
 
 
+def test_breaker_closed_flag_follows_its_state() -> None:
+    """``closed`` (what ``allows`` and the leased-token path read) is ``state == "closed"``
+    through every transition, and when the state is set directly."""
+    clock = Clock()
+    breaker = CircuitBreaker(failures=1, reset_after=1.0, clock=clock)
+    seen = [(breaker.state, breaker.closed, breaker.allows())]
+    breaker.failure("x")
+    seen.append((breaker.state, breaker.closed, breaker.allows()))
+    clock.now += 2
+    assert breaker.probe_due()
+    seen.append((breaker.state, breaker.closed, breaker.allows()))
+    breaker.success()
+    seen.append((breaker.state, breaker.closed, breaker.allows()))
+    assert seen == [("closed", True, True), ("open", False, False), ("half-open", False, False),
+                    ("closed", True, True)]
+    breaker.state = "open"
+    assert not breaker.closed and not breaker.allows()
+
+
 def test_build_store_without_redis_is_local() -> None:
     store = build_store(redis_url=None)
     assert isinstance(store, MemoryStore)
