@@ -114,30 +114,29 @@ class Faults:
         self._memo_for: object = None
         self._memo: dict[tuple[Any, str], tuple[tuple[Any, Fault], ...]] = {}
 
-    def _matching(self, ctx: RequestContext) -> tuple[tuple[Any, Fault], ...]:
-        """``(policy, fault)`` for every fault that matches the call, in order."""
-        policies = ctx.policies
-        if policies is not self._memo_for:
-            self._memo = {}
-            self._memo_for = policies  # held: identity stays meaningful
-        identity = ctx.identity
-        user = identity.user if identity is not None else ""
-        key = (ctx.info.shape, user)
-        found = self._memo.get(key)
-        if found is None:
-            info = ctx.info
-            verb = info.policy_verb
-            found = tuple((policy, fault) for policy, faults in policies.section(SECTION)
-                          for fault in faults  # type: ignore[attr-defined]
-                          if fault.match.matches(info, verb, user))
-            if len(self._memo) >= MEMO_SIZE:
-                self._memo.clear()
-            self._memo[key] = found
+    def _matching(self, ctx: RequestContext, key: tuple[Any, str]) -> tuple[tuple[Any, Fault], ...]:
+        """``(policy, fault)`` for every fault that matches a call of ``key`` (its shape and
+        user), in order; for the memo (``entry`` looks there first)."""
+        info = ctx.info
+        verb, user = info.policy_verb, key[1]
+        found = tuple((policy, fault) for policy, faults in ctx.policies.section(SECTION)
+                      for fault in faults  # type: ignore[attr-defined]
+                      if fault.match.matches(info, verb, user))
+        if len(self._memo) >= MEMO_SIZE:
+            self._memo.clear()
+        self._memo[key] = found
         return found
 
     def entry(self, ctx: RequestContext) -> Maybe[Decision | None]:
         # the chain runs this hook only under a policy set with a faults section (``sections``)
-        matching = self._matching(ctx)
+        if ctx.policies is not self._memo_for:
+            self._memo = {}
+            self._memo_for = ctx.policies  # held: identity stays meaningful
+        identity = ctx.identity  # ctx.user without the property call
+        key = (ctx.info.shape, identity.user if identity is not None else "")
+        matching = self._memo.get(key)  # looked up here: no call per request
+        if matching is None:
+            matching = self._matching(ctx, key)
         if not matching:
             return None
         for policy, fault in matching:
