@@ -412,7 +412,10 @@ class Quota:
         return None
 
     def exit(self, ctx: RequestContext) -> Maybe[None]:
-        held: _Held | None = ctx.state.pop(STATE_KEY, None)
+        state = ctx.state
+        if not state:  # most calls: nothing reserved, and no pop() call to find that out
+            return None
+        held: _Held | None = state.pop(STATE_KEY, None)
         if held is None:
             return None
         created = _outcome(ctx.status_code, held.apply)
