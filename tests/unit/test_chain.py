@@ -242,6 +242,39 @@ def test_a_waiting_hook_makes_the_chain_wait_and_keeps_the_order() -> None:
     assert calls == ["a.exit", "b.exit (waited)", "c.exit"]
 
 
+def test_a_middleware_listed_twice_resumes_where_it_waited() -> None:
+    """The chain finds where a hook had to wait by its own entry, not by the hook: the same
+    object twice (hooks as plain attributes: one callable for both) resumes at the second."""
+    calls: list[str] = []
+
+    async def later(what: str) -> None:
+        calls.append(f"{what} (waited)")
+
+    class Twice:
+        name, needs_body = "twice", False
+
+        def __init__(self) -> None:
+            self.seen = 0
+
+            def hook(ctx: RequestContext) -> Any:
+                self.seen += 1
+                return later(f"twice#{self.seen}") if self.seen == 2 else calls.append(
+                    f"twice#{self.seen}")
+
+            self.entry = self.exit = hook
+
+    for point in ("entry", "exit"):
+        calls.clear()
+        twice = Twice()
+        chain = Chain([twice, Plain("b", calls), twice, Plain("c", calls)])
+        ctx = make_ctx()
+        ctx.status_code = 200
+        waiting = getattr(chain, point)(ctx)
+        assert asyncio.iscoroutine(waiting)
+        assert asyncio.run(settle(waiting)) is None
+        assert calls == ["twice#1", f"b.{point}", "twice#2 (waited)", f"c.{point}"]
+
+
 def test_a_waiting_hook_that_denies_or_delays() -> None:
     calls: list[str] = []
     denial = Deny(forbidden("no"), "denied")
