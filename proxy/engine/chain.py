@@ -7,6 +7,7 @@ A middleware is a plain object (mitmproxy's addon style)::
         needs_body = False        # True: the relay reads the (bounded) body into ctx.body
         fail_open = False         # a crash in this middleware lets the call go on (else 500)
         sections = ("rateLimits",)  # optional: entry acts only on policy sets with one of these
+        verbs = frozenset({"create"})  # optional: entry and exit act only on these verbs
 
         def wants_body(self, ctx: RequestContext) -> bool: ...  # optional: this call's body?
         def entry(self, ctx: RequestContext) -> Decision | None: ...  # before relaying
@@ -18,8 +19,10 @@ narrows it per call (the relay reads a body, bounded, only when one of them want
 other body streams). Every hook is optional; the chain looks them up by name once, when it is
 built, so the hot path only loops over the hooks that exist; a middleware that declares
 ``sections`` promises that its ``entry`` does nothing (returns ``None``) under a policy set
-without any of them, so the chain skips that hook for such a set (worked out once per set).
-An ``entry`` hook returns
+without any of them, so the chain skips that hook for such a set (worked out once per set);
+one that declares ``verbs`` promises that its ``entry`` and ``exit`` do nothing for a call of
+another verb (``ctx.info.verb``), so the chain skips both for such a call (worked out once per
+verb). An ``entry`` hook returns
 ``None`` (go on), a :class:`Deny` (the first one ends the chain) or a :class:`Delay` (sleep, then
 go on). Middlewares never touch sockets; the relay never knows which middlewares exist.
 
@@ -47,10 +50,12 @@ log = logging.getLogger("opgate.chain")
 
 T = TypeVar("T")
 Maybe = T | Coroutine[Any, Any, T]  # what a hook or the chain returns: an answer, or its wait
-Hook = tuple[str, bool, Callable[[RequestContext], Any]]  # (name, fail_open, the hook)
+# (name, fail_open, the hook, the verbs it acts on: None for all)
+Hook = tuple[str, bool, Callable[[RequestContext], Any], frozenset[str] | None]
 Hooks = tuple[Hook, ...]
 
 RETRYABLE = frozenset({409, 429})
+MAX_VERBS = 64  # verbs whose hooks are remembered (a non-resource call's verb is its method)
 
 
 @runtime_checkable
@@ -62,6 +67,11 @@ class Middleware(Protocol):
 def is_retryable(code: int) -> bool:
     """409, 429 and 5xx: what clients retry, and what the retry hooks see."""
     return code in RETRYABLE or code >= 500
+
+
+def _acts_on(hook: Hook, verb: str) -> bool:
+    verbs = hook[3]
+    return verbs is None or verb in verbs
 
 
 def _index(hooks: Hooks, entry: Hook) -> int:
@@ -81,7 +91,7 @@ async def settle(result: Maybe[T]) -> T:
 class Chain:
     """An ordered, immutable list of middlewares, with their hooks resolved once."""
 
-    __slots__ = ("_active", "_active_for", "_entry", "_exit", "_retry", "_sections",
+    __slots__ = ("_active", "_active_for", "_entry", "_exit", "_exits", "_retry", "_sections",
                  "middlewares", "needs_body")
 
     def __init__(self, middlewares: Sequence[object] = ()) -> None:
@@ -94,34 +104,56 @@ class Chain:
             None if getattr(m, "sections", None) is None else tuple(m.sections)  # type: ignore[attr-defined]
             for m in self.middlewares if getattr(m, "entry", None) is not None)
         self._active_for: object = None
-        self._active = self._entry
+        self._active: dict[str, Hooks] = {}  # per verb: the entry hooks for _active_for
+        self._exits: dict[str, Hooks] = {}  # per verb: the exit hooks
 
-    def _entry_hooks(self, policies: object) -> Hooks:
-        """The entry hooks that can act under ``policies`` (remembered for the last set)."""
+    def _entry_hooks(self, policies: object) -> dict[str, Hooks]:
+        """The entry hooks that can act under ``policies``, per verb as :meth:`_of_verb` fills
+        it (remembered for the last set)."""
         if policies is not self._active_for:
-            section = getattr(policies, "section", None)
-            self._active = tuple(
-                hook for hook, sections in zip(self._entry, self._sections, strict=True)
-                if sections is None or section is None or any(section(s) for s in sections))
+            self._active = {}
             self._active_for = policies  # held: identity stays meaningful
         return self._active
+
+    def _of_verb(self, point: str, verb: str) -> Hooks:
+        """The ``entry`` (under ``_active_for``) or ``exit`` hooks that can act on ``verb``
+        (remembered, for the first verbs)."""
+        if point == "entry":
+            section = getattr(self._active_for, "section", None)
+            hooks, cache = tuple(
+                hook for hook, sections in zip(self._entry, self._sections, strict=True)
+                if sections is None or section is None or any(section(s) for s in sections)
+            ), self._active
+        else:
+            hooks, cache = self._exit, self._exits
+        found = tuple(hook for hook in hooks if _acts_on(hook, verb))
+        if len(cache) < MAX_VERBS:
+            cache[verb] = found
+        return found
 
     def _hooks(self, hook: str) -> Hooks:
         found = []
         for m in self.middlewares:
             fn = getattr(m, hook, None)
             if fn is not None:
-                found.append((str(m.name), bool(getattr(m, "fail_open", False)), fn))  # type: ignore[attr-defined]
+                verbs = getattr(m, "verbs", None)
+                found.append((str(m.name), bool(getattr(m, "fail_open", False)), fn,  # type: ignore[attr-defined]
+                              None if verbs is None else frozenset(verbs)))
         return tuple(found)
 
     def entry(self, ctx: RequestContext) -> Maybe[StatusError | None]:
         """Run the entry hooks; return the Status to answer with, or ``None`` to relay (or a
         coroutine answering that, once a hook has to wait)."""
-        hooks = self._active  # _entry_hooks' answer while the same set is in force, uncalled
+        active = self._active  # _entry_hooks' answer while the same set is in force, uncalled
         if ctx.policies is not self._active_for:
-            hooks = self._entry_hooks(ctx.policies)
+            active = self._entry_hooks(ctx.policies)
+        verb = ctx.info.verb
+        try:  # a subscript, not a get() call
+            hooks = active[verb]
+        except KeyError:
+            hooks = self._of_verb("entry", verb)
         for entry in hooks:  # no enumerate(): ~250 instructions a hook (see _index)
-            name, fail_open, hook = entry
+            name, fail_open, hook, _verbs = entry
             try:
                 decision = hook(ctx)
             except Exception:
@@ -141,7 +173,7 @@ class Chain:
                              pending: object) -> StatusError | None:
         """:meth:`entry` from hook ``at`` on, whose answer ``pending`` has to be awaited (or
         is a :class:`Delay` to sleep)."""
-        for name, fail_open, hook in hooks[at:]:
+        for name, fail_open, hook, _verbs in hooks[at:]:
             try:
                 decision = hook(ctx) if pending is None else pending
                 pending = None
@@ -172,9 +204,13 @@ class Chain:
     def exit(self, ctx: RequestContext) -> Maybe[None]:
         """Run the exit hooks, then the retry hooks when the outcome is retryable (returns a
         coroutine that does the rest once a hook has to wait)."""
-        hooks = self._exit
+        verb = ctx.info.verb
+        try:
+            hooks = self._exits[verb]
+        except KeyError:
+            hooks = self._of_verb("exit", verb)
         for entry in hooks:  # no enumerate(), as in entry
-            name, _fail_open, hook = entry
+            name, _fail_open, hook, _verbs = entry
             try:
                 done = hook(ctx)
             except Exception:
@@ -198,7 +234,7 @@ class Chain:
                          pending: object = None) -> None:
         """Run exit or retry ``hooks`` in turn, awaiting what they return; ``pending`` is what
         the first one already returned."""
-        for name, _fail_open, hook in hooks:
+        for name, _fail_open, hook, _verbs in hooks:
             try:
                 done = hook(ctx) if pending is None else pending
                 pending = None

@@ -265,6 +265,7 @@ class Quota:
     needs_body = True  # narrowed per call by wants_body: JSON creates a quota entry matches
     fail_open = False
     sections = (SECTION,)
+    verbs = _CREATING  # entry counts only creates (and applies); exit settles only what it held
 
     def __init__(self, *, counts: QuotaCounts | None = None, store: Store | None = None,
                  rng: random.Random | None = None, reserve_seconds: float = RESERVE_SECONDS,

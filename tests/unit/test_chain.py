@@ -242,6 +242,40 @@ def test_a_waiting_hook_makes_the_chain_wait_and_keeps_the_order() -> None:
     assert calls == ["a.exit", "b.exit (waited)", "c.exit"]
 
 
+def test_hooks_of_other_verbs_are_skipped() -> None:
+    """A middleware that declares ``verbs`` has its entry and exit run only for calls of those
+    verbs (its retry hook is not concerned), under any policy set, with ``sections`` too."""
+    calls: list[str] = []
+
+    class Creates(Plain):
+        verbs = ("create",)
+        sections = ("quotas",)
+
+        def retry(self, ctx: RequestContext) -> None:
+            self.calls.append(f"{self.name}.retry")
+
+    chain = Chain([Plain("a", calls), Creates("c", calls, wait="exit"), Plain("b", calls)])
+
+    def run(method: str, policies: object, code: int = 200) -> list[str]:
+        calls.clear()
+        ctx = make_ctx(method)
+        ctx.policies = policies  # type: ignore[assignment]
+        assert asyncio.run(settle(chain.entry(ctx))) is None
+        ctx.status_code = code
+        asyncio.run(settle(chain.exit(ctx)))
+        return calls[:]
+
+    quotas, faults = _Sections("quotas"), _Sections("faults")
+    for _ in range(2):  # the second time from what the chain remembered
+        assert run("GET", quotas) == ["a.entry", "b.entry", "a.exit", "b.exit"]
+        assert run("POST", quotas) == ["a.entry", "c.entry", "b.entry", "a.exit",
+                                       "c.exit (waited)", "b.exit"]
+        assert run("POST", faults) == ["a.entry", "b.entry", "a.exit", "c.exit (waited)",
+                                       "b.exit"]
+        assert run("DELETE", quotas, 500) == ["a.entry", "b.entry", "a.exit", "b.exit",
+                                              "c.retry"]
+
+
 def test_a_middleware_listed_twice_resumes_where_it_waited() -> None:
     """The chain finds where a hook had to wait by its own entry, not by the hook: the same
     object twice (hooks as plain attributes: one callable for both) resumes at the second."""
