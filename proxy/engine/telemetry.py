@@ -59,6 +59,10 @@ def flush() -> None:
         _dirty.clear()
         for child in pending:
             child.flush()
+    _publish_levels()
+
+
+def _publish_levels() -> None:
     for level in _levels:
         level.publish()
 
@@ -74,8 +78,7 @@ def publish_levels() -> None:
     _levels_loop = loop
 
     def tick() -> None:
-        for level in _levels:
-            level.publish()
+        _publish_levels()
         loop.call_later(FLUSH_EVERY, tick)
 
     loop.call_later(FLUSH_EVERY, tick)

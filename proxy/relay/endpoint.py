@@ -97,23 +97,24 @@ class TokenSource:
         """The ``Authorization`` value, or ``None`` when opgate has no credentials to add.
         ``now``: the caller's ``time.monotonic()`` of this instant, if it has one."""
         if self._file is not None:
-            if now is None:
-                now = time.monotonic()
-            if now - self._checked >= 1.0:
-                self._refresh(now)
+            self._check(now)
         return self._header
 
     def authorization_raw(self, now: float | None = None) -> bytes | None:
         """:meth:`authorization` as bytes (latin-1), encoded once per token."""
         if self._file is not None:
-            if now is None:
-                now = time.monotonic()
-            if now - self._checked >= 1.0:
-                self._refresh(now)
+            self._check(now)
         raw = self._raw
         if raw is None and self._header is not None:  # (a token latin-1 cannot encode raises)
             raw = self._raw = self._header.encode("latin-1")
         return raw
+
+    def _check(self, now: float | None) -> None:
+        """Re-read the token file at most once a second."""
+        if now is None:
+            now = time.monotonic()
+        if now - self._checked >= 1.0:
+            self._refresh(now)
 
     def _set(self, header: str | None) -> None:
         self._header = header
