@@ -80,6 +80,9 @@ def _split(r: dict[str, Any]) -> str:
 
 def _tier(name: str, tier: dict[str, Any]) -> list[str]:
     out = [f"## {TIER_TITLES.get(name, name)}", ""]
+    if tier.get("cipher"):
+        out += [f"Upstream TLS: {tier['cipher']} for every path (the suite a Go apiserver picks; "
+                "bench/README.md, \"Upstreams\").", ""]
     if "small_get" in tier:
         out += _small_get(tier["small_get"], "pinned") + _small_get(tier["small_get"], "unpinned")
     if "latency" in tier:

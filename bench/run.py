@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from bench import authcheck, measures, streams
 from bench.caller import NAME as CALLER_NAME
@@ -29,7 +30,7 @@ from bench.paths import Target, quota_supported, start_paths
 from bench.plan import Bench, Plan
 from bench.procs import Procs, free_port, wait_port
 from bench.procstat import Layout
-from bench.upstreams import LISTS, SMALL, Upstream, start_static
+from bench.upstreams import LISTS, SMALL, Upstream, negotiated_cipher, start_static
 
 
 def start_redis(bench: Bench) -> None:
@@ -109,6 +110,8 @@ def static_tiers(bench: Bench, *, profile: bool, results: Result) -> None:
         _log(f"tier {upstream.name}: starting the paths in front of {upstream.url}")
         with tier_paths(bench, upstream, kubectl) as targets:
             tiers[upstream.name] = run_tier(bench, targets, static=True)
+            if upstream.cipher:
+                tiers[upstream.name]["cipher"] = upstream.cipher
             full = next((t for t in targets if t.name == "opgate-full"), None)
             if full is not None and upstream.name == "http" and "reload" in bench.plan.measures:
                 _timed("reload", functools.partial(streams.reload, bench, full), results)
@@ -148,10 +151,14 @@ def apiserver_tier(bench: Bench, results: Result) -> None:
         pid = cluster.apiserver_pid
         assert pid is not None
         upstream = Upstream("apiserver", cluster.url, cluster.ca_file, pid,
-                            token=cluster.admin_token, caller=Caller(token, foreign_like(token)))
+                            token=cluster.admin_token, caller=Caller(token, foreign_like(token)),
+                            cipher=negotiated_cipher(urlsplit(cluster.url).port or 443,
+                                                     cluster.ca_file))
         bench.pinning = False
         with tier_paths(bench, upstream, _kubectl()) as targets:
-            results.setdefault("tiers", {})["apiserver"] = run_tier(bench, targets, static=False)
+            tier = results.setdefault("tiers", {})["apiserver"] = run_tier(
+                bench, targets, static=False)
+            tier["cipher"] = upstream.cipher
     finally:
         bench.pinning = True
         cluster.stop()

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import json
 import os
+import socket
+import ssl
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +27,9 @@ from proxy.envtest import pki
 SMALL = "/api/v1/namespaces/bench/configmaps/small"
 PROBE = "/api/v1/namespaces/bench/secrets/probe"
 LISTS = {64: "/api/v1/namespaces/list64/configmaps", 200: "/api/v1/namespaces/list200/configmaps"}
+# Go's TLS 1.3 preference (crypto/tls, AES hardware): what kube-apiserver negotiates
+APISERVER_TLS13_SUITES = (
+    "TLS_AES_128_GCM_SHA256:TLS_CHACHA20_POLY1305_SHA256:TLS_AES_256_GCM_SHA384")
 WATCH = "/api/v1/namespaces/watch/configmaps?watch=true"
 NOT_FOUND = '{"kind":"Status","apiVersion":"v1","status":"Failure","reason":"NotFound","code":404}'
 
@@ -39,6 +44,7 @@ class Upstream:
     pid: int  # the process (tree) that serves it, for reference only
     token: str | None = None  # the proxies' own token (--token-file; the real apiserver's admin)
     caller: Caller | None = None  # who the clients are: every client sends its token
+    cipher: str | None = None  # the TLS 1.3 suite an OpenSSL client (opgate's side) gets
 
     @property
     def tls(self) -> bool:
@@ -123,6 +129,11 @@ http {{
     listen 127.0.0.1:{tls_port} ssl http2 backlog=4096;
     ssl_certificate {cert}; ssl_certificate_key {key};
     ssl_protocols TLSv1.2 TLSv1.3; ssl_session_cache shared:up:1m;
+    # the cipher a real apiserver picks: Go's TLS 1.3 server chooses AES-128-GCM first on a CPU
+    # with AES instructions, whatever the client prefers; nginx (OpenSSL) would follow an OpenSSL
+    # client's order and give opgate AES-256-GCM, while Go clients (kubectl) ask for AES-128 first
+    ssl_prefer_server_ciphers on;
+    ssl_conf_command Ciphersuites {APISERVER_TLS13_SUITES};
     location = {SMALL} {{ alias {files['small']}; }}
     location = {PROBE} {{ alias {files['small']}; }}
 {lists}\
@@ -141,6 +152,17 @@ http {{
   }}
 }}
 """
+
+
+def negotiated_cipher(port: int, ca_file: str) -> str:
+    """The TLS 1.3 suite the loopback TLS listener on ``port`` agrees with Python's OpenSSL
+    client defaults (what opgate's upstream connections offer)."""
+    ctx = ssl.create_default_context(cafile=ca_file)
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as raw, \
+            ctx.wrap_socket(raw, server_hostname="127.0.0.1") as tls:
+        cipher = tls.cipher()
+    assert cipher is not None
+    return cipher[0]
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,7 +198,12 @@ def start_static(procs: Procs, work: Path, *, big: bool) -> StaticUpstreams:
     wait_port(tls_port, proc=nginx)
     assert nginx.pid is not None and watch.pid is not None
     ca = str(pki_files.ca_cert)
+    cipher = negotiated_cipher(tls_port, ca)
+    if cipher != APISERVER_TLS13_SUITES.split(":")[0]:
+        raise RuntimeError(f"the TLS upstream negotiated {cipher} with an OpenSSL client, where a "
+                           "Go apiserver picks TLS_AES_128_GCM_SHA256: check nginx's OpenSSL")
     return StaticUpstreams(
         http=Upstream("http", f"http://127.0.0.1:{http_port}", None, nginx.pid, caller=caller),
-        tls=Upstream("tls", f"https://127.0.0.1:{tls_port}", ca, nginx.pid, caller=caller),
+        tls=Upstream("tls", f"https://127.0.0.1:{tls_port}", ca, nginx.pid, caller=caller,
+                     cipher=cipher),
         nginx_pid=nginx.pid, watch_pid=watch.pid, ca_file=pki_files.ca_cert, caller=caller)
