@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 from types import FrameType
 
-from bench import report
+from bench import interpreter, report
 from bench.paths import AIOHTTP, NAMES
 from bench.plan import MEASURES, Plan
 from bench.procstat import machine
@@ -104,7 +104,8 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     results.update(
         date=started.strftime("%Y-%m-%d %H:%M UTC"), mode="quick" if args.quick else "full",
-        measures=list(plan.measures), machine={**machine(), "opgate_relay": _default_relay()},
+        measures=list(plan.measures), machine={**machine(), "opgate_relay": _default_relay(),
+                 "opgate_python": interpreter.describe()},
         kubectl_version=_kubectl_version(),
         plan={f: getattr(plan, f) for f in plan.__dataclass_fields__})
     text = report.write(results, args.out)

@@ -43,6 +43,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.interpreter import describe, opgate_python
 from bench.paths import REPO, STATIC_TOKEN, _policy, _token_file, quota_supported
 from bench.procs import Procs, free_port, wait_http, wait_port
 from bench.upstreams import SMALL, Upstream, start_static
@@ -84,7 +85,7 @@ def policy_text(sections: tuple[str, ...]) -> str:
 
 def serve_argv(row: Row, work: Path, upstream: Upstream, redis_url: str, port: int,
                admin: int) -> list[str]:
-    argv = [sys.executable, "-m", "bench.slowed", str(SLOWDOWN), "serve",
+    argv = [opgate_python(), "-m", "bench.slowed", str(SLOWDOWN), "serve",
             "--upstream", upstream.url, "--upstream-ca", str(upstream.ca_file),
             "--listen", f"127.0.0.1:{port}", "--admin-listen", f"127.0.0.1:{admin}",
             "--token-file", str(_token_file(work, STATIC_TOKEN))]
@@ -198,6 +199,7 @@ def main(argv: list[str] | None = None) -> int:
                       file=sys.stderr, flush=True)
         finally:
             procs.stop_all()
+    print(f"opgate on Python {describe()}")
     print(table(results))
     return 0
 

@@ -34,6 +34,7 @@ from pathlib import Path
 from bench import procstat
 from bench.caller import NAME as CALLER_NAME
 from bench.caller import NAMESPACE as CALLER_NAMESPACE
+from bench.interpreter import opgate_python
 from bench.procs import Procs, free_port, wait_http, wait_port
 from bench.upstreams import Upstream
 
@@ -162,7 +163,7 @@ def start_opgate(
     """opgate on a free port; ``wrapper`` runs it under another command (py-spy); ``relay``
     ``None`` keeps opgate's default relay; ``workers`` is passed to ``--workers``."""
     port, admin = free_port(), free_port()
-    argv = [*wrapper, sys.executable, "-m", "proxy", "serve", "--upstream", upstream.url,
+    argv = [*wrapper, opgate_python(), "-m", "proxy", "serve", "--upstream", upstream.url,
             "--listen", f"127.0.0.1:{port}", "--admin-listen", f"127.0.0.1:{admin}",
             "--token-file", str(_token_file(work, upstream.token or STATIC_TOKEN))]
     if upstream.ca_file:

@@ -183,6 +183,8 @@ def markdown(results: dict[str, Any]) -> str:
            f"Machine: {m.get('nproc')} x {m.get('cpu')}, Linux {m.get('kernel')}, Python "
            f"{m.get('python')}, aiohttp {m.get('aiohttp')}, {m.get('nginx')}, {m.get('wrk')}, "
            f"{m.get('redis')}, kubectl {results.get('kubectl_version', '?')}.", "",
+           f"opgate runs on Python {m.get('opgate_python', m.get('python'))} (bench/README.md, "
+           "\"Which Python\").", "",
            f"Placement: {results.get('layout')} (plus one unpinned round of small GETs, in which "
            "the full chain runs as `--workers auto`).", "",
            "Paths: `direct` (no proxy), `opgate` (no policies, no access log), `opgate-full` "

@@ -13,7 +13,6 @@ import contextlib
 import functools
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -25,6 +24,7 @@ from bench import authcheck, measures, streams
 from bench.caller import NAME as CALLER_NAME
 from bench.caller import NAMESPACE as CALLER_NAMESPACE
 from bench.caller import Caller, foreign_like
+from bench.interpreter import opgate_python
 from bench.measures import Result, _log
 from bench.paths import Target, quota_supported, start_paths
 from bench.plan import Bench, Plan
@@ -170,7 +170,7 @@ def ratelimit_micro(plan: Plan) -> Result:
     if not script.exists():
         return {"error": f"{script.name} not found"}
     seconds = "0.5" if plan.quick else "2"
-    out = subprocess.run([sys.executable, str(script), "--seconds", seconds],
+    out = subprocess.run([opgate_python(), str(script), "--seconds", seconds],
                          capture_output=True, text=True, timeout=600)
     if out.returncode != 0:
         return {"error": f"exit {out.returncode}: {out.stderr.strip()[-500:]}"}
@@ -180,7 +180,7 @@ def ratelimit_micro(plan: Plan) -> Result:
 def chain_micro(plan: Plan, redis_url: str | None) -> Result:
     """What each middleware of the full chain costs per call (``bench/chain_cost.py``)."""
     script = Path(__file__).parent / "chain_cost.py"
-    argv = [sys.executable, str(script), "--batches", "5" if plan.quick else "30"]
+    argv = [opgate_python(), str(script), "--batches", "5" if plan.quick else "30"]
     if redis_url:
         argv += ["--redis-url", redis_url]
     out = subprocess.run(argv, capture_output=True, text=True, timeout=900)

@@ -16,6 +16,9 @@ if [ "${1:-}" = "--bench" ]; then
   command -v nginx >/dev/null 2>&1 || need_apt+=(nginx)
   command -v wrk >/dev/null 2>&1 || need_apt+=(wrk)
   command -v valgrind >/dev/null 2>&1 || need_apt+=(valgrind)  # bench/instructions.py
+  # opgate runs in the bench on Debian's python3.11 (PGO + LTO, like the image's python:3.11-slim)
+  [ -x /usr/bin/python3.11 ] || need_apt+=(python3.11)
+  /usr/bin/python3.11 -c "import ensurepip" >/dev/null 2>&1 || need_apt+=(python3.11-venv)
 fi
 if [ ${#need_apt[@]} -gt 0 ]; then
   echo "bootstrap: apt-get install ${need_apt[*]}"
@@ -26,6 +29,14 @@ fi
 PYTHON="${PYTHON:-python3}"
 echo "bootstrap: pip install -e .[test]"
 "$PYTHON" -m pip install -q --disable-pip-version-check -e '.[test]'
+
+if [ "${1:-}" = "--bench" ]; then
+  # bench/interpreter.py: the interpreter the bench runs opgate on, with opgate's dependencies
+  BENCH_VENV="${XDG_CACHE_HOME:-$HOME/.cache}/opgate/bench-python"
+  [ -x "$BENCH_VENV/bin/python" ] || /usr/bin/python3.11 -m venv "$BENCH_VENV"
+  echo "bootstrap: pip install -e . into $BENCH_VENV"
+  "$BENCH_VENV/bin/python" -m pip install -q --disable-pip-version-check -e .
+fi
 
 echo "bootstrap: etcd + kube-apiserver"
 "$PYTHON" -m proxy.envtest.binaries
