@@ -174,7 +174,29 @@ def _profile(prof: dict[str, Any]) -> list[str]:
     return out
 
 
+def _in_run_order(results: dict[str, Any]) -> dict[str, Any]:
+    """``results`` with the tiers in TIER_TITLES' order, each tier's rows in the order of its
+    paths and LIST sizes ascending: latest.json is written with sorted keys, and a report
+    rendered again from it must read as the run's own."""
+    def order(value: Any, paths: list[str]) -> Any:
+        if not isinstance(value, dict):
+            return value
+        keys = list(value)
+        if keys and all(k in paths for k in keys):
+            keys.sort(key=paths.index)
+        elif keys and all(k.isdigit() for k in keys):
+            keys.sort(key=int)
+        return {k: order(value[k], paths) for k in keys}
+
+    tiers = results.get("tiers", {})
+    ranked = sorted(tiers, key=lambda n: list(TIER_TITLES).index(n) if n in TIER_TITLES
+                    else len(TIER_TITLES))
+    return {**results, "tiers": {n: order(tiers[n], list(tiers[n].get("paths", [])))
+                                 for n in ranked}}
+
+
 def markdown(results: dict[str, Any]) -> str:
+    results = _in_run_order(results)
     m = results.get("machine", {})
     out = ["# opgate benchmark report", "",
            f"{results.get('date')} · {results.get('mode')} run · "
@@ -208,6 +230,12 @@ def markdown(results: dict[str, Any]) -> str:
                   [[c.what, f"{_fmt(c.measured)} {c.unit}" if c.measured is not None else "-",
                     c.target, {True: "yes", False: "**no**", None: "n/a"}[c.ok]]
                    for c in checks(results)])
+    missed = [c for c in checks(results) if c.ok is False]
+    if missed:
+        out += ["**Missed targets: by how much, and why** (from this run's own numbers)", ""]
+        out += [f"* {c.what}: {_fmt(c.measured)} {c.unit} against {c.target}, {c.gap}. "
+                f"{c.why or 'See the tables below.'}" for c in missed]
+        out += [""]
     for name, tier in results.get("tiers", {}).items():
         out += _tier(name, tier)
     if "reload" in results:
