@@ -129,9 +129,10 @@ http {{
     listen 127.0.0.1:{tls_port} ssl http2 backlog=4096;
     ssl_certificate {cert}; ssl_certificate_key {key};
     ssl_protocols TLSv1.2 TLSv1.3; ssl_session_cache shared:up:1m;
-    # the cipher a real apiserver picks: Go's TLS 1.3 server chooses AES-128-GCM first on a CPU
-    # with AES instructions, whatever the client prefers; nginx (OpenSSL) would follow an OpenSSL
-    # client's order and give opgate AES-256-GCM, while Go clients (kubectl) ask for AES-128 first
+    # the cipher a real apiserver picks: Go's TLS 1.3 server uses its own order, AES-128-GCM
+    # first, on a CPU with AES instructions when the client lists an AES-GCM suite first (as
+    # OpenSSL and Go clients do); nginx would follow each client's order instead and give
+    # opgate's OpenSSL client AES-256-GCM, while Go clients (kubectl) ask for AES-128 first
     ssl_prefer_server_ciphers on;
     ssl_conf_command Ciphersuites {APISERVER_TLS13_SUITES};
     location = {SMALL} {{ alias {files['small']}; }}
