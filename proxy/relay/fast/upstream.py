@@ -261,6 +261,14 @@ class UpstreamPool:
     async def acquire(self, now: float | None = None) -> tuple[UpstreamConnection, bool]:
         """A connection and whether it was reused from the pool (``now``: the caller's
         ``time.monotonic()`` of this instant, if it has one)."""
+        conn = self.take(now)
+        if conn is not None:
+            return conn, True
+        return await self.connect(), False
+
+    def take(self, now: float | None = None) -> UpstreamConnection | None:
+        """An idle connection still within its keep-alive, or ``None`` (:meth:`acquire`
+        without its coroutine, for the relay's hot path; ``connect`` when it is ``None``)."""
         if now is None:
             now = time.monotonic()
         idle = self._idle
@@ -271,8 +279,8 @@ class UpstreamPool:
             if now - conn.idle_since > self._keepalive:
                 conn.close()
                 continue
-            return conn, True
-        return await self.connect(), False
+            return conn
+        return None
 
     async def connect(self) -> UpstreamConnection:
         """A new connection (for the pool, or for an upgrade's tunnel)."""
