@@ -59,8 +59,10 @@ def describe(python: str | None = None) -> str:
         info = json.loads(out.stdout)
     except (OSError, subprocess.SubprocessError, ValueError) as e:
         return f"? ({python}: {e})"
-    if info["base"] == "/usr":  # a distribution's build: Debian keeps its LTO and PGO flags
-        build = "Debian's build: PGO + LTO"  # out of sysconfig (see its changelog)
+    if info["base"] == "/usr" and Path("/etc/debian_version").exists():
+        build = "Debian's build: PGO + LTO"  # Debian keeps those flags out of sysconfig
+    elif info["base"] == "/usr":
+        build = "the distribution's build"
     else:
         build = " + ".join(n for n, on in (("PGO", info["pgo"]), ("LTO", info["lto"])) if on)
         build = f"built with {build}" if build else "built without PGO or LTO"
