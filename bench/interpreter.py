@@ -3,7 +3,7 @@
 opgate ships in an image built on ``python:3.11-slim``, whose CPython is compiled with
 profile-guided optimisation and link-time optimisation (``--enable-optimizations --with-lto``);
 so are the distributions' own Pythons (Debian's ``python3.11``). A pyenv build made without
-``PYTHON_CONFIGURE_OPTS`` has neither, and costs opgate ~15-20% more CPU per call on the
+``PYTHON_CONFIGURE_OPTS`` has neither, and costs opgate ~15-25% more CPU per call on the
 project's machines (bench/README.md, "Which Python"). The bench measures opgate as users run it:
 
 1. ``$OPGATE_BENCH_PYTHON``, if set;
@@ -33,8 +33,7 @@ _PROBE = """
 import json, sys, sysconfig
 args = sysconfig.get_config_var("CONFIG_ARGS") or ""
 print(json.dumps({"version": sys.version.split()[0], "base": sys.base_prefix,
-                  "pgo": "--enable-optimizations" in args, "lto": "--with-lto" in args,
-                  "shared": bool(sysconfig.get_config_var("Py_ENABLE_SHARED"))}))
+                  "pgo": "--enable-optimizations" in args, "lto": "--with-lto" in args}))
 """
 
 

@@ -70,7 +70,8 @@ def _more(a: float | None, b: float | None) -> str:
 
 
 def _why_cpu(tls: Any) -> str:
-    row = lambda name: _get(tls, "small_get", "pinned", name, "cpu_us")  # noqa: E731
+    def row(name: str) -> float | None:
+        return _get(tls, "small_get", "pinned", name, "cpu_us")
     full, plain, kubectl = row(FULL), row("opgate"), row(KUBECTL)
     chain = None if full is None or plain is None else full - plain
     return (f"opgate-full used {_us(full)} of CPU per request, kubectl proxy {_us(kubectl)}; "
@@ -149,11 +150,10 @@ def checks(results: dict[str, Any]) -> list[Check]:
                           lambda v: v >= 0.85))
     size = biggest_list(tls)
     if size:
-        big = size
         out.append(_check(f"LIST {size} MB over TLS, full chain vs kubectl proxy",
                           _ratio(_get(tls, "list", size, FULL, "mb_s"),
                                  _get(tls, "list", size, KUBECTL, "mb_s")), "x", "≥ 2x",
-                          lambda v: v >= 2.0, lambda: _why_list_tls(tls, big)))
+                          lambda v: v >= 2.0, lambda: _why_list_tls(tls, size)))
     growth = [g for t in (tls, http) if (s := biggest_list(t)) == "200"
               and (g := _get(t, "list", s, FULL, "rss_growth_max_mb")) is not None]
     out.append(_check("RSS growth while relaying 200 MB (full chain, worst run)",
