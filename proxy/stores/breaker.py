@@ -63,8 +63,7 @@ class CircuitBreaker:
         self.threshold = max(1, failures)
         self.reset_after = reset_after
         self.clock = clock
-        self.closed = True  # state == "closed", kept by the state setter (a flag to read per call)
-        self.state = "closed"
+        self.state = "closed"  # the setter also sets ``closed``, the flag read per call
         self.consecutive = 0
         self.opened_at = 0.0
         self.last_error = ""

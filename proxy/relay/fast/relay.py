@@ -43,6 +43,7 @@ from proxy.relay.fast.wire import (
     NOTHING,
     WireHeaders,
     connection_tokens,
+    header_line,
     request_head,
     status_line,
 )
@@ -202,8 +203,7 @@ class FastRelay:
         ctx.status_code = status.code
         ctx.bytes_out = len(body)
         lines = [status_line(status.code)]
-        for name, value in (*status.response_headers(), *ctx.response_headers):
-            lines.append(f"{name}: {value}\r\n".encode("latin-1"))
+        lines += map(header_line, (*status.response_headers(), *ctx.response_headers))
         if close or not req.keep_alive:
             lines.append(b"Connection: close\r\n")
             req.keep_alive = False

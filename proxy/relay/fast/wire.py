@@ -237,20 +237,23 @@ def response_head(
             for p in parts[i : i + 4]
         ]
     for pair in extra:
-        line = _EXTRA.get(pair)
+        line = _EXTRA.get(pair)  # header_line's memory read here: a hit without its call
         if line is None:
-            line = _extra_line(pair)
+            line = header_line(pair)
         parts.append(line)
     parts += (framing, b"\r\n")
     return b"".join(parts)
 
 
-def _extra_line(pair: tuple[str, str]) -> bytes:
-    """``name: value\\r\\n`` of a middleware's header (remembered for the first pairs: most
-    repeat, as ``RateLimit-Limit`` does)."""
-    line = f"{pair[0]}: {pair[1]}\r\n".encode("latin-1")
-    if len(_EXTRA) < _MAX_EXTRA:
-        _EXTRA[pair] = line
+def header_line(pair: tuple[str, str]) -> bytes:
+    """``name: value\\r\\n`` of a header opgate adds (a middleware's, or one of its own
+    answer's), latin-1; remembered for the first pairs: most repeat, as ``RateLimit-Limit``
+    does."""
+    line = _EXTRA.get(pair)
+    if line is None:
+        line = f"{pair[0]}: {pair[1]}\r\n".encode("latin-1")
+        if len(_EXTRA) < _MAX_EXTRA:
+            _EXTRA[pair] = line
     return line
 
 
@@ -266,7 +269,6 @@ def switch_head(*, reason: bytes, headers: Headers, extra: Iterable[tuple[str, s
         if low.startswith(b"proxy-") or (named and low in named):
             continue
         parts += (name, b": ", value, b"\r\n")
-    for name_s, value_s in extra:
-        parts += (name_s.encode("latin-1"), b": ", value_s.encode("latin-1"), b"\r\n")
+    parts += map(header_line, extra)
     parts.append(b"Connection: Upgrade\r\n\r\n")
     return b"".join(parts)
