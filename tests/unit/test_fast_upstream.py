@@ -105,3 +105,122 @@ def test_acquire_judges_an_idle_connection_at_the_callers_instant() -> None:
         assert kept.closed and stale.closed and not pool._idle
 
     asyncio.run(go())
+
+
+# --- long bodies: the BodyReader ---------------------------------------------------------
+
+
+class SwitchingTransport:
+    """A transport that hands reads to whichever protocol is set, the way asyncio and uvloop
+    do: ``get_buffer`` + ``buffer_updated`` for a buffered protocol, else ``data_received``."""
+
+    def __init__(self, protocol: Any) -> None:
+        self.protocol = protocol
+        self.reading = True
+        self.closed = False
+
+    def set_protocol(self, protocol: Any) -> None:
+        self.protocol = protocol
+
+    def is_reading(self) -> bool:
+        return self.reading
+
+    def pause_reading(self) -> None:
+        self.reading = False
+
+    def resume_reading(self) -> None:
+        self.reading = True
+
+    def write(self, data: bytes) -> None:
+        pass
+
+    def close(self) -> None:
+        self.closed = True
+
+    def feed(self, data: bytes) -> None:
+        while data and not self.closed:
+            if hasattr(self.protocol, "get_buffer"):
+                buffer = self.protocol.get_buffer(len(data))
+                n = min(len(buffer), len(data))
+                buffer[:n] = data[:n]
+                self.protocol.buffer_updated(n)
+            else:
+                n = len(data)
+                self.protocol.data_received(data)
+            data = data[n:]
+
+
+class Keeper(Recorder):
+    """An exchange that keeps every ``keep``-th view it is shown (as a client transport with
+    a full write buffer does) and says so; what it kept must not change afterwards."""
+
+    def __init__(self, keep: int) -> None:
+        super().__init__()
+        self.keep = keep
+        self.views = 0
+        self.kept: list[tuple[memoryview, bytes]] = []
+
+    def on_view(self, view: memoryview) -> bool:
+        self.body += view.tobytes()
+        self.views += 1
+        if self.views % self.keep:
+            return False
+        self.kept.append((view, view.tobytes()))
+        return True
+
+
+@pytest.mark.parametrize("keep", [1, 2, 10_000], ids=["keeps-all", "keeps-half", "keeps-none"])
+def test_a_long_body_goes_to_the_exchange_as_views_and_the_connection_back_to_the_pool(
+    keep: int,
+) -> None:
+    from proxy.relay.fast.upstream import LONG_BODY, READ_SIZE, BodyReader
+
+    body = bytes(range(256)) * ((2 * LONG_BODY) // 256 + 7)
+    response = b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(body) + body
+
+    async def go() -> None:
+        pool = UpstreamPool(host="127.0.0.1", port=1, tls=None, server_hostname=None,
+                            connect_timeout=1.0)
+        conn = UpstreamConnection(pool, asyncio.get_running_loop())
+        transport = SwitchingTransport(conn)
+        conn.transport = transport  # type: ignore[assignment]
+        keeper = Keeper(keep)
+        conn.send(keeper, b"GET / HTTP/1.1\r\n\r\n")  # type: ignore[arg-type]
+        transport.feed(response[:1000])  # the head and the body's first bytes: the parser's
+        assert isinstance(transport.protocol, BodyReader)
+        for at in range(1000, len(response), READ_SIZE // 3):
+            transport.feed(response[at:at + READ_SIZE // 3])
+        assert keeper.complete and keeper.body == body
+        assert keeper.views >= (len(body) - 1000) // (READ_SIZE // 3)
+        for view, seen in keeper.kept:  # no later read went into a buffer still in use
+            assert view.tobytes() == seen
+        assert transport.protocol is conn and transport.reading
+        assert pool.take() is conn  # given back, and it parses the next response as usual
+        recorder = Recorder()
+        conn.send(recorder, b"GET / HTTP/1.1\r\n\r\n")  # type: ignore[arg-type]
+        transport.feed(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+        assert recorder.body == b"ok" and recorder.complete
+
+    asyncio.run(go())
+
+
+def test_a_long_body_with_bytes_past_its_end_closes_the_connection() -> None:
+    from proxy.relay.fast.upstream import LONG_BODY
+
+    body = b"x" * LONG_BODY
+    response = b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(body)
+
+    async def go() -> None:
+        pool = UpstreamPool(host="127.0.0.1", port=1, tls=None, server_hostname=None,
+                            connect_timeout=1.0)
+        conn = UpstreamConnection(pool, asyncio.get_running_loop())
+        transport = SwitchingTransport(conn)
+        conn.transport = transport  # type: ignore[assignment]
+        keeper = Keeper(10_000)
+        conn.send(keeper, b"GET / HTTP/1.1\r\n\r\n")  # type: ignore[arg-type]
+        transport.feed(response)
+        transport.feed(body + b"HTTP/1.1 200 OK\r\n")  # nobody asked for a second response
+        assert keeper.complete and keeper.body == body
+        assert transport.closed and conn.closed and pool.take() is None
+
+    asyncio.run(go())

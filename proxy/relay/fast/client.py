@@ -86,6 +86,10 @@ class _Exchange:
             self._conn.pause_reading()
         self._wake()
 
+    def on_view(self, view: memoryview) -> bool:
+        self.on_body(view.tobytes())  # kept until read
+        return False
+
     def on_complete(self) -> None:
         self.ended = True
         self._wake()

@@ -200,7 +200,7 @@ class Exchange:
         self.client.write(switch_head(reason=reason, headers=headers, extra=self._extra))
         self.head.set_result(None)
 
-    def on_body(self, chunk: bytes) -> None:
+    def on_body(self, chunk: bytes | memoryview) -> None:
         if not self.head.done() or self.done.done():
             return
         if self._idle:
@@ -214,10 +214,14 @@ class Exchange:
                 self.client.write(chunk)
             return
         if self._chunked:
-            chunk = b"%x\r\n%b\r\n" % (size, chunk)
+            chunk = b"%x\r\n%b\r\n" % (size, chunk)  # type: ignore[str-format]  # %b: any buffer
         if self._pending:
             chunk, self._pending = self._pending + chunk, b""
         self.client.write(chunk)
+
+    def on_view(self, view: memoryview) -> bool:
+        self.on_body(view)  # written as is, or framed into new bytes
+        return self.client.holds_writes()  # then the transport may still refer to it
 
     def on_complete(self) -> None:
         if not self.head.done() or self.done.done():

@@ -294,13 +294,19 @@ class ClientConnection(FlowForwarding, asyncio.Protocol):
         self.resume_reading()
 
     # --- used by the relay ---------------------------------------------------------
-    def write(self, data: bytes) -> None:
+    def write(self, data: bytes | memoryview) -> None:
         if self.transport is not None and not self.closed:
             self.transport.write(data)
 
-    def writelines(self, parts: tuple[bytes, ...]) -> None:
+    def writelines(self, parts: tuple[bytes | memoryview, ...]) -> None:
         if self.transport is not None and not self.closed:
             self.transport.writelines(parts)
+
+    def holds_writes(self) -> bool:
+        """Whether the transport still buffers written data: a ``memoryview`` written may be
+        among it (the transport keeps a reference instead of a copy)."""
+        transport = self.transport
+        return transport is not None and transport.get_write_buffer_size() > 0
 
     def close(self) -> None:
         """Close after what was written is flushed."""

@@ -35,7 +35,11 @@ class TappedExchange(Exchange):
             self.tap.response_head(101, reason, headers)
         super().on_switch(reason, headers)
 
-    def on_body(self, chunk: bytes) -> None:
+    def on_body(self, chunk: bytes | memoryview) -> None:
         if self.head.done() and not self.done.done() and not self.switched:
-            self.tap.response_body(chunk)
+            self.tap.response_body(bytes(chunk))
         super().on_body(chunk)
+
+    def on_view(self, view: memoryview) -> bool:
+        self.on_body(view.tobytes())  # the tap may keep what it is shown
+        return False

@@ -14,6 +14,14 @@ An upgrade request (exec, attach, port-forward) goes over a connection of its ow
 (:meth:`UpstreamPool.connect`): on ``101`` the exchange is told (``on_switch``) and every further
 byte the upstream sends is handed to ``on_body`` untouched; such a connection is never pooled.
 
+A length-framed body of at least ``LONG_BODY`` bytes (a big LIST) is read past the parser into a
+buffer of the connection's own (:class:`BodyReader`, an ``asyncio.BufferedProtocol`` the
+transport is switched to until the body ends): each read goes to the exchange as a
+``memoryview`` of that buffer (``on_view``) instead of a new ``bytes``, and over TLS the
+decrypted records land in it directly instead of being joined into one. The exchange answers
+whether it still holds the view (the client's write buffer kept it); the next read then goes to
+a fresh buffer.
+
 Each connection has one :class:`~proxy.relay.lazytimer.LazyTimer` (``timer``) for the deadlines
 of the exchange it is lent to: the exchange sets its next deadline there, and when it passes the
 connection calls ``on_deadline`` of the exchange lent at that moment (never of one that was
@@ -39,6 +47,8 @@ from proxy.relay.lazytimer import LazyTimer
 __all__ = ["Exchange", "UpstreamConnection", "UpstreamPool"]
 
 WRITE_HIGH_WATER = 64 * 1024
+LONG_BODY = 1024 * 1024  # a length-framed body this long is read by a BodyReader
+READ_SIZE = 256 * 1024  # the BodyReader's buffer: one read (over TLS: up to 16 records)
 
 
 class Exchange(Protocol):
@@ -49,6 +59,11 @@ class Exchange(Protocol):
     ) -> None: ...
     def on_switch(self, reason: bytes, headers: Headers) -> None: ...
     def on_body(self, chunk: bytes) -> None: ...
+    def on_view(self, view: memoryview) -> bool:
+        """A body chunk as a view of the connection's read buffer, valid only during the call;
+        ``True`` when the view is still referenced afterwards (the next read then goes to a
+        fresh buffer). An exchange that keeps chunks copies it, or answers ``True``."""
+        ...
     def on_complete(self) -> None: ...
     def on_lost(self, exc: BaseException) -> None: ...
     def on_deadline(self) -> None:
@@ -136,6 +151,8 @@ class UpstreamConnection(FlowForwarding, asyncio.Protocol):
         self.received = True
         try:
             self._parser.feed_data(data)
+            if self._left >= LONG_BODY and not self.closed and self.transport is not None:
+                BodyReader(self, self.transport)
         except httptools.HttpParserUpgrade as e:
             offset = e.args[0] if e.args else len(data)
             if self.switched and offset < len(data) and self.exchange is not None:
@@ -155,9 +172,19 @@ class UpstreamConnection(FlowForwarding, asyncio.Protocol):
             return
         self._left = 0
         exchange.on_body(data[:left] if len(data) > left else data)
+        self._end_body(len(data) > left)  # more: bytes nobody asked for
+
+    def body_ended(self, exchange: Exchange, last: memoryview, *, extra: bool) -> None:
+        """A :class:`BodyReader` read the body's ``last`` bytes and gave the transport back
+        (``extra``: the upstream sent more, which nobody asked for)."""
+        self._left = 0
+        exchange.on_view(last)
+        self._end_body(extra)
+
+    def _end_body(self, extra: bool) -> None:
         self._parser = httptools.HttpResponseParser(self)  # the old one stopped mid-body
         self.on_message_complete()
-        if len(data) > left and not self.closed:  # bytes nobody asked for
+        if extra and not self.closed:
             self.close()
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -233,6 +260,57 @@ class UpstreamConnection(FlowForwarding, asyncio.Protocol):
             self.close()
         if exchange is not None:
             exchange.on_complete()
+
+
+class BodyReader(asyncio.BufferedProtocol):
+    """The transport's protocol while a long length-framed body flows (see the module's
+    docstring): reads land in a buffer of its own and go to the connection's exchange as views. At
+    the body's end it gives the transport back to its :class:`UpstreamConnection`; everything
+    else (loss, EOF, write flow control) is the connection's business all along."""
+
+    __slots__ = ("_conn", "_transport", "_view")
+
+    def __init__(self, conn: UpstreamConnection, transport: asyncio.Transport) -> None:
+        self._conn, self._transport = conn, transport
+        self._view = memoryview(bytearray(READ_SIZE))
+        self._switch(self)
+
+    def _switch(self, protocol: asyncio.BaseProtocol) -> None:
+        transport = self._transport
+        transport.set_protocol(protocol)
+        if transport.is_reading():  # uvloop picks its read callbacks when reading starts
+            transport.pause_reading()
+            transport.resume_reading()
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self._view
+
+    def buffer_updated(self, nbytes: int) -> None:
+        conn = self._conn
+        exchange = conn.exchange
+        if exchange is None or conn.closed:  # the call was cut short meanwhile
+            conn.close()
+            return
+        left = conn._left
+        if nbytes < left:
+            conn._left = left - nbytes
+            if exchange.on_view(self._view[:nbytes]):
+                self._view = memoryview(bytearray(READ_SIZE))  # the old one is still in use
+            return
+        self._switch(conn)  # the body ends here: the connection reads what follows
+        conn.body_ended(exchange, self._view[:left], extra=nbytes > left)
+
+    def eof_received(self) -> bool | None:
+        return self._conn.eof_received()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._conn.connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        self._conn.pause_writing()
+
+    def resume_writing(self) -> None:
+        self._conn.resume_writing()
 
 
 class UpstreamPool:
