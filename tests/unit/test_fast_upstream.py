@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 from typing import Any
 
 import pytest
@@ -110,14 +111,34 @@ def test_acquire_judges_an_idle_connection_at_the_callers_instant() -> None:
 # --- long bodies: the BodyReader ---------------------------------------------------------
 
 
+class LowatSocket:
+    """Records the ``SO_RCVLOWAT`` the connection asks for; the kernel's default is 1."""
+
+    def __init__(self) -> None:
+        self.lowat = 1
+        self.settings: list[int] = []
+
+    def setsockopt(self, level: int, option: int, value: int) -> None:
+        assert (level, option) == (socket.SOL_SOCKET, socket.SO_RCVLOWAT)
+        self.lowat = value
+        self.settings.append(value)
+
+
 class SwitchingTransport:
     """A transport that hands reads to whichever protocol is set, the way asyncio and uvloop
-    do: ``get_buffer`` + ``buffer_updated`` for a buffered protocol, else ``data_received``."""
+    do: ``get_buffer`` + ``buffer_updated`` for a buffered protocol, else ``data_received``.
+    ``due``: what the upstream is still to send; the socket's low-water mark must never exceed
+    it (the kernel would not report the last bytes)."""
 
-    def __init__(self, protocol: Any) -> None:
+    def __init__(self, protocol: Any, due: int = 0) -> None:
         self.protocol = protocol
         self.reading = True
         self.closed = False
+        self.sock = LowatSocket()
+        self.due = due
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return self.sock if name == "socket" else default
 
     def set_protocol(self, protocol: Any) -> None:
         self.protocol = protocol
@@ -143,11 +164,14 @@ class SwitchingTransport:
                 buffer = self.protocol.get_buffer(len(data))
                 n = min(len(buffer), len(data))
                 buffer[:n] = data[:n]
+                self.due -= n
                 self.protocol.buffer_updated(n)
             else:
                 n = len(data)
+                self.due -= n
                 self.protocol.data_received(data)
             data = data[n:]
+            assert self.sock.lowat <= max(1, self.due), (self.sock.lowat, self.due)
 
 
 class Keeper(Recorder):
@@ -173,7 +197,7 @@ class Keeper(Recorder):
 def test_a_long_body_goes_to_the_exchange_as_views_and_the_connection_back_to_the_pool(
     keep: int,
 ) -> None:
-    from proxy.relay.fast.upstream import LONG_BODY, READ_SIZE, BodyReader
+    from proxy.relay.fast.upstream import LONG_BODY, LOWAT, READ_SIZE, BodyReader
 
     body = bytes(range(256)) * ((2 * LONG_BODY) // 256 + 7)
     response = b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(body) + body
@@ -182,7 +206,7 @@ def test_a_long_body_goes_to_the_exchange_as_views_and_the_connection_back_to_th
         pool = UpstreamPool(host="127.0.0.1", port=1, tls=None, server_hostname=None,
                             connect_timeout=1.0)
         conn = UpstreamConnection(pool, asyncio.get_running_loop())
-        transport = SwitchingTransport(conn)
+        transport = SwitchingTransport(conn, due=len(response))
         conn.transport = transport  # type: ignore[assignment]
         keeper = Keeper(keep)
         conn.send(keeper, b"GET / HTTP/1.1\r\n\r\n")  # type: ignore[arg-type]
@@ -195,6 +219,7 @@ def test_a_long_body_goes_to_the_exchange_as_views_and_the_connection_back_to_th
         for view, seen in keeper.kept:  # no later read went into a buffer still in use
             assert view.tobytes() == seen
         assert transport.protocol is conn and transport.reading
+        assert transport.sock.settings == [LOWAT, 1]  # fuller reads, then back to the default
         assert pool.take() is conn  # given back, and it parses the next response as usual
         recorder = Recorder()
         conn.send(recorder, b"GET / HTTP/1.1\r\n\r\n")  # type: ignore[arg-type]
@@ -214,12 +239,13 @@ def test_a_long_body_with_bytes_past_its_end_closes_the_connection() -> None:
         pool = UpstreamPool(host="127.0.0.1", port=1, tls=None, server_hostname=None,
                             connect_timeout=1.0)
         conn = UpstreamConnection(pool, asyncio.get_running_loop())
-        transport = SwitchingTransport(conn)
+        extra = b"HTTP/1.1 200 OK\r\n"
+        transport = SwitchingTransport(conn, due=len(response) + len(body) + len(extra))
         conn.transport = transport  # type: ignore[assignment]
         keeper = Keeper(10_000)
         conn.send(keeper, b"GET / HTTP/1.1\r\n\r\n")  # type: ignore[arg-type]
         transport.feed(response)
-        transport.feed(body + b"HTTP/1.1 200 OK\r\n")  # nobody asked for a second response
+        transport.feed(body + extra)  # nobody asked for a second response
         assert keeper.complete and keeper.body == body
         assert transport.closed and conn.closed and pool.take() is None
 

@@ -20,7 +20,11 @@ transport is switched to until the body ends): each read goes to the exchange as
 ``memoryview`` of that buffer (``on_view``) instead of a new ``bytes``, and over TLS the
 decrypted records land in it directly instead of being joined into one. The exchange answers
 whether it still holds the view (the client's write buffer kept it); the next read then goes to
-a fresh buffer.
+a fresh buffer. Meanwhile the socket wakes the loop only once ``LOWAT`` bytes are queued
+(``SO_RCVLOWAT``) for as long as more than that is still due: an upstream that sends a record
+at a time (a TLS apiserver's 16 KiB records) is read in fewer, fuller reads, and written to the
+client in fewer, larger writes. Near the body's end the mark goes back to 1, so the last bytes
+are never held back.
 
 Each connection has one :class:`~proxy.relay.lazytimer.LazyTimer` (``timer``) for the deadlines
 of the exchange it is lent to: the exchange sets its next deadline there, and when it passes the
@@ -33,6 +37,7 @@ deadline rather than arming and cancelling a loop timer each.
 from __future__ import annotations
 
 import asyncio
+import socket
 import ssl
 import time
 from typing import Protocol, cast
@@ -49,6 +54,8 @@ __all__ = ["Exchange", "UpstreamConnection", "UpstreamPool"]
 WRITE_HIGH_WATER = 64 * 1024
 LONG_BODY = 1024 * 1024  # a length-framed body this long is read by a BodyReader
 READ_SIZE = 256 * 1024  # the BodyReader's buffer: one read (over TLS: up to 16 records)
+LOWAT = 128 * 1024  # meanwhile, wake up for no less (SO_RCVLOWAT) ...
+LOWAT_MARGIN = 2 * READ_SIZE  # ... while more than this is due besides (a TLS layer's backlog)
 
 
 class Exchange(Protocol):
@@ -268,12 +275,28 @@ class BodyReader(asyncio.BufferedProtocol):
     the body's end it gives the transport back to its :class:`UpstreamConnection`; everything
     else (loss, EOF, write flow control) is the connection's business all along."""
 
-    __slots__ = ("_conn", "_transport", "_view")
+    __slots__ = ("_conn", "_lowat", "_transport", "_view")
 
     def __init__(self, conn: UpstreamConnection, transport: asyncio.Transport) -> None:
         self._conn, self._transport = conn, transport
         self._view = memoryview(bytearray(READ_SIZE))
+        self._lowat = conn._left > LOWAT + LOWAT_MARGIN and self._wake_at(LOWAT)
         self._switch(self)
+
+    def _wake_at(self, size: int) -> bool:
+        """Have the kernel report the socket readable only once ``size`` bytes are queued
+        (``SO_RCVLOWAT``; 1 is the default): fewer, fuller reads while a fast upstream sends a
+        long body, and as fewer, larger writes to the client. It must never exceed what the
+        upstream is still to send, or the last bytes would wait for ever: hence the margin
+        for what a TLS layer read but has not yet handed over. ``False`` when not set."""
+        sock = self._transport.get_extra_info("socket")
+        if sock is None:
+            return False
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, size)
+        except (OSError, AttributeError):
+            return False
+        return True
 
     def _switch(self, protocol: asyncio.BaseProtocol) -> None:
         transport = self._transport
@@ -293,10 +316,14 @@ class BodyReader(asyncio.BufferedProtocol):
             return
         left = conn._left
         if nbytes < left:
-            conn._left = left - nbytes
+            left = conn._left = left - nbytes
+            if self._lowat and left <= LOWAT + LOWAT_MARGIN:
+                self._lowat = not self._wake_at(1)
             if exchange.on_view(self._view[:nbytes]):
                 self._view = memoryview(bytearray(READ_SIZE))  # the old one is still in use
             return
+        if self._lowat:  # cannot be (the margin), but a pooled socket must wake at 1 again
+            self._lowat = not self._wake_at(1)
         self._switch(conn)  # the body ends here: the connection reads what follows
         conn.body_ended(exchange, self._view[:left], extra=nbytes > left)
 
