@@ -89,7 +89,7 @@ def _wrk_once(bench: Bench, t: Target, *, pinned: bool) -> Result:
 
 def _summary(runs: list[Result]) -> Result:
     keys = [k for k in runs[0] if isinstance(runs[0][k], float | int)]
-    out = {k: median([float(r[k]) for r in runs if k in r]) for k in keys}
+    out = {k: median([float(r[k]) for r in runs if r.get(k) is not None]) for k in keys}
     out["rounds"] = len(runs)
     return rounded(out)
 
@@ -169,9 +169,14 @@ def lists(bench: Bench, targets: Sequence[Target], *, sizes: dict[int, str] | No
                     before = procstat.rss_mb(t.pid)
                     procstat.reset_hwm(t.pid)
                     cpu = procstat.CpuUsage.begin(t.pid)
+                cores = procstat.CoreBusy.begin()
                 d = curl(t.url + path, headers=t.headers, ca_file=t.ca_file,
                          cpus=bench.gen_cpus(True))
                 run.update(mb_s=d.mb_s, bytes=d.bytes, http=d.http_version)
+                if bench.pinning:  # which core was full: the proxy's, or the other side's
+                    run.update(proxy_core_busy=cores.percent(bench.layout.proxy),
+                               other_cores_busy=cores.percent(bench.layout.gen
+                                                              | bench.layout.upstream))
                 if t.pid is not None:
                     run["rss_growth_mb"] = procstat.hwm_mb(t.pid) - before
                     run["rss_before_mb"] = before

@@ -6,7 +6,9 @@ process and its descendants. CPU comes from ``/proc/PID/stat`` (utime + stime, i
 current and peak RSS from ``/proc/PID/status`` (``VmRSS``, ``VmHWM``); the peak is reset by
 writing ``5`` to ``/proc/PID/clear_refs`` so that a measure sees only its own high-water mark.
 Pinning sets the affinity of every thread of the tree (``/proc/PID/task/*``), so it can be
-changed between rounds without restarting anything; threads created later inherit it.
+changed between rounds without restarting anything; threads created later inherit it. With
+pinning, how busy a core was (``/proc/stat``, :class:`CoreBusy`) tells which side of a transfer
+was its bottleneck.
 """
 
 from __future__ import annotations
@@ -100,6 +102,42 @@ def pin(pid: int, cpus: set[int] | None) -> None:
                 os.sched_setaffinity(tid, target)
             except OSError:
                 pass
+
+
+def core_ticks() -> dict[int, tuple[int, int]]:
+    """Per core: (busy, all) clock ticks since boot. Busy is everything but idle and iowait;
+    time stolen by the hypervisor counts as busy (the core was not there for us)."""
+    out: dict[int, tuple[int, int]] = {}
+    for line in Path("/proc/stat").read_text().splitlines():
+        name, *fields = line.split()
+        if not name.startswith("cpu") or name == "cpu":
+            continue
+        ticks = [int(f) for f in fields[:8]]  # user nice system idle iowait irq softirq steal
+        out[int(name[3:])] = (sum(ticks) - ticks[3] - ticks[4], sum(ticks))
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class CoreBusy:
+    """A ``/proc/stat`` reading to compare a later one with."""
+
+    start: dict[int, tuple[int, int]]
+
+    @classmethod
+    def begin(cls) -> CoreBusy:
+        return cls(core_ticks())
+
+    def percent(self, cores: set[int]) -> float | None:
+        """How busy ``cores`` were since ``begin``, in percent of their time (``None`` when
+        not a tick passed). Ticks are 1/``TICK`` s: a transfer of half a second is good to a
+        few percent."""
+        now = core_ticks()
+        busy = total = 0
+        for core in cores:
+            if core in now and core in self.start:
+                busy += now[core][0] - self.start[core][0]
+                total += now[core][1] - self.start[core][1]
+        return 100.0 * busy / total if total > 0 else None
 
 
 @dataclass(frozen=True, slots=True)

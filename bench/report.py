@@ -78,6 +78,13 @@ def _split(r: dict[str, Any]) -> str:
     return f"{_fmt(r['cpu_user_us'], 0)} + {_fmt(r.get('cpu_sys_us'), 0)}"
 
 
+def _busy(row: dict[str, Any]) -> str:
+    proxy, other = row.get("proxy_core_busy"), row.get("other_cores_busy")
+    if proxy is None or other is None:
+        return "-"
+    return f"{proxy:.0f} / {other:.0f}"
+
+
 def _tier(name: str, tier: dict[str, Any]) -> list[str]:
     out = [f"## {TIER_TITLES.get(name, name)}", ""]
     if tier.get("cipher"):
@@ -99,12 +106,14 @@ def _tier(name: str, tier: dict[str, Any]) -> list[str]:
                        for n, r in rows.items()])
     for size, rows in tier.get("list", {}).items():
         out += [f"**LIST {size} MB** (curl to /dev/null; RSS growth = peak during the transfer "
-                "minus RSS before it)", ""]
+                "minus RSS before it; busy = how much of its time the proxy's core, and the "
+                "core(s) of the upstream and curl, were busy during the transfer: the one near "
+                "100% set the pace)", ""]
         out += _table(["path", "MB/s", "vs direct", "vs kubectl", "RSS growth MB (max)",
-                       "CPU s/GB", "client protocol"],
+                       "CPU s/GB", "busy % proxy / upstream + curl", "client protocol"],
                       [[n, _fmt(r.get("mb_s"), 0), *_vs(rows, n, "mb_s"),
                         _fmt(r.get("rss_growth_max_mb"), 1), _fmt(r.get("cpu_s_per_gb")),
-                        f"HTTP/{r.get('http')}"] for n, r in rows.items()])
+                        _busy(r), f"HTTP/{r.get('http')}"] for n, r in rows.items()])
     if "watch" in tier:
         out += ["**Watch event latency** (upstream send stamp to client receive; medians over "
                 "rounds as above)", ""]

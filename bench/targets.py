@@ -109,14 +109,20 @@ def _why_list_tls(tls: Any, size: str) -> str:
     def at(name: str, field: str) -> float | None:
         return _get(tls, "list", size, name, field)
     kubectl = at(KUBECTL, "mb_s")
-    needed = f"{1000 / (2 * kubectl):.2f} s" if kubectl else "?"
     full_cpu, kubectl_cpu = at(FULL, "cpu_s_per_gb"), at(KUBECTL, "cpu_s_per_gb")
-    return (f"The proxy's core is the bottleneck: opgate-full used "
-            f"{'?' if full_cpu is None else f'{full_cpu:.2f} s'} of CPU per GB, kubectl proxy "
-            f"{'?' if kubectl_cpu is None else f'{kubectl_cpu:.2f} s'}; twice kubectl proxy's "
+    cpu = (f"opgate-full used {'?' if full_cpu is None else f'{full_cpu:.2f} s'} of CPU per GB, "
+           f"kubectl proxy {'?' if kubectl_cpu is None else f'{kubectl_cpu:.2f} s'}")
+    proxy, other = at(FULL, "proxy_core_busy"), at(FULL, "other_cores_busy")
+    if proxy is not None and other is not None and other >= 95 and proxy < other - 5:
+        return (f"opgate was not the bottleneck: during opgate-full's transfers the core of the "
+                f"upstream (nginx, encrypting) and of curl was {other:.0f}% busy, opgate's own "
+                f"core {proxy:.0f}%. {cpu}. On a machine whose upstream and client have cores "
+                "to spare, the ratio follows the CPU per GB.")
+    needed = f"{1000 / (2 * kubectl):.2f} s" if kubectl else "?"
+    return (f"The proxy's core set the pace: {cpu}; twice kubectl proxy's "
             f"{'?' if kubectl is None else f'{kubectl:.0f}'} MB/s needs at most {needed} per GB. "
-            "What is left is the copy of every ciphertext byte into OpenSSL's memory BIO, "
-            "AES-GCM and the kernel's copies (bench/README.md, \"TLS upstream I/O\").")
+            "What is left is AES-GCM, the copy of every ciphertext byte into OpenSSL's memory "
+            "BIO and the kernel's copies (bench/README.md, \"TLS upstream I/O\").")
 
 
 def biggest_list(tier: Any) -> str | None:
