@@ -385,3 +385,22 @@ def test_build_store_password_sources(tmp_path, monkeypatch) -> None:  # type: i
     store = build_store(redis_url="redis://127.0.0.1:1/0", password_file=str(secret))
     assert isinstance(store, ResilientStore)
     assert "s3cret" not in str(store.health())
+
+
+def test_leasing_at_an_operators_rate_costs_about_two_refills_a_second() -> None:
+    """50 calls/s on one key, far from its limit: the default window leases half a second of
+    demand per refill, not one store call every few calls."""
+    clock = Clock()
+    remote = Remote(clock)
+    store = LeasingStore(remote, clock=clock)
+    key = req("steady", rate=1000, burst=1000, lease=True)
+
+    async def go() -> int:
+        admitted = 0
+        for _ in range(500):  # 10 s of fake time
+            clock.now += 0.02
+            admitted += (await store.acquire([key])).allowed
+        return admitted
+
+    assert run(go()) == 500
+    assert remote.calls <= 2 * 10 + 3  # the first refills learn the rate
