@@ -2,7 +2,7 @@
 
 Under callgrind a process runs ~50x slower, so work that opgate amortizes over *time* rather
 than over calls would be charged to far fewer calls than under real load: a rate-limit lease
-sized from the last 0.1 s of demand holds a handful of tokens instead of hundreds (a Redis
+sized from the last 0.5 s of demand holds a handful of tokens instead of hundreds (a Redis
 round trip every few calls), and the access and audit logs flush a batch of a few lines every
 50 ms instead of hundreds. Stretching those windows by the slowdown keeps the per-call share of
 that work as it is in a loaded process, so instruction counts per call compare with real runs.
