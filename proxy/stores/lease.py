@@ -15,11 +15,19 @@ bench/README.md), and the caps above bound what it holds all the same. Refills r
 time per key (others wait for it), and a denied key is answered locally until its Retry-After
 (and so is a key whose last token was just taken, until the next one is due), so a throttled
 hot key costs about one Redis call per admitted request and none for the requests it rejects.
+
+A lease is refilled ahead: when a call leaves it a quarter or less of what its last refill
+gave, a refill for the key runs in the background (one at a time per key, like every refill)
+while calls go on taking the tokens left, so at a steady rate no call waits for Redis. It asks
+for extras only (``cost`` 0), which the script grants out of the upper half of the bucket like
+any extras: near the limit it gets none, and calls go back to one exact decision each. The
+tokens left when it lands share the new lease's expiry.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -39,6 +47,8 @@ from proxy.stores.base import (
 
 __all__ = ["LeasingStore"]
 
+log = logging.getLogger("opgate.ratelimit.store")
+
 
 @dataclass(slots=True)
 class _Lease:
@@ -49,6 +59,7 @@ class _Lease:
     hits: int = 0  # requests seen since ``since``, for the rate estimate
     since: float = 0.0
     rate: float = 0.0  # estimated local demand, requests/s
+    low: int = 0  # refill ahead once a call leaves this many tokens or fewer
 
 
 class LeasingStore:
@@ -56,7 +67,8 @@ class LeasingStore:
 
     def __init__(
         self, inner: Store, *, replicas: int = 1, window: float = 0.5, ttl: float = 1.0,
-        max_lease: int = 1000, lease_all: bool = False, clock: Callable[[], float] = time.monotonic,
+        max_lease: int = 1000, lease_all: bool = False, ahead: bool = True,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.inner = inner
         self.replicas = max(1, replicas)
@@ -64,12 +76,15 @@ class LeasingStore:
         self.ttl = ttl
         self.max_lease = max_lease
         self.lease_all = lease_all
+        self.ahead = ahead  # refill leases ahead of demand (see the module's docstring)
         self._clock = clock
         self._leases: dict[str, _Lease] = {}
         self._denied: dict[str, tuple[float, KeyVerdict]] = {}
         self._inflight: dict[str, asyncio.Future[None]] = {}
+        self._ahead: set[asyncio.Task[None]] = set()  # refills running ahead of demand
         self._next_sweep = 0.0
         self.local_hits = 0
+        self.refills_ahead = 0  # (for tests and benchmarks)
 
     @property
     def backend(self) -> str:
@@ -131,6 +146,8 @@ class LeasingStore:
         lease.hits += 1
         lease.tokens -= r.cost
         self.local_hits += 1
+        if lease.tokens <= lease.low and r.key not in self._inflight:
+            self._refill_ahead(r, now)
         # _lease_verdict inlined, on the lease already at hand (no second lookup, no KeyVerdict)
         reset = lease.reset_at - now
         return lease.remaining + lease.tokens, reset if reset > 0.0 else 0.0
@@ -176,6 +193,8 @@ class LeasingStore:
             if lease.tokens >= r.cost:
                 lease.tokens -= r.cost
                 local.append(index)
+                if lease.tokens <= lease.low and r.key not in self._inflight:
+                    self._refill_ahead(r, now)
             else:
                 remote.append(r)
         return local, remote
@@ -243,6 +262,7 @@ class LeasingStore:
             if self._leased(r):
                 lease = self._leases.setdefault(r.key, _Lease(since=now))
                 lease.tokens += answer.granted
+                lease.low = lease.tokens // 4
                 lease.expires = now + self.ttl
                 lease.remaining = answer.remaining
                 lease.reset_at = now + answer.reset
@@ -256,6 +276,52 @@ class LeasingStore:
             answers[r.key] if r.key in answers else self._lease_verdict(r, now) for r in requests
         )
         return replace(verdict, keys=keys)
+
+    def _refill_ahead(self, r: BucketRequest, now: float) -> None:
+        """Start a background refill of ``r``'s lease (see the module's docstring); callers
+        that find the lease empty meanwhile wait for it as for any refill in flight."""
+        if not self.ahead:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # called outside the event loop: no refill without one
+            return
+        extra = self._extra(r, now) + r.cost
+        if extra <= 0:
+            return
+        self._inflight[r.key] = done = loop.create_future()
+        ask = replace(r, cost=0, extra=extra)
+        task = loop.create_task(self._run_ahead(ask, done))
+        self._ahead.add(task)
+        task.add_done_callback(self._ahead.discard)
+
+    async def _run_ahead(self, ask: BucketRequest, done: asyncio.Future[None]) -> None:
+        granted, answer = 0, None
+        try:
+            verdict = await self.inner.acquire([ask])
+            answer = verdict.keys[0]
+            granted = answer.granted if verdict.allowed else 0
+        except Exception as exc:  # the next call that needs a token asks (and feeds the breaker)
+            log.debug("refill ahead of %s failed: %s", ask.key, exc)
+        finally:
+            if self._inflight.get(ask.key) is done:
+                del self._inflight[ask.key]
+            done.set_result(None)
+        lease = self._leases.get(ask.key)
+        if lease is None:  # forgotten meanwhile (an outage ended): what was granted lapses
+            return
+        if not granted or answer is None:  # near the limit, or no store: none ahead until
+            lease.low = -1  # the next refill in line
+            return
+        now = self._clock()
+        if lease.expires <= now:
+            lease.tokens = 0
+        lease.tokens += granted
+        lease.low = lease.tokens // 4
+        lease.expires = now + self.ttl
+        lease.remaining = answer.remaining
+        lease.reset_at = now + answer.reset
+        self.refills_ahead += 1
 
     def _lease_verdict(self, r: BucketRequest, now: float) -> KeyVerdict:
         lease = self._leases.get(r.key) or _Lease()
@@ -298,4 +364,8 @@ class LeasingStore:
         return {**inner, "leased_keys": len(self._leases), "throttled_keys": len(self._denied)}
 
     async def close(self) -> None:
+        for task in list(self._ahead):
+            task.cancel()
+        if self._ahead:
+            await asyncio.wait(self._ahead)
         await self.inner.close()

@@ -223,8 +223,8 @@ def test_take_local_answers_what_acquire_would(monkeypatch: pytest.MonkeyPatch) 
     import random
 
     rnd, clock = random.Random(7), Clock()
-    fast = LeasingStore(Remote(clock), window=0.1, ttl=0.5, clock=clock)
-    slow = LeasingStore(Remote(clock), window=0.1, ttl=0.5, clock=clock)
+    fast = LeasingStore(Remote(clock), window=0.1, ttl=0.5, ahead=False, clock=clock)
+    slow = LeasingStore(Remote(clock), window=0.1, ttl=0.5, ahead=False, clock=clock)
     monkeypatch.setattr(slow, "_serve_one", lambda r: None)
     keys = [req("hot", rate=2000, burst=200, lease=True), req("cold", rate=15, burst=2, lease=True),
             req("plain", rate=100, burst=20)]
@@ -404,3 +404,86 @@ def test_leasing_at_an_operators_rate_costs_about_two_refills_a_second() -> None
 
     assert run(go()) == 500
     assert remote.calls <= 2 * 10 + 3  # the first refills learn the rate
+
+
+async def steady(store: LeasingStore, key: BucketRequest, clock: Clock, *, calls: int,
+                 every: float) -> int:
+    """``calls`` acquires ``every`` fake seconds apart in one event loop, giving a refill in
+    the background (a real 1 ms round trip) the time to land between calls."""
+    admitted = 0
+    for _ in range(calls):
+        clock.now += every
+        admitted += (await store.acquire([key])).allowed
+        await asyncio.sleep(0.002)
+    return admitted
+
+
+def test_leases_are_refilled_ahead_so_no_call_waits_for_the_store() -> None:
+    clock = Clock()
+    remote = Remote(clock)
+    remote.delay = 0.001  # a round trip: the call that asks waits for it
+    store = LeasingStore(remote, clock=clock)
+    key = req("steady", rate=1000, burst=1000, lease=True)
+
+    async def go() -> int:
+        admitted = await steady(store, key, clock, calls=300, every=0.02)  # 6 s at 50/s
+        await store.close()
+        return admitted
+
+    assert run(go()) == 300
+    in_line = [call for call in remote.seen if call[0].cost > 0]  # a call waited for these
+    ahead = [call for call in remote.seen if call[0].cost == 0]
+    assert len(in_line) <= 3, in_line  # learning the rate, then never again
+    assert store.refills_ahead >= 8 and len(ahead) == store.refills_ahead
+    assert len(remote.seen) <= 2 * 6 + 4  # still about two refills a second
+
+
+def test_refills_ahead_never_admit_more_than_the_limit() -> None:
+    """Two replicas on one shared bucket, both asking 4x faster than the limit: together they
+    never admit more than burst + rate·t, and near the limit a refill ahead gets nothing and is
+    not repeated on every call (the store sees as many calls as without refills ahead)."""
+
+    def load(ahead: bool) -> tuple[int, int]:
+        clock = Clock()
+        remote = Remote(clock)
+        remote.delay = 0.001
+        replicas = [LeasingStore(remote, replicas=2, ahead=ahead, clock=clock) for _ in range(2)]
+        key = req("shared", rate=100, burst=50, lease=True)
+
+        async def go() -> int:
+            admitted = 0
+            for i in range(1200):  # 3 s of fake time, 400 calls/s against 100/s
+                clock.now += 0.0025
+                admitted += (await replicas[i % 2].acquire([key])).allowed
+                await asyncio.sleep(0.0005)
+            for store in replicas:
+                await store.close()
+            return admitted
+
+        return run(go()), len(remote.seen)
+
+    admitted, calls = load(ahead=True)
+    assert 50 + 100 * 3 * 0.8 <= admitted <= 50 + 100 * 3 + 1
+    _, calls_in_line = load(ahead=False)
+    assert calls <= calls_in_line + 20
+
+
+def test_close_cancels_a_refill_ahead_in_flight() -> None:
+    clock = Clock()
+    remote = Remote(clock)
+    store = LeasingStore(remote, clock=clock)
+    key = req("k", rate=1000, burst=1000, lease=True)
+
+    async def go() -> None:
+        await steady(store, key, clock, calls=20, every=0.02)  # the lease knows the rate
+        remote.delay = 30.0  # the store stalls: the next refill ahead hangs
+        for _ in range(100):  # until one starts
+            clock.now += 0.02
+            assert (await store.acquire([key])).allowed
+            if store._ahead:
+                break
+        assert store._ahead
+        await asyncio.wait_for(store.close(), 1.0)
+        assert not store._ahead and not store._inflight
+
+    run(go())
