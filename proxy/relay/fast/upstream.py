@@ -21,10 +21,11 @@ transport is switched to until the body ends): each read goes to the exchange as
 decrypted records land in it directly instead of being joined into one. The exchange answers
 whether it still holds the view (the client's write buffer kept it); the next read then goes to
 a fresh buffer. Meanwhile the socket wakes the loop only once ``LOWAT`` bytes are queued
-(``SO_RCVLOWAT``) for as long as more than that is still due: an upstream that sends a record
-at a time (a TLS apiserver's 16 KiB records) is read in fewer, fuller reads, and written to the
-client in fewer, larger writes. Near the body's end the mark goes back to 1, so the last bytes
-are never held back.
+(``SO_RCVLOWAT``) for as long as more than that is still due: an upstream that sends a TLS
+record at a time is read in fewer, fuller reads, and written to the client in fewer, larger
+writes. Near the body's end the mark goes back to 1, so the last bytes are never held back. A
+chunked body (a kube-apiserver's LIST over HTTP/1.1) goes through the parser as before: its end
+is not known ahead, so no mark could be set safely.
 
 Each connection has one :class:`~proxy.relay.lazytimer.LazyTimer` (``timer``) for the deadlines
 of the exchange it is lent to: the exchange sets its next deadline there, and when it passes the
