@@ -261,11 +261,7 @@ class LeasingStore:
             answer = answers[r.key]
             if self._leased(r):
                 lease = self._leases.setdefault(r.key, _Lease(since=now))
-                lease.tokens += answer.granted
-                lease.low = lease.tokens // 4
-                lease.expires = now + self.ttl
-                lease.remaining = answer.remaining
-                lease.reset_at = now + answer.reset
+                self._grant(lease, answer, now)
                 if answer.remaining <= 0 and lease.tokens < r.cost:
                     # that was the last token: the next one is a known time away (the same
                     # retry-after the store would answer), so don't ask before then
@@ -296,11 +292,10 @@ class LeasingStore:
         task.add_done_callback(self._ahead.discard)
 
     async def _run_ahead(self, ask: BucketRequest, done: asyncio.Future[None]) -> None:
-        granted, answer = 0, None
+        answer: KeyVerdict | None = None
         try:
             verdict = await self.inner.acquire([ask])
-            answer = verdict.keys[0]
-            granted = answer.granted if verdict.allowed else 0
+            answer = verdict.keys[0] if verdict.allowed else None
         except Exception as exc:  # the next call that needs a token asks (and feeds the breaker)
             log.debug("refill ahead of %s failed: %s", ask.key, exc)
         finally:
@@ -310,18 +305,23 @@ class LeasingStore:
         lease = self._leases.get(ask.key)
         if lease is None:  # forgotten meanwhile (an outage ended): what was granted lapses
             return
-        if not granted or answer is None:  # near the limit, or no store: none ahead until
+        if answer is None or not answer.granted:  # near the limit, or no store: none ahead until
             lease.low = -1  # the next refill in line
             return
         now = self._clock()
         if lease.expires <= now:
             lease.tokens = 0
-        lease.tokens += granted
+        self._grant(lease, answer, now)
+        self.refills_ahead += 1
+
+    def _grant(self, lease: _Lease, answer: KeyVerdict, now: float) -> None:
+        """Add what a refill got to ``lease``: its tokens, their expiry, the bucket's state
+        for the headers, and the level at which the next refill starts ahead."""
+        lease.tokens += answer.granted
         lease.low = lease.tokens // 4
         lease.expires = now + self.ttl
         lease.remaining = answer.remaining
         lease.reset_at = now + answer.reset
-        self.refills_ahead += 1
 
     def _lease_verdict(self, r: BucketRequest, now: float) -> KeyVerdict:
         lease = self._leases.get(r.key) or _Lease()

@@ -316,15 +316,13 @@ class BodyReader(asyncio.BufferedProtocol):
             conn.close()
             return
         left = conn._left
+        if self._lowat and left - nbytes <= LOWAT + LOWAT_MARGIN:  # (and before the pool)
+            self._lowat = not self._wake_at(1)
         if nbytes < left:
-            left = conn._left = left - nbytes
-            if self._lowat and left <= LOWAT + LOWAT_MARGIN:
-                self._lowat = not self._wake_at(1)
+            conn._left = left - nbytes
             if exchange.on_view(self._view[:nbytes]):
                 self._view = memoryview(bytearray(READ_SIZE))  # the old one is still in use
             return
-        if self._lowat:  # cannot be (the margin), but a pooled socket must wake at 1 again
-            self._lowat = not self._wake_at(1)
         self._switch(conn)  # the body ends here: the connection reads what follows
         conn.body_ended(exchange, self._view[:left], extra=nbytes > left)
 
