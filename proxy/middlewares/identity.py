@@ -1,13 +1,17 @@
 """The identity middleware (``spec.identity``): who is calling, and may they make this call?
 
 First in the chain. It takes the bearer token of ``Authorization`` (never logged, never put in a
-message), verifies it once, and caches the result (keyed by a SHA-256 of the token, never the
-token itself, until the token expires or 5 minutes, whichever is first), so a known token costs a
-hash, a dict lookup and the rule matching. The cache is bounded (``CACHE_SIZE`` tokens) and
-evicts by *second chance* (CLOCK), an approximation of least-recently-used that costs a hit one
-flag store instead of moving the entry to the end: the oldest entry goes, unless a call used it
-since it was inserted or last passed over, in which case it is moved to the end, unflagged, and
-the next oldest is considered.
+message), verifies it once, and caches the result (keyed by a BLAKE2b-256 digest of the token,
+never the token itself, until the token expires or 5 minutes, whichever is first), so a known
+token costs a hash, a dict lookup and the rule matching. BLAKE2b rather than SHA-256: CPython's
+own BLAKE2b is compact code, while ``hashlib.sha256`` goes through OpenSSL's provider machinery
+on every call, whose cold code cost ~35 µs of a call's latency on a core woken from idle (an
+operator's pace: a call every 20 ms or more), BLAKE2b's ~15 µs (bench/README.md, "Latency at an
+operator's pace"). The cache is bounded (``CACHE_SIZE`` tokens) and evicts by *second chance*
+(CLOCK), an approximation of least-recently-used that costs a hit one flag store instead of
+moving the entry to the end: the oldest entry goes, unless a call used it since it was inserted
+or last passed over, in which case it is moved to the end, unflagged, and the next oldest is
+considered.
 
 A JWT of an accepted issuer is verified here (asymmetric signatures only, ``iss``, ``aud``,
 ``exp``/``nbf`` with 30 s of leeway) with the keys the :class:`Authenticator` fetches; any other
@@ -117,8 +121,13 @@ def _bearer(headers: Mapping[str, str]) -> str | None:
 _STRIP = b" \t\n\r\x0b\x0c\x1c\x1d\x1e\x1f\x85\xa0"
 
 
+def _token_key(token: bytes) -> bytes:
+    """The token cache's key: a 32-byte BLAKE2b digest of the token's bytes (module docstring)."""
+    return hashlib.blake2b(token, digest_size=32).digest()
+
+
 def _bearer_bytes(headers: Mapping[str, str]) -> bytes | None:
-    """The bytes of the token :func:`_bearer` finds (the cache key is their SHA-256).
+    """The bytes of the token :func:`_bearer` finds (the cache key is their :func:`_token_key`).
 
     With the fast relay's headers (``raw``: the value as received) this is :func:`_bearer` on
     bytes, so a ~1 KB token is neither decoded nor encoded per call; the same token, because
@@ -186,7 +195,7 @@ class IdentityCheck:
         raw = _bearer_bytes(ctx.headers)
         key = None
         if raw is not None:
-            key = hashlib.sha256(raw).digest()  # the one hash of the call (_verify reuses it)
+            key = _token_key(raw)  # the one hash of the call (_verify reuses it)
             hit = self._tokens.get(key)
             # a live token (negative entries allow nothing) that every policy already let make
             # a call of this shape: nothing else to work out
@@ -205,7 +214,7 @@ class IdentityCheck:
         problem = "no bearer token in the Authorization header"
         if token is not None:
             if key is None:  # _bearer_bytes and _bearer agree; this only keeps _verify safe
-                key = hashlib.sha256(token.encode()).digest()
+                key = _token_key(token.encode())
             try:
                 verified = await self._verify(token, key, plan)
             except _Invalid as exc:
@@ -295,8 +304,8 @@ class IdentityCheck:
     # --- verification (cached) --------------------------------------------------------------
 
     async def _verify(self, token: str, key: bytes, plan: _Plan) -> _Verified:
-        """The cached verdict on ``token`` (``key``: the SHA-256 of its bytes), else a new one;
-        raises :class:`_Invalid` for a token the apiserver or a signature does not accept."""
+        """The cached verdict on ``token`` (``key``: :func:`_token_key` of its bytes), else a new
+        one; raises :class:`_Invalid` for a token the apiserver or a signature does not accept."""
         hit = self._tokens.get(key)
         if hit is not None:
             if hit.expires > time.monotonic():
