@@ -12,6 +12,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from bench import wakeup
 from bench.paths import AIOHTTP
 from bench.targets import KUBECTL, checks
 
@@ -279,7 +280,10 @@ def markdown(results: dict[str, Any]) -> str:
             "duration and the CPU per call at several rates.",
             "* At 50 req/s a proxy's core idles between calls and every call runs on cold "
             "caches: compare the latency table's CPU per call with the small-GET CPU per "
-            "request (a saturated core) for every path, nginx included.",
+            "request (a saturated core) for every path, nginx included."
+            + (f" This machine, measured in this run (`python -m bench.wakeup`): "
+               f"{wakeup.describe(results['wakeup'])}." if "slowdown" in results.get("wakeup", {})
+               else ""),
             "* The full chain's rate-limit rule keeps the default `failure: closed`: a Redis call "
             "slower than `--redis-timeout` (50 ms) on a busy machine makes opgate answer 503, "
             "which the tables count as errors (decision `unavailable` in the identity table's "

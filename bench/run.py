@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from bench import authcheck, measures, streams
+from bench import authcheck, measures, streams, wakeup
 from bench.caller import NAME as CALLER_NAME
 from bench.caller import NAMESPACE as CALLER_NAMESPACE
 from bench.caller import Caller, foreign_like
@@ -200,6 +200,8 @@ def run(plan: Plan, *, apiserver: bool, profile: bool) -> dict[str, Any]:
     started = time.monotonic()
     try:
         start_redis(bench)
+        if "latency" in plan.measures and len(layout.gen | layout.proxy) > 1:
+            _timed("wakeup", lambda: wakeup.probe(min(layout.gen), min(layout.proxy)), results)
         if set(plan.measures) - {"ratelimit", "chain"} or profile:
             static_tiers(bench, profile=profile, results=results)
         if apiserver and set(plan.measures) & {"idle", "small-get", "latency", "list"}:

@@ -12,6 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from bench import wakeup
+
 FULL = "opgate-full"
 KUBECTL = "kubectl-proxy"
 
@@ -93,16 +95,21 @@ def _why_unpinned(tls: Any) -> str:
             "process. One round per run, so the ratio carries that round's noise.")
 
 
-def _why_latency(tls: Any, key: str) -> str:
+def _why_latency(tls: Any, key: str, wake: Any) -> str:
     def at(name: str, field: str) -> float | None:
         return _get(tls, "latency", name, field)
     cold, warm = at(FULL, "cpu_us"), _get(tls, "small_get", "pinned", FULL, "cpu_us")
     factor = f"{cold / warm:.1f}x" if cold and warm else "?"
+    machine = ""
+    if wake and "slowdown" in wake:
+        machine = (f" On this machine (`bench/wakeup.py`, same run) {wakeup.describe(wake)}: a "
+                   "proxy takes each call across cores four times (client, proxy, upstream, "
+                   "proxy, client) where the direct path stays on one core, and runs its "
+                   "per-call code on a core woken from idle.")
     return (f"At 50 req/s opgate-full used {_us(cold)} of CPU per call against {_us(warm)} "
-            f"per request under load ({factor}): a call 20 ms after the last one finds the "
-            f"core's caches cold, so the added latency follows the instructions per call. In "
-            f"the same rounds kubectl proxy added {_ms(at(KUBECTL, key))}, opgate without "
-            f"policies {_ms(at('opgate', key))}, nginx {_ms(at('nginx-proxy', key))}.")
+            f"per request under load ({factor}).{machine} In the same rounds kubectl proxy "
+            f"added {_ms(at(KUBECTL, key))}, opgate without policies {_ms(at('opgate', key))}, "
+            f"nginx {_ms(at('nginx-proxy', key))}.")
 
 
 def _why_list_tls(tls: Any, size: str) -> str:
@@ -133,6 +140,7 @@ def biggest_list(tier: Any) -> str | None:
 def checks(results: dict[str, Any]) -> list[Check]:
     tiers = results.get("tiers", {})
     tls, http = tiers.get("tls", {}), tiers.get("http", {})
+    wake = results.get("wakeup")
     out: list[Check] = []
     cpu = _ratio(_get(tls, "small_get", "pinned", FULL, "cpu_us"),
                  _get(tls, "small_get", "pinned", KUBECTL, "cpu_us"))
@@ -144,10 +152,10 @@ def checks(results: dict[str, Any]) -> list[Check]:
                       "≥ 1.0x", lambda v: v >= 1.0, lambda: _why_unpinned(tls)))
     out.append(_check("added latency at 50 req/s, p50 (TLS, full chain)",
                       _get(tls, "latency", FULL, "added_p50_ms"), "ms", "≤ 0.5 ms",
-                      lambda v: v <= 0.5, lambda: _why_latency(tls, "added_p50_ms")))
+                      lambda v: v <= 0.5, lambda: _why_latency(tls, "added_p50_ms", wake)))
     out.append(_check("added latency at 50 req/s, p99 (TLS, full chain)",
                       _get(tls, "latency", FULL, "added_p99_ms"), "ms", "≤ 2 ms",
-                      lambda v: v <= 2.0, lambda: _why_latency(tls, "added_p99_ms")))
+                      lambda v: v <= 2.0, lambda: _why_latency(tls, "added_p99_ms", wake)))
     size = biggest_list(http)
     if size:
         out.append(_check(f"LIST {size} MB over plain HTTP, full chain vs direct",
