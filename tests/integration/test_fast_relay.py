@@ -184,6 +184,90 @@ async def test_watch_events_arrive_one_by_one() -> None:
         await up.close()
 
 
+def apiserver_like_body(objects: int) -> bytes:
+    """Chunked as a kube-apiserver frames a LIST: a 2,048-byte chunk, then the rest of each
+    object (a chunk extension and a trailer besides, which a pass-through keeps)."""
+    out = [b"1;opgate=test\r\n[\r\n"]
+    for i in range(objects):
+        obj = b'{"kind":"ConfigMap","n":%d,"data":"%b"},' % (i, b"x" * (3000 + 37 * i))
+        out += [b"800\r\n", obj[:2048], b"\r\n", b"%x\r\n" % (len(obj) - 2048), obj[2048:],
+                b"\r\n"]
+    out.append(b"1\r\n]\r\n0\r\nX-Trailer: 1\r\n\r\n")
+    return b"".join(out)
+
+
+async def read_response(reader: asyncio.StreamReader) -> tuple[bytes, bytes]:
+    """A chunked response's head and body, raw (framing included), from a raw connection."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    body = b""
+    while not body.endswith(b"\r\n0\r\nX-Trailer: 1\r\n\r\n"):
+        more = await asyncio.wait_for(reader.read(65536), 5)
+        assert more, body[-200:]
+        body += more
+    return head, body
+
+
+@pytest.mark.asyncio
+async def test_a_chunked_body_reaches_the_client_as_the_upstream_framed_it() -> None:
+    """The chunks of a chunked LIST go through as they came (framing and all, in whatever reads
+    the upstream's writes arrive as), the body ends where its framing says, and both
+    connections are kept for the next call."""
+    body = apiserver_like_body(40)
+    calls = 0
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal calls
+        while True:
+            await read_head(reader)
+            calls += 1
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                         b"Transfer-Encoding: chunked\r\n\r\n" + body[:5])
+            for at in range(5, len(body), 7001):  # writes that cut framing anywhere
+                await writer.drain()
+                writer.write(body[at : at + 7001])
+            await writer.drain()
+
+    up = await RawUpstream(serve).start()
+    try:
+        async with fast_proxy(up.url) as (relay, url):
+            host, port = url.removeprefix("http://").split(":")
+            reader, writer = await asyncio.open_connection(host, int(port))
+            for _ in range(3):
+                writer.write(b"GET /api/v1/configmaps HTTP/1.1\r\nHost: x\r\n\r\n")
+                head, got = await read_response(reader)
+                assert head.startswith(b"HTTP/1.1 200 ")
+                assert b"transfer-encoding: chunked" in head.lower()
+                assert got == body
+            writer.close()
+            assert calls == 3 and up.connections == 1 and relay.pool.opened == 1
+    finally:
+        await up.close()
+
+
+@pytest.mark.asyncio
+async def test_a_watch_ended_by_opgate_inside_a_chunk_is_cut_short() -> None:
+    """A passed-through watch ended by the idle timeout between two chunks ends cleanly
+    (test_relay_errors.py); inside a chunk no clean end exists: the response is cut."""
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_head(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                     b"Transfer-Encoding: chunked\r\n\r\n5\r\nfirst\r\n10\r\nhalf a")
+        await writer.drain()
+        await wait_closed(reader)
+
+    up = await RawUpstream(serve).start()
+    try:
+        settings = RelaySettings(watch_idle_timeout=0.3)
+        async with fast_proxy(up.url, settings=settings) as (_, url), client() as c:
+            async with c.get(url + "/api/v1/pods?watch=true") as r:
+                assert r.status == 200
+                with pytest.raises(aiohttp.ClientPayloadError):
+                    await asyncio.wait_for(r.read(), 5)
+            await asyncio.wait_for(up.closed.get(), 5)
+    finally:
+        await up.close()
+
+
 @pytest.mark.asyncio
 async def test_client_disconnect_closes_upstream_within_a_second() -> None:
     sent: list[float] = []

@@ -1,5 +1,6 @@
 """How an upstream connection of the fast relay reads a response's framing
-(proxy/relay/fast/upstream.py): whatever the case of the header names."""
+(proxy/relay/fast/upstream.py): whatever the case of the header names; a chunked body passed
+through as it came, whatever reads it comes in; a long length-framed body read into views."""
 
 from __future__ import annotations
 
@@ -9,17 +10,23 @@ from typing import Any
 
 import pytest
 
+from proxy.relay.fast.chunked import ChunkedFraming, FramingError
 from proxy.relay.fast.upstream import UpstreamConnection, UpstreamPool
 
 
 class Recorder:
-    """An exchange that keeps what the connection told it."""
+    """An exchange that keeps what the connection told it (``raw``: it takes a chunked body
+    as it came, as the relay's exchange does for an HTTP/1.1 client)."""
 
-    def __init__(self) -> None:
+    def __init__(self, raw: bool = False) -> None:
         self.heads: list[tuple[int, bytes | None, bool]] = []
         self.body = b""
         self.complete = False
         self.lost: BaseException | None = None
+        self.raw = raw
+        self.framing: ChunkedFraming | None = None
+        self.raw_body = b""
+        self.raw_size = 0
 
     def on_head(self, status: int, reason: bytes, headers: Any, *, length: bytes | None,
                 chunked: bool) -> None:
@@ -30,6 +37,15 @@ class Recorder:
 
     def on_body(self, chunk: bytes) -> None:
         self.body += chunk
+
+    def pass_chunked(self) -> ChunkedFraming | None:
+        self.framing = ChunkedFraming() if self.raw else None
+        return self.framing
+
+    def on_raw(self, data: bytes, size: int) -> None:
+        assert self.raw and not self.complete
+        self.raw_body += data
+        self.raw_size += size
 
     def on_complete(self) -> None:
         self.complete = True
@@ -49,17 +65,23 @@ class Transport:
         pass
 
 
-def receive(response: bytes) -> tuple[Recorder, UpstreamConnection]:
+def receive(response: bytes, *, piece: int = 7, raw: bool = False,
+            calls: int = 1) -> tuple[Recorder, UpstreamConnection]:
+    """``response`` through a connection in reads of ``piece`` bytes, ``calls`` times in a
+    row on the same connection (each time to a new recorder; the last one is returned)."""
     async def go() -> tuple[Recorder, UpstreamConnection]:
         pool = UpstreamPool(host="127.0.0.1", port=1, tls=None, server_hostname=None,
                             connect_timeout=1.0)
         conn = UpstreamConnection(pool, asyncio.get_running_loop())
         conn.transport = Transport()  # type: ignore[assignment]
-        recorder = Recorder()
-        conn.send(recorder, b"GET / HTTP/1.1\r\n\r\n")  # type: ignore[arg-type]
-        for i in range(0, len(response), 7):  # in pieces, as a network hands them over
-            conn.data_received(response[i : i + 7])
-        conn.close()
+        for _ in range(calls):
+            assert pool.take() in (None, conn)  # the pool lends it again
+            recorder = Recorder(raw)
+            conn.send(recorder, b"GET / HTTP/1.1\r\n\r\n")  # type: ignore[arg-type]
+            for i in range(0, len(response), piece):  # in pieces, as a network hands them over
+                conn.data_received(response[i : i + piece])
+                if conn.closed:
+                    break
         return recorder, conn
 
     return asyncio.run(go())
@@ -79,6 +101,53 @@ def test_a_chunked_body_whatever_the_case_of_its_header(name: bytes) -> None:
                           + b": Chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n")
     assert recorder.heads == [(200, None, True)]
     assert recorder.body == b"abc" and recorder.complete
+
+
+HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+CHUNKED = (b"800\r\n" + b"a" * 0x800 + b"\r\n" + b"5;name=value\r\n{\"x\"}\r\n"
+           b"1\r\n\n\r\n0\r\nX-Trailer: t\r\n\r\n")
+DATA = b"a" * 0x800 + b"{\"x\"}" + b"\n"
+
+
+@pytest.mark.parametrize("piece", [1, 2, 3, 5, 7, 64, 2053, 4096])
+def test_a_chunked_body_is_passed_through_as_it_came_whatever_the_reads(piece: int) -> None:
+    """Framing, extensions and trailers go to the exchange untouched; the body ends where
+    its framing says, the connection goes back to the pool and carries the next call."""
+    recorder, conn = receive(HEAD + CHUNKED, piece=piece, raw=True, calls=2)
+    assert recorder.heads == [(200, None, True)]
+    assert recorder.raw_body == CHUNKED and recorder.raw_size == len(DATA)
+    assert recorder.body == b"" and recorder.complete and recorder.lost is None
+    assert not conn.closed and conn._framing is None and conn._pool._idle == [conn]
+
+
+@pytest.mark.parametrize("piece", [1, 2, 4, 30, 10_000])
+def test_a_passed_through_body_after_an_interim_head(piece: int) -> None:
+    """Where the body starts is where llhttp stopped, also after an interim head and the
+    CR/LF bytes llhttp skips between messages, whatever reads they come in."""
+    recorder, conn = receive(b"HTTP/1.1 100 Continue\r\n\r\n\r\n\r\n" + HEAD + CHUNKED,
+                             piece=piece, raw=True)
+    assert recorder.heads == [(200, None, True)]
+    assert recorder.raw_body == CHUNKED and recorder.complete and not conn.closed
+
+
+def test_bytes_after_a_passed_through_body_close_the_connection() -> None:
+    recorder, conn = receive(HEAD + CHUNKED + b"HTTP/1.1 200 OK\r\n", piece=10_000, raw=True)
+    assert recorder.raw_body == CHUNKED and recorder.complete
+    assert conn.closed and conn._pool.take() is None  # never lent again
+
+
+@pytest.mark.parametrize("body", [b"zz\r\nab\r\n0\r\n\r\n", b"2\r\nabXY0\r\n\r\n",
+                                  b"2\nab\r\n0\r\n\r\n", b"-2\r\nab\r\n0\r\n\r\n"])
+def test_malformed_passed_through_framing_loses_the_call_and_the_connection(body: bytes) -> None:
+    recorder, conn = receive(HEAD + body, piece=3, raw=True)
+    assert isinstance(recorder.lost, FramingError) and not recorder.complete
+    assert conn.closed
+
+
+def test_an_exchange_that_declines_gets_the_data_through_the_parser() -> None:
+    recorder, conn = receive(HEAD + CHUNKED, piece=5, raw=False, calls=2)
+    assert recorder.body == DATA and recorder.raw_body == b"" and recorder.complete
+    assert not conn.closed
 
 
 def test_names_of_the_same_lengths_frame_nothing() -> None:

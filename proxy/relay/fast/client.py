@@ -90,6 +90,12 @@ class _Exchange:
         self.on_body(view.tobytes())  # kept until read
         return False
 
+    def pass_chunked(self) -> None:
+        return None  # its reader wants the data alone
+
+    def on_raw(self, data: bytes, size: int) -> None:
+        raise AssertionError("never called: pass_chunked answers None")
+
     def on_complete(self) -> None:
         self.ended = True
         self._wake()

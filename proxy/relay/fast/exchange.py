@@ -3,9 +3,11 @@
 An :class:`Exchange` is what an :class:`~proxy.relay.fast.upstream.UpstreamConnection` calls
 back. The upstream's ``Content-Length`` framing is kept; a chunked or close-delimited body is
 sent chunked to an HTTP/1.1 client (each upstream read is one chunk, so a watch event leaves as
-soon as it arrives) and close-delimited to an HTTP/1.0 one. For ordinary calls the head is held
-back and leaves with the first body bytes (one segment); a long-running call's head leaves at
-once, as clients wait for it before the first event.
+soon as it arrives) and close-delimited to an HTTP/1.0 one. An upstream's chunked body goes to
+an HTTP/1.1 client as it came, framing and all (:meth:`Exchange.pass_chunked`, then ``on_raw``
+per read), unless a subclass sees the body (:class:`~proxy.relay.fast.tapped.TappedExchange`).
+For ordinary calls the head is held back and leaves with the first body bytes (one segment); a
+long-running call's head leaves at once, as clients wait for it before the first event.
 
 After an upgrade's ``101`` (``on_switch``) the head leaves at once with the upstream's
 ``Connection``/``Upgrade`` headers, and every later byte is relayed raw until either side closes.
@@ -23,6 +25,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterable
 
+from proxy.relay.fast.chunked import ChunkedFraming
 from proxy.relay.fast.server import ClientConnection
 from proxy.relay.fast.upstream import UpstreamConnection
 from proxy.relay.fast.wire import Headers, response_head, switch_head
@@ -36,11 +39,14 @@ _COPY_BELOW = 16 * 1024  # smaller chunks leave in one buffer with their framing
 class Exchange:
     """Receives one upstream response and writes it to ``client``."""
 
+    PASSES_CHUNKED = True  # whether a chunked body may go through as it came (pass_chunked)
+
     __slots__ = (
         "_chunked",
         "_conn",
         "_defer",
         "_extra",
+        "_framing",
         "_head_by",
         "_head_only",
         "_http11",
@@ -83,6 +89,7 @@ class Exchange:
         self._head_only = head_only
         self._http11 = http11
         self._chunked = False
+        self._framing: ChunkedFraming | None = None
         self._pending = b""
         self._conn: UpstreamConnection | None = None  # whose timer holds the deadline
         self._head_by = self._total_by = self._total = self._idle = self._last = 0.0
@@ -223,10 +230,40 @@ class Exchange:
         self.on_body(view)  # written as is, or framed into new bytes
         return self.client.holds_writes()  # then the transport may still refer to it
 
+    def pass_chunked(self) -> ChunkedFraming | None:
+        """The upstream's chunked body goes to the client chunked anyway: as it came."""
+        if not self._chunked or not self.PASSES_CHUNKED or self.done.done():
+            return None
+        framing = self._framing = ChunkedFraming()
+        return framing
+
+    def on_raw(self, data: bytes, size: int) -> None:
+        if self.done.done():
+            return
+        if self._idle:
+            self._last = self._loop.time()
+        self.sent += size
+        if self._pending:
+            pending, self._pending = self._pending, b""
+            if len(data) > _COPY_BELOW:
+                self.client.writelines((pending, data))
+            else:
+                self.client.write(pending + data)
+            return
+        self.client.write(data)
+
     def on_complete(self) -> None:
         if not self.head.done() or self.done.done():
             return
-        tail = _LAST_CHUNK if self._chunked else b""
+        framing = self._framing
+        if framing is None:
+            tail = _LAST_CHUNK if self._chunked else b""
+        else:  # passed through: ended by the upstream, or by a deadline between two chunks
+            end = b"" if framing.ended else framing.closing()
+            if end is None:  # a deadline inside a chunk: no clean end, cut it short
+                self.on_lost(self.error or ConnectionResetError("ended inside a chunk"))
+                return
+            tail = end
         if self._pending:
             tail, self._pending = self._pending + tail, b""
         if tail:

@@ -18,6 +18,8 @@ __all__ = ["TappedExchange"]
 class TappedExchange(Exchange):
     __slots__ = ("tap",)
 
+    PASSES_CHUNKED = False  # the tap is shown the body's data, so the parser takes the framing
+
     def __init__(self, tap: BodyTap, client: ClientConnection, *args: Any,
                  **options: Any) -> None:
         super().__init__(client, *args, **options)

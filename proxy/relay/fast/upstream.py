@@ -23,9 +23,14 @@ whether it still holds the view (the client's write buffer kept it); the next re
 a fresh buffer. Meanwhile the socket wakes the loop only once ``LOWAT`` bytes are queued
 (``SO_RCVLOWAT``) for as long as more than that is still due: an upstream that sends a TLS
 record at a time is read in fewer, fuller reads, and written to the client in fewer, larger
-writes. Near the body's end the mark goes back to 1, so the last bytes are never held back. A
-chunked body (a kube-apiserver's LIST over HTTP/1.1) goes through the parser as before: its end
-is not known ahead, so no mark could be set safely.
+writes. Near the body's end the mark goes back to 1, so the last bytes are never held back.
+
+A chunked body (every LIST and watch of a kube-apiserver) that the exchange relays chunked to an
+HTTP/1.1 client is passed through as it came, framing and all (``pass_chunked``, then
+``on_raw`` per read): the parser is stopped right after the head, and
+:class:`~proxy.relay.fast.chunked.ChunkedFraming` reads only the framing to find the body's end,
+so a read is one client write instead of a callback, a framing and a write per chunk. Its end is
+not known ahead, so no low-water mark is set: every read leaves at once, as a watch needs.
 
 Each connection has one :class:`~proxy.relay.lazytimer.LazyTimer` (``timer``) for the deadlines
 of the exchange it is lent to: the exchange sets its next deadline there, and when it passes the
@@ -46,6 +51,7 @@ from typing import Protocol, cast
 import httptools
 
 from proxy.relay.errors import ConnectTimeout
+from proxy.relay.fast.chunked import ChunkedFraming, FramingError
 from proxy.relay.fast.request import Flow, FlowForwarding
 from proxy.relay.fast.wire import Headers
 from proxy.relay.lazytimer import LazyTimer
@@ -71,6 +77,14 @@ class Exchange(Protocol):
         """A body chunk as a view of the connection's read buffer, valid only during the call;
         ``True`` when the view is still referenced afterwards (the next read then goes to a
         fresh buffer). An exchange that keeps chunks copies it, or answers ``True``."""
+        ...
+    def pass_chunked(self) -> ChunkedFraming | None:
+        """Asked once the head of a chunked body is in: the framing to follow when the body
+        is to go to ``on_raw`` as it came, framing and all; ``None``: through ``on_body``."""
+        ...
+    def on_raw(self, data: bytes, size: int) -> None:
+        """A read of a chunked body passed through, framing included (``size``: the data
+        bytes in it)."""
         ...
     def on_complete(self) -> None: ...
     def on_lost(self, exc: BaseException) -> None: ...
@@ -101,6 +115,10 @@ class UpstreamConnection(FlowForwarding, asyncio.Protocol):
         self.switched = False  # the upstream answered 101: raw bytes from here on
         self._left = 0  # body bytes still due of a length-framed response
         self._status = 0
+        self._framing: ChunkedFraming | None = None  # a chunked body passed through as it came
+        self._in_body = False  # the final head of the current response is in
+        self._before = b""  # meanwhile: the response's reads so far (its head may span reads)
+        self._heads = 0  # heads of the current response so far (interim ones too)
 
     def send(
         self,
@@ -113,6 +131,7 @@ class UpstreamConnection(FlowForwarding, asyncio.Protocol):
     ) -> None:
         self.exchange, self.head_only, self.received = exchange, head_only, False
         self.body_pending, self._until_close, self.upgrade = streaming, False, upgrade
+        self._in_body, self._before, self._heads = False, b"", 0
         assert self.transport is not None
         self.transport.write(data)
 
@@ -156,20 +175,73 @@ class UpstreamConnection(FlowForwarding, asyncio.Protocol):
         if self._left:
             self._body_past_parser(exchange, data)
             return
+        if self._framing is not None:
+            self._chunks_past_parser(exchange, data)
+            return
         self.received = True
         try:
             self._parser.feed_data(data)
             if self._left >= LONG_BODY and not self.closed and self.transport is not None:
                 BodyReader(self, self.transport)
+            if not self._in_body:  # the head goes on in the next read (rare: kept whole)
+                self._before += data
         except httptools.HttpParserUpgrade as e:
             offset = e.args[0] if e.args else len(data)
             if self.switched and offset < len(data) and self.exchange is not None:
                 self.exchange.on_body(data[offset:])
         except httptools.HttpParserError as e:
+            if isinstance(e.__context__, _PassChunks):
+                self._chunks_after_head(exchange, data)
+                return
             exchange = self.exchange
             self.close()
             if exchange is not None:
                 exchange.on_lost(e)
+
+    def _chunks_after_head(self, exchange: Exchange, data: bytes) -> None:
+        """The parser stopped right after the head of a chunked body passed through. The body
+        starts where llhttp stopped: after the response's ``_heads``-th head (interim ones
+        first), each of which starts at its first byte that is not CR or LF (llhttp skips
+        those between messages) and ends with ``\\r\\n\\r\\n`` (llhttp takes no other line
+        end). The response's earlier reads are in ``_before`` when its head spanned reads."""
+        self._parser = httptools.HttpResponseParser(self)  # this one is in its error state
+        before, self._before = self._before, b""
+        buf = before + data if before else data
+        at = 0
+        for _ in range(self._heads):
+            while at < len(buf) and buf[at] in b"\r\n":
+                at += 1
+            end = buf.find(b"\r\n\r\n", at)
+            if end < 0:  # cannot happen with a head llhttp accepted; never guess
+                self._framing = None
+                self.close()
+                exchange.on_lost(httptools.HttpParserError("no end of the response head found"))
+                return
+            at = end + 4
+        at -= len(before)
+        if at < len(data):
+            self._chunks_past_parser(exchange, data[at:] if at else data)
+
+    def _chunks_past_parser(self, exchange: Exchange, data: bytes) -> None:
+        """A read of a chunked body passed through: to the client as it came, up to the
+        body's end (which :class:`ChunkedFraming` finds)."""
+        framing = self._framing
+        assert framing is not None
+        before = framing.body
+        try:
+            end = framing.feed(data)
+        except FramingError as e:
+            self._framing = None
+            self.close()
+            exchange.on_lost(e)
+            return
+        if end < 0:
+            exchange.on_raw(data, framing.body - before)
+            return
+        self._framing = None
+        extra = end < len(data)
+        exchange.on_raw(data[:end] if extra else data, framing.body - before)
+        self._end_body(extra)
 
     def _body_past_parser(self, exchange: Exchange, data: bytes) -> None:
         """The rest of a length-framed body, straight to the exchange: no parser, no copy."""
@@ -219,6 +291,7 @@ class UpstreamConnection(FlowForwarding, asyncio.Protocol):
         self._headers.append((name, value))
 
     def on_headers_complete(self) -> None:
+        self._heads += 1
         status = self._status = self._parser.get_status_code()
         if status == 101 and self.upgrade:
             self.switched = True
@@ -227,6 +300,7 @@ class UpstreamConnection(FlowForwarding, asyncio.Protocol):
             return
         if 100 <= status < 200:
             return  # interim (100 Continue): the real response follows
+        self._in_body = True
         self._keep = self._parser.should_keep_alive() and not self.upgrade
         length: bytes | None = None
         chunked = False
@@ -244,6 +318,10 @@ class UpstreamConnection(FlowForwarding, asyncio.Protocol):
         if exchange is not None:
             exchange.on_head(status, self._reason, self._headers, length=length,
                              chunked=chunked and not no_body)
+            if chunked and not no_body:
+                self._framing = exchange.pass_chunked()
+                if self._framing is not None:
+                    raise _PassChunks  # stops the parser here (see data_received)
         if self.head_only:  # httptools cannot skip a HEAD's announced body: finish, do not reuse
             self.exchange = None
             self.close()
@@ -268,6 +346,10 @@ class UpstreamConnection(FlowForwarding, asyncio.Protocol):
             self.close()
         if exchange is not None:
             exchange.on_complete()
+
+
+class _PassChunks(Exception):
+    """Raised in the parser's head callback to stop it where a passed-through body starts."""
 
 
 class BodyReader(asyncio.BufferedProtocol):
