@@ -38,6 +38,7 @@ class Plan:
     list_mb: tuple[int, ...]
     apiserver_list_mb: int
     reload_repeats: int
+    apiserver_list_transfers: int = 5  # LISTs per round and path in the apiserver tier
     measures: tuple[str, ...] = MEASURES
     paths: tuple[str, ...] = NAMES  # + "opgate-aiohttp" with --with-aiohttp
 
@@ -45,7 +46,8 @@ class Plan:
     def quick_plan(cls) -> Plan:
         return cls(quick=True, rounds=1, wrk_seconds=2, connections=16, latency_rate=50,
                    latency_seconds=2, watch_events=1000, watch_rate=1000, open_watches=1000,
-                   list_mb=(64, 200), apiserver_list_mb=8, reload_repeats=3)
+                   list_mb=(64, 200), apiserver_list_mb=8, reload_repeats=3,
+                   apiserver_list_transfers=1)
 
     @classmethod
     def full_plan(cls) -> Plan:

@@ -77,7 +77,9 @@ def run_tier(bench: Bench, targets: Sequence[Target], *, static: bool) -> Result
         _timed("latency", lambda: measures.latency(bench, targets), out)
     if "list" in want:
         sizes = None if static else {bench.plan.apiserver_list_mb: LISTS[64]}
-        _timed("list", lambda: measures.lists(bench, targets, sizes=sizes), out)
+        transfers = 1 if static else bench.plan.apiserver_list_transfers
+        _timed("list", lambda: measures.lists(bench, targets, sizes=sizes, transfers=transfers),
+               out)
     if static and "watch" in want:
         _timed("watch", lambda: streams.watch(bench, targets), out)
     if static and "open-watches" in want:
