@@ -150,6 +150,15 @@ def test_an_exchange_that_declines_gets_the_data_through_the_parser() -> None:
     assert not conn.closed
 
 
+def test_a_response_head_without_end_fails_the_call() -> None:
+    from proxy.relay.fast.upstream import MAX_HEAD
+
+    endless = b"HTTP/1.1 200 OK\r\n" + b"X-Filler: " + b"y" * (MAX_HEAD + 10)
+    recorder, conn = receive(endless, piece=64 * 1024)
+    assert recorder.heads == [] and conn.closed
+    assert recorder.lost is not None and "longer than" in str(recorder.lost)
+
+
 def test_names_of_the_same_lengths_frame_nothing() -> None:
     """Neither a 14- nor a 17-character name that is not a framing header frames the body."""
     recorder, conn = receive(b"HTTP/1.1 200 OK\r\nX-Length-Is-14: 3\r\nX-Seventeen-Chars: "

@@ -63,6 +63,7 @@ LONG_BODY = 1024 * 1024  # a length-framed body this long is read by a BodyReade
 READ_SIZE = 256 * 1024  # the BodyReader's buffer: one read (over TLS: up to 16 records)
 LOWAT = 128 * 1024  # meanwhile, wake up for no less (SO_RCVLOWAT) ...
 LOWAT_MARGIN = 2 * READ_SIZE  # ... while more than this is due besides (a TLS layer's backlog)
+MAX_HEAD = 1024 * 1024  # a response head (interim ones included) longer than this fails the call
 
 
 class Exchange(Protocol):
@@ -185,6 +186,9 @@ class UpstreamConnection(FlowForwarding, asyncio.Protocol):
                 BodyReader(self, self.transport)
             if not self._in_body:  # the head goes on in the next read (rare: kept whole)
                 self._before += data
+                if len(self._before) > MAX_HEAD:
+                    raise httptools.HttpParserError(
+                        f"response head longer than {MAX_HEAD} bytes")
         except httptools.HttpParserUpgrade as e:
             offset = e.args[0] if e.args else len(data)
             if self.switched and offset < len(data) and self.exchange is not None:
