@@ -27,9 +27,11 @@ from tests.integration.fakes import (
     AiohttpUpstream,
     Policies,
     RawUpstream,
+    make_cert,
     ok_handler,
     read_head,
     running_proxy,
+    server_context,
     wait_closed,
 )
 
@@ -207,11 +209,15 @@ async def read_response(reader: asyncio.StreamReader) -> tuple[bytes, bytes]:
     return head, body
 
 
-@pytest.mark.asyncio
-async def test_a_chunked_body_reaches_the_client_as_the_upstream_framed_it() -> None:
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+@pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls"])
+def test_a_chunked_body_reaches_the_client_as_the_upstream_framed_it(
+    loop: str, tls: bool, tmp_path: Any
+) -> None:
     """The chunks of a chunked LIST go through as they came (framing and all, in whatever reads
-    the upstream's writes arrive as), the body ends where its framing says, and both
-    connections are kept for the next call."""
+    the upstream's writes arrive as, decrypted by either loop's TLS), the body ends where its
+    framing says, and both connections are kept for the next call."""
+    uvloop = pytest.importorskip("uvloop")
     body = apiserver_like_body(40)
     calls = 0
 
@@ -227,21 +233,32 @@ async def test_a_chunked_body_reaches_the_client_as_the_upstream_framed_it() -> 
                 writer.write(body[at : at + 7001])
             await writer.drain()
 
-    up = await RawUpstream(serve).start()
-    try:
-        async with fast_proxy(up.url) as (relay, url):
-            host, port = url.removeprefix("http://").split(":")
-            reader, writer = await asyncio.open_connection(host, int(port))
-            for _ in range(3):
-                writer.write(b"GET /api/v1/configmaps HTTP/1.1\r\nHost: x\r\n\r\n")
-                head, got = await read_response(reader)
-                assert head.startswith(b"HTTP/1.1 200 ")
-                assert b"transfer-encoding: chunked" in head.lower()
-                assert got == body
-            writer.close()
-            assert calls == 3 and up.connections == 1 and relay.pool.opened == 1
-    finally:
-        await up.close()
+    async def main() -> None:
+        options: dict[str, Any] = {}
+        context = None
+        if tls:
+            cert, key = make_cert(str(tmp_path))
+            context, options = server_context(cert, key), {"ca_file": cert}
+        up = await RawUpstream(serve).start(ssl_context=context)
+        try:
+            async with fast_proxy(up.url, **options) as (relay, url):
+                host, port = url.removeprefix("http://").split(":")
+                reader, writer = await asyncio.open_connection(host, int(port))
+                for _ in range(3):
+                    writer.write(b"GET /api/v1/configmaps HTTP/1.1\r\nHost: x\r\n\r\n")
+                    head, got = await read_response(reader)
+                    assert head.startswith(b"HTTP/1.1 200 ")
+                    assert b"transfer-encoding: chunked" in head.lower()
+                    assert got == body
+                writer.close()
+                assert calls == 3 and up.connections == 1 and relay.pool.opened == 1
+        finally:
+            await up.close()
+
+    if loop == "uvloop":
+        uvloop.run(main())
+    else:
+        asyncio.run(main())
 
 
 @pytest.mark.asyncio
