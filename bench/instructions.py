@@ -15,8 +15,8 @@ bench's ``opgate-full``). After a warm-up, ``--calls`` small GETs go over 4 keep
 connections one at a time, then an idle window of the same length is counted and subtracted
 (timers, the informer), so a row is the net instructions per call. Under callgrind the server
 is ~50x slower, so its time-based amortization windows are stretched as much
-(:mod:`bench.slowed`). Valgrind emulates a CPU without SHA extensions: the identity row pays
-~25k instructions for the SHA-256 of the caller's token that cost ~1.5 µs on the real CPU.
+(:mod:`bench.slowed`). The identity row includes the BLAKE2b of the caller's ~1 KB token (its
+cache key), ~12k instructions (~2 µs on the real CPU).
 
     python bench/instructions.py [--calls 1000] [--rows relay,identity,full] [--keep DIR]
 
