@@ -236,6 +236,26 @@ def server_context(cert: str, key: str) -> ssl.SSLContext:
     return ctx
 
 
+def tls_upstream(tls: bool, directory: str) -> tuple[ssl.SSLContext | None, dict[str, Any]]:
+    """For an upstream over TLS (``tls``): its server context and the ``running_proxy`` options
+    that trust it (a new self-signed certificate in ``directory``); else ``(None, {})``."""
+    if not tls:
+        return None, {}
+    cert, key = make_cert(directory)
+    return server_context(cert, key), {"ca_file": cert}
+
+
+def run_on(loop: str, main: Callable[[], Awaitable[None]]) -> None:
+    """Run ``main()`` on a new event loop of the kind the relay runs on: "asyncio" or
+    "uvloop"."""
+    if loop == "uvloop":
+        import uvloop
+
+        uvloop.run(main())
+    else:
+        asyncio.run(main())
+
+
 def rss_bytes() -> int:
     """This process's resident set size (VmRSS)."""
     with open("/proc/self/status", encoding="ascii") as f:

@@ -16,7 +16,6 @@ import asyncio
 import hashlib
 import os
 import socket
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
@@ -26,23 +25,16 @@ from proxy.relay.fast import upstream
 from proxy.relay.fast.relay import FastRelay
 from tests.integration.fakes import (
     AiohttpUpstream,
-    make_cert,
     read_head,
+    run_on,
     running_proxy,
-    server_context,
+    tls_upstream,
 )
 
-uvloop = pytest.importorskip("uvloop")
+pytest.importorskip("uvloop")
 
 BODY = os.urandom(3 * upstream.LONG_BODY + 12345)  # several reads, a partial last one
 LOOPS = ["asyncio", "uvloop"]
-
-
-def run(kind: str, coro: Callable[[], Awaitable[None]]) -> None:
-    if kind == "uvloop":
-        uvloop.run(coro())
-    else:
-        asyncio.run(coro())
 
 
 async def handler(request: web.BaseRequest) -> web.StreamResponse:
@@ -102,11 +94,7 @@ def test_long_body_arrives_intact_and_the_connection_is_reused(
     readers = Counting(monkeypatch)
 
     async def main() -> None:
-        options: dict[str, Any] = {}
-        context = None
-        if tls:
-            cert, key = make_cert(str(tmp_path))
-            context, options = server_context(cert, key), {"ca_file": cert}
+        context, options = tls_upstream(tls, str(tmp_path))
         up = await AiohttpUpstream(handler).start(ssl_context=context)
         try:
             async with running_proxy(up.url, relay_kind="fast", **options) as proxy:
@@ -121,7 +109,7 @@ def test_long_body_arrives_intact_and_the_connection_is_reused(
         finally:
             await up.close()
 
-    run(loop, main)
+    run_on(loop, main)
     assert readers.started == 2
 
 
@@ -160,5 +148,5 @@ def test_client_leaving_mid_body_closes_the_upstream_connection(
         finally:
             await up.close()
 
-    run(loop, main)
+    run_on(loop, main)
     assert readers.started == 1

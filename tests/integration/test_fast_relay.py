@@ -27,11 +27,11 @@ from tests.integration.fakes import (
     AiohttpUpstream,
     Policies,
     RawUpstream,
-    make_cert,
     ok_handler,
     read_head,
+    run_on,
     running_proxy,
-    server_context,
+    tls_upstream,
     wait_closed,
 )
 
@@ -217,7 +217,6 @@ def test_a_chunked_body_reaches_the_client_as_the_upstream_framed_it(
     """The chunks of a chunked LIST go through as they came (framing and all, in whatever reads
     the upstream's writes arrive as, decrypted by either loop's TLS), the body ends where its
     framing says, and both connections are kept for the next call."""
-    uvloop = pytest.importorskip("uvloop")
     body = apiserver_like_body(40)
     calls = 0
 
@@ -234,11 +233,7 @@ def test_a_chunked_body_reaches_the_client_as_the_upstream_framed_it(
             await writer.drain()
 
     async def main() -> None:
-        options: dict[str, Any] = {}
-        context = None
-        if tls:
-            cert, key = make_cert(str(tmp_path))
-            context, options = server_context(cert, key), {"ca_file": cert}
+        context, options = tls_upstream(tls, str(tmp_path))
         up = await RawUpstream(serve).start(ssl_context=context)
         try:
             async with fast_proxy(up.url, **options) as (relay, url):
@@ -255,10 +250,7 @@ def test_a_chunked_body_reaches_the_client_as_the_upstream_framed_it(
         finally:
             await up.close()
 
-    if loop == "uvloop":
-        uvloop.run(main())
-    else:
-        asyncio.run(main())
+    run_on(loop, main)
 
 
 @pytest.mark.asyncio

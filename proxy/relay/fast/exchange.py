@@ -256,14 +256,14 @@ class Exchange:
         if not self.head.done() or self.done.done():
             return
         framing = self._framing
+        tail: bytes | None
         if framing is None:
             tail = _LAST_CHUNK if self._chunked else b""
         else:  # passed through: ended by the upstream, or by a deadline between two chunks
-            end = b"" if framing.ended else framing.closing()
-            if end is None:  # a deadline inside a chunk: no clean end, cut it short
+            tail = b"" if framing.ended else framing.closing()
+            if tail is None:  # a deadline inside a chunk: no clean end, cut it short
                 self.on_lost(self.error or ConnectionResetError("ended inside a chunk"))
                 return
-            tail = end
         if self._pending:
             tail, self._pending = self._pending + tail, b""
         if tail:
