@@ -3,7 +3,8 @@
 Behind opgate the kubeconfig's server is the sidecar (``http://127.0.0.1:8001``) and the user is
 the ServiceAccount's token, inline (``token``) or in a file (``tokenFile``) that the kubelet
 rotates, so the file is read again when it changes and at least once a minute, as client-go's
-cached token source does. A CA (``certificate-authority[-data]``) is used when the server is
+cached token source does. A kubeconfig without a user (the Helm chart's) sends no token: opgate
+then adds the pod's own upstream. A CA (``certificate-authority[-data]``) is used when the server is
 ``https``. The token is never logged or put in an exception message.
 """
 
@@ -123,9 +124,12 @@ def load_kubeconfig(path: str | os.PathLike[str] | None, *, context: str | None 
         raise ConfigError(f"kubeconfig cluster {ctx.get('cluster')!r} has no http(s) server")
     base = file.parent
     token_file = _resolve(base, user["tokenFile"]) if user.get("tokenFile") else None
+    if token_file is not None and not os.access(token_file, os.R_OK):
+        raise ConfigError(f"kubeconfig user {ctx.get('user')!r}: cannot read its tokenFile "
+                          f"{token_file}")
+    # no user, or one without a token: no Authorization header, as client-go does (behind
+    # opgate, the sidecar adds the pod's ServiceAccount token upstream: the Helm chart's case)
     tokens = TokenSource(token=user.get("token"), token_file=token_file)
-    if tokens.get() is None:
-        raise ConfigError(f"kubeconfig user {ctx.get('user')!r} has neither token nor tokenFile")
     return ClusterConfig(
         server=server,
         tokens=tokens,

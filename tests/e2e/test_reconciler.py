@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -38,6 +39,7 @@ CHANGED = (0, 7, 13, 21, 42)
 DEADLINE = 120.0
 GROUP_PATH = "/apis/demo.opgate.dev/v1"
 THROTTLED_NAMESPACE = "widgets-e2e-throttled"
+CHART_NAMESPACE = "widgets-e2e-chart"
 FINALIZER = "demo.opgate.dev/cleanup"
 COLORS = ("red", "green", "blue", "amber", "violet")
 # every Widget gets its own write budget, keyed by the Opgate-Instance header the operator sends
@@ -328,3 +330,42 @@ def test_noisy_widget_throttled_alone_and_retry_after_honoured(
         assert later, f"a throttled {c['verb']} was never retried"
         gap = (min(stamp[id(n)] for n in later) - stamp[id(c)]).total_seconds()
         assert gap >= 0.9, f"retried {gap:.2f}s after a 429 with Retry-After: 1"
+
+
+def test_operator_with_the_helm_charts_kubeconfig(
+    cluster: LocalCluster, operator_token: str, opgate_factory: Callable[..., Opgate],
+    helm: Path, tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """The chart's set-up: the operator's kubeconfig (rendered by the real helm) names the
+    sidecar and no user, so the operator sends no token and opgate adds the pod's own
+    (``--token-file``, here the sample operator's ServiceAccount token) to every call."""
+    workdir = tmp_path_factory.mktemp("op-chart")
+    token_file = workdir / "token"
+    token_file.write_text(operator_token)
+    gate = opgate_factory(tls=False, extra_args=["--token-file", str(token_file)])
+    out = subprocess.run(
+        [str(helm), "template", "demo", str(REPO / "helm" / "opgate"),
+         "--set", f"sidecar.listen=127.0.0.1:{gate.port}"],
+        capture_output=True, text=True, check=True).stdout
+    [config_map] = [d for d in yaml.safe_load_all(out) if d and d["kind"] == "ConfigMap"
+                    and d["metadata"]["name"].endswith("-kubeconfig")]
+    kubeconfig = workdir / "config"
+    kubeconfig.write_text(config_map["data"]["config"])
+    assert "users" not in yaml.safe_load(kubeconfig.read_text())
+    env = Env(cluster=cluster, gate=gate, kubeconfig=kubeconfig, workdir=workdir)
+    ns = CHART_NAMESPACE
+    cluster.create_namespace(ns)
+    with running_operator(env, "--namespace", ns) as operator:
+        specs = {f"chart-{i}": {"data": {"i": str(i)}} for i in range(5)}
+        create_widgets(cluster, ns, specs)
+        wait_for(lambda: problems(cluster, specs, ns), what="after creating", env=env,
+                 proc=operator)
+        all_at_once([lambda name=name: cluster.call(
+            "DELETE", f"{widgets_path(ns)}/{name}").ok() for name in specs])
+        wait_for(lambda: leftovers(cluster, ns), what="after deleting", env=env, proc=operator)
+        stop_cleanly(operator)
+    calls = access_log(gate, until=has_watch)
+    assert sum(1 for c in calls if (c["verb"], c.get("resource"), c.get("code"))
+               == ("create", "configmaps", 201)) == len(specs), "no calls through opgate"
+    assert not [c for c in calls if int(c.get("code") or 0) in (401, 403)], \
+        "a call was refused: opgate did not add the pod's token"

@@ -82,3 +82,32 @@ def test_the_image_and_the_test_extra_have_mitmproxy_for_capture() -> None:
     [wheel] = [ln for ln in (ROOT / "Dockerfile").read_text().splitlines()
                if "pip wheel" in ln]
     assert ".[capture]" in wheel
+
+
+def test_compose_operator_presents_the_token_the_demo_policy_admits(tmp_path: Path) -> None:
+    """compose serves the demo policies, whose identity section admits only the sample
+    operator's ServiceAccount: the operator's kubeconfig must carry that token (a file the
+    header's `kubectl create token` writes), or every call it makes is a 401."""
+    from examples.reconciler.config import load_kubeconfig
+
+    services = _compose()["services"]
+    reconciler = services["reconciler"]  # type: ignore[index]
+    command = reconciler["command"]
+    container_path = command[command.index("--kubeconfig") + 1]
+    mounts = dict(reversed(v.split(":")[:2]) for v in reconciler["volumes"])
+    [(inside, source)] = [(i, s) for i, s in mounts.items() if container_path.startswith(i + "/")]
+    host = ROOT / source / container_path[len(inside) + 1:]
+    copy = tmp_path / host.name
+    copy.write_text(host.read_text())
+    user = yaml.safe_load(copy.read_text())["users"][0]["user"]
+    (tmp_path / user["tokenFile"]).write_text("the-operator-token\n")
+    assert load_kubeconfig(copy).tokens.get() == "the-operator-token"
+
+    header = (ROOT / "docker-compose.yml").read_text()
+    written = f"create token sample-operator --duration=24h > {source[2:]}/{user['tokenFile']}"
+    assert written in header
+    assert f"{source[2:]}/{user['tokenFile']}" in (ROOT / ".gitignore").read_text()
+    opgate = build_parser().parse_args(services["opgate"]["command"])  # type: ignore[index]
+    policies = Path(opgate.policies.replace("/etc/opgate/policies", str(ROOT / "policies")))
+    text = "".join(p.read_text() for p in sorted(policies.glob("*.yaml")))
+    assert "serviceAccount: opgate-demo/sample-operator" in text

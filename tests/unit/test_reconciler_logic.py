@@ -15,7 +15,7 @@ import pytest
 from examples.reconciler import resources as r
 from examples.reconciler.config import ConfigError, TokenSource, load_kubeconfig
 from examples.reconciler.controller import Controller
-from examples.reconciler.kube import ApiError
+from examples.reconciler.kube import ApiError, KubeClient
 from examples.reconciler.reconciler import Outcome, Reconciler
 from examples.reconciler.retry import (
     MAX_RETRY_AFTER,
@@ -365,16 +365,32 @@ def test_token_source_rereads_periodically(tmp_path: Path) -> None:
     [
         "current-context: c\ncontexts: []\n",
         "current-context: c\nclusters: [{name: k, cluster: {server: 'http://x'}}]\n"
-        "users: [{name: u, user: {}}]\ncontexts: [{name: c, context: {cluster: k, user: u}}]\n",
+        "users: [{name: u, user: {tokenFile: missing}}]\n"
+        "contexts: [{name: c, context: {cluster: k, user: u}}]\n",
         "clusters: []\n",
     ],
-    ids=["no-context", "no-token", "no-current-context"],
+    ids=["no-context", "unreadable-token-file", "no-current-context"],
 )
 def test_kubeconfig_errors(tmp_path: Path, body: str) -> None:
     cfg = tmp_path / "kubeconfig"
     cfg.write_text(body)
     with pytest.raises(ConfigError):
         load_kubeconfig(cfg)
+
+
+@pytest.mark.parametrize("user", ["", "users: [{name: u, user: {}}]\n"], ids=["no-user", "empty"])
+def test_kubeconfig_without_credentials_sends_no_token(tmp_path: Path, user: str) -> None:
+    """The Helm chart's and docker-compose's kubeconfig: the sidecar, no user (opgate adds the
+    pod's token upstream); client-go then sends no Authorization header, and so does this."""
+    cfg = tmp_path / "kubeconfig"
+    context = "{cluster: k, user: u}" if user else "{cluster: k}"
+    cfg.write_text(
+        "current-context: c\nclusters: [{name: k, cluster: {server: 'http://127.0.0.1:8001'}}]\n"
+        f"{user}contexts: [{{name: c, context: {context}}}]\n")
+    loaded = load_kubeconfig(cfg)
+    assert loaded.server == "http://127.0.0.1:8001"
+    assert loaded.tokens.get() is None
+    assert "Authorization" not in KubeClient(loaded)._headers(None, None)
 
 
 # -- one reconcile against an in-memory API (no network) ------------------------------------
