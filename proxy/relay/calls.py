@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -12,7 +13,14 @@ from typing import Protocol
 from proxy.engine.chain import Chain
 from proxy.engine.context import RequestContext
 
-__all__ = ["PolicyStoreLike", "RelaySettings", "body_predicate", "trace_ids"]
+__all__ = [
+    "PolicyStoreLike",
+    "RelaySettings",
+    "body_predicate",
+    "malformed_escape",
+    "origin_form",
+    "trace_ids",
+]
 
 
 class PolicyStoreLike(Protocol):
@@ -56,3 +64,27 @@ def trace_ids(marker: str) -> Callable[[], str]:
     prefix = os.urandom(4).hex() + marker
     counter = itertools.count(1)
     return lambda: f"{prefix}{next(counter):x}"
+
+
+_BAD_ESCAPE = re.compile(r"%(?![0-9A-Fa-f]{2})")
+
+
+def origin_form(target: str) -> str | None:
+    """The origin-form (``/path?query``) of a request target that is not one: an absolute-form
+    target (``http://host:port/path?query``; HTTP/1.1 servers must accept it, Go's does and
+    routes by its path) is what the apiserver serves and what the policies must see; ``None``
+    for anything else (``*``, authority-form), which no API call is."""
+    scheme, sep, rest = target.partition("://")
+    if not sep or scheme.lower() not in ("http", "https"):
+        return None
+    ends = [i for i in (rest.find("/"), rest.find("?")) if i >= 0]
+    if not ends:
+        return "/"
+    cut = min(ends)
+    return rest[cut:] if rest[cut] == "/" else "/" + rest[cut:]
+
+
+def malformed_escape(path: str) -> bool:
+    """Whether ``path`` holds a ``%`` not followed by two hex digits: Go's server answers such a
+    request line 400 before the apiserver sees it, so opgate must not classify it."""
+    return _BAD_ESCAPE.search(path) is not None

@@ -25,11 +25,18 @@ from yarl import URL
 from proxy.engine.chain import Chain, settle
 from proxy.engine.context import RequestContext
 from proxy.engine.requestinfo import parse_request_info
-from proxy.engine.status import StatusError, internal_error
+from proxy.engine.status import StatusError, bad_request, internal_error
 from proxy.engine.telemetry import publish_levels
 from proxy.relay import errors, tunnel
 from proxy.relay.aftercare import CLIENT_GONE, Aftercare
-from proxy.relay.calls import PolicyStoreLike, RelaySettings, body_predicate, trace_ids
+from proxy.relay.calls import (
+    PolicyStoreLike,
+    RelaySettings,
+    body_predicate,
+    malformed_escape,
+    origin_form,
+    trace_ids,
+)
 from proxy.relay.headers import for_upstream, is_upgrade_request, response_headers
 from proxy.relay.response import (
     BufferedRelayResponse,
@@ -98,10 +105,23 @@ class Relay:
 
     async def handle(self, request: web.BaseRequest) -> web.StreamResponse:
         raw = request.raw_path
+        bad: str | None = None  # a request target the apiserver would refuse: 400 from here
+        if not raw.startswith("/"):
+            target = origin_form(raw)
+            if target is None:
+                bad = "the request target is not a path"
+            else:  # relayed (and classified) as the origin-form the apiserver routes by
+                request = request.clone(rel_url=URL(target, encoded=True))
+                raw = request.raw_path
         cut = raw.find("?")
         query = raw[cut + 1 :] if cut >= 0 else ""
         method = request.method
-        path = request.path
+        if bad is not None:
+            path = raw
+        else:
+            path = request.path
+            if "%" in raw and malformed_escape(raw if cut < 0 else raw[:cut]):
+                bad = "malformed percent-encoding in the path"
         ctx = RequestContext(
             info=parse_request_info(method, path, query),
             method=method,
@@ -112,7 +132,11 @@ class Relay:
             trace_id=_next_trace_id(),
             remote=request.remote or "",
         )
-        resp = await self._after.track(ctx, self._serve(request, ctx))
+        if bad is None:
+            resp = await self._after.track(ctx, self._serve(request, ctx))
+        else:
+            resp = await self._after.track(
+                ctx, self._answer(request, ctx, bad_request(f"opgate: {bad}")))
         if self._after.has_hooks:
             # shielded: a client that leaves now must not cut the hooks short
             await asyncio.shield(settle(self._chain.exit(ctx)))

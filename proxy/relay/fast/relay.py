@@ -27,11 +27,18 @@ import httptools
 from proxy.engine.chain import Chain
 from proxy.engine.context import RequestContext
 from proxy.engine.requestinfo import parse_request_info
-from proxy.engine.status import StatusError, internal_error
+from proxy.engine.status import StatusError, bad_request, internal_error
 from proxy.engine.telemetry import INFLIGHT, WATCHES_OPEN, publish_levels
 from proxy.relay import errors
 from proxy.relay.aftercare import Aftercare
-from proxy.relay.calls import PolicyStoreLike, RelaySettings, body_predicate, trace_ids
+from proxy.relay.calls import (
+    PolicyStoreLike,
+    RelaySettings,
+    body_predicate,
+    malformed_escape,
+    origin_form,
+    trace_ids,
+)
 from proxy.relay.endpoint import Endpoint, TokenSource, make_ssl_context
 from proxy.relay.fast.client import UpstreamClient
 from proxy.relay.fast.exchange import Exchange
@@ -123,11 +130,20 @@ class FastRelay:
     # --- one call ----------------------------------------------------------------------
     async def handle(self, req: Request) -> None:
         url = req.url
+        bad: str | None = None  # a request target the apiserver would refuse: 400 from here
+        if url[:1] != b"/":
+            target = origin_form(url.decode("latin-1"))
+            if target is None:
+                bad = "the request target is not a path"
+            else:
+                url = req.url = target.encode("latin-1")
         cut = url.find(b"?")
         raw_path = url if cut < 0 else url[:cut]
         query = "" if cut < 0 else url[cut + 1 :].decode("latin-1")
         path = raw_path.decode("latin-1")
         if "%" in path:
+            if malformed_escape(path):
+                bad = "malformed percent-encoding in the path"
             path = unquote(path)
         method = req.method.decode("ascii")
         # (info, method, path, query, headers, policies, trace_id, remote), positional: Python
@@ -146,6 +162,8 @@ class FastRelay:
             # serving the call, in this coroutine (a coroutine of its own cost ~1.5k
             # instructions per call): the body if a hook asked, the chain's entry, the relay
             try:
+                if bad is not None:
+                    raise errors.Answer(bad_request(f"opgate: {bad}"))
                 if req.has_body and self._wants_body is not None and self._wants_body(ctx):
                     if req.expect_continue:
                         req.conn.write(_CONTINUE)

@@ -1,0 +1,139 @@
+"""Request targets that are not a plain path, against the real apiserver through opgate.
+
+Go's server (so kube-apiserver) serves an absolute-form target (``GET http://host/api/...``,
+which HTTP/1.1 servers must accept) by its path, so opgate must classify it by that path too, or
+a client could step around every policy by writing its request line that way. A path with a
+malformed percent-escape never reaches the apiserver's handlers (Go answers 400), and ``*`` is
+no API call: opgate answers both with a ``BadRequest`` Status of its own. Both relay cores.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from collections.abc import Callable
+
+import pytest
+
+from proxy.envtest.cluster import LocalCluster
+from tests.e2e.conftest import Opgate
+
+pytestmark = pytest.mark.e2e
+
+FAULTED = "target-faulted"
+POLICY = f"""\
+apiVersion: opgate.dev/v1alpha1
+kind: Policy
+metadata: {{name: targets}}
+spec:
+  mode: enforce
+  faults:
+    - name: faulted-namespace
+      match: {{namespaces: [{FAULTED}]}}
+      probability: 1
+      respond: {{code: 409}}
+"""
+
+
+def _raw(gate: Opgate, method: str, target: str) -> bytes:
+    with socket.create_connection(("127.0.0.1", gate.port), timeout=10) as sock:
+        sock.sendall(f"{method} {target} HTTP/1.1\r\nHost: opgate\r\n"
+                     "Connection: close\r\n\r\n".encode())
+        data = b""
+        while chunk := sock.recv(65536):
+            data += chunk
+    return data
+
+
+def _call(gate: Opgate, method: str, target: str) -> tuple[int, dict[str, object]]:
+    head, _, body = _raw(gate, method, target).partition(b"\r\n\r\n")
+    code = int(head.split(b" ", 2)[1])
+    if b"transfer-encoding: chunked" in head.lower():
+        body = _dechunk(body)
+    assert body.strip(), f"no body: {head!r}"
+    return code, json.loads(body)
+
+
+def _dechunk(data: bytes) -> bytes:
+    out = b""
+    while True:
+        size_line, _, data = data.partition(b"\r\n")
+        size = int(size_line.split(b";")[0], 16)
+        if not size:
+            return out
+        out, data = out + data[:size], data[size + 2:]
+
+
+@pytest.fixture(scope="module", params=["fast", "aiohttp"])
+def relay(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture(scope="module")
+def gate(relay: str, cluster: LocalCluster,
+         opgate_factory: Callable[..., Opgate], tmp_path_factory: pytest.TempPathFactory,
+         ) -> Opgate:
+    cluster.create_namespace(FAULTED)
+    for ns in ("default", FAULTED):
+        cluster.call("POST", f"/api/v1/namespaces/{ns}/configmaps", body={
+            "metadata": {"name": "target-cm"}, "data": {"in": ns}})
+    token = tmp_path_factory.mktemp("targets") / "token"
+    token.write_text(cluster.admin_token)
+    return opgate_factory(tls=False, policies={"targets.yaml": POLICY},
+                          extra_args=["--token-file", str(token), "--relay", relay])
+
+
+@pytest.mark.parametrize("prefix", ["http://kubernetes.default.svc", "https://10.0.0.1:6443",
+                                    "HTTP://opgate"])
+def test_an_absolute_form_target_is_relayed_and_judged_by_its_path(gate: Opgate,
+                                                                   prefix: str) -> None:
+    code, obj = _call(gate, "GET", f"{prefix}/api/v1/namespaces/default/configmaps/target-cm")
+    assert code == 200 and obj["data"] == {"in": "default"}, obj
+    # the policy sees the call the apiserver serves: the fault of the namespace applies
+    code, obj = _call(gate, "GET", f"{prefix}/api/v1/namespaces/{FAULTED}/configmaps/target-cm")
+    assert code == 409, obj
+    assert "faulted-namespace" in str(obj["message"])
+
+
+def test_a_query_right_after_the_authority(gate: Opgate) -> None:
+    code, obj = _call(gate, "GET", "http://opgate?timeout=5s")
+    assert code == 200 and "/api" in obj["paths"], obj  # the apiserver's answer for "/"
+
+
+@pytest.mark.parametrize(("method", "target"), [
+    ("GET", f"/api/v1/namespaces/{FAULTED}/configmaps/%zz"),
+    ("GET", "/api/v1/namespaces/default/configmaps/a%2"),
+    ("OPTIONS", "*"),
+    ("GET", "opgate:8001"),
+])
+def test_targets_the_apiserver_refuses_get_a_bad_request_status(
+    gate: Opgate, relay: str, method: str, target: str,
+) -> None:
+    if relay == "aiohttp" and target == "opgate:8001":  # aiohttp's own parser refuses it
+        assert _raw(gate, method, target).startswith(b"HTTP/1.0 400 Bad Request\r\n")
+        return
+    code, obj = _call(gate, method, target)
+    assert code == 400, obj
+    assert obj["kind"] == "Status" and obj["reason"] == "BadRequest", obj
+    assert str(obj["message"]).startswith("opgate: "), obj
+
+
+def test_percent_escapes_that_are_well_formed_are_decoded_before_judging(gate: Opgate) -> None:
+    code, obj = _call(gate, "GET", f"/api/v1/namespaces/{FAULTED}/%63onfigmaps/target-cm")
+    assert code == 409, obj
+    code, obj = _call(gate, "GET", "/api/v1/namespaces/default/%63onfigmaps/target-cm")
+    assert code == 200 and obj["data"] == {"in": "default"}, obj
+
+
+def test_the_access_log_names_the_call_not_the_absolute_target(gate: Opgate) -> None:
+    def logged() -> str:
+        return gate.log.read_text(errors="replace")
+
+    before = logged().count('"name":"target-cm"')
+    _call(gate, "GET", "http://elsewhere/api/v1/namespaces/default/configmaps/target-cm")
+    deadline = time.monotonic() + 10  # access-log lines are written in batches
+    while "http://elsewhere" not in logged() and logged().count('"name":"target-cm"') == before:
+        assert time.monotonic() < deadline, "the call was never logged"
+        time.sleep(0.1)
+    assert "http://elsewhere" not in logged()
