@@ -23,12 +23,39 @@ pytestmark = pytest.mark.e2e
 CHART = Path(__file__).resolve().parents[2] / "helm" / "opgate"
 
 
-def _render(helm: Path, *sets: str) -> list[dict[str, Any]]:
-    args = [str(helm), "template", "demo", str(CHART), "--namespace", "opgate-helm"]
+def _helm_template(helm: Path, sets: tuple[str, ...], release: str, chart: Path
+                   ) -> subprocess.CompletedProcess[str]:
+    args = [str(helm), "template", release, str(chart), "--namespace", "opgate-helm"]
     for s in sets:
         args += ["--set", s]
-    out = subprocess.run(args, capture_output=True, text=True, check=True).stdout
-    return [d for d in yaml.safe_load_all(out) if d]
+    return subprocess.run(args, capture_output=True, text=True)
+
+
+def _render(helm: Path, *sets: str, release: str = "demo", chart: Path = CHART
+            ) -> list[dict[str, Any]]:
+    out = _helm_template(helm, sets, release, chart)
+    assert out.returncode == 0, out.stderr
+    return [d for d in yaml.safe_load_all(out.stdout) if d]
+
+
+def _render_error(helm: Path, *sets: str) -> str:
+    """helm template must refuse these values; its error message."""
+    out = _helm_template(helm, sets, "demo", CHART)
+    assert out.returncode != 0, out.stdout
+    return out.stderr
+
+
+def _dry_run(kubectl: Path, cluster: LocalCluster, tmp_path: Path,
+             docs: list[dict[str, Any]]) -> str:
+    """``kubectl apply --dry-run=server``: the apiserver validates the manifests; its output."""
+    cluster.create_namespace("opgate-helm")
+    manifest = tmp_path / "chart.yaml"
+    manifest.write_text(yaml.safe_dump_all(docs))
+    out = subprocess.run(
+        [str(kubectl), "--kubeconfig", cluster.kubeconfig_path, "apply", "--dry-run=server",
+         "-n", "opgate-helm", "-f", str(manifest)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
 
 
 def _one(docs: list[dict[str, Any]], kind: str, suffix: str = "") -> dict[str, Any]:
@@ -103,13 +130,65 @@ def test_operator_kubeconfig_points_at_the_sidecar(helm: Path) -> None:
 def test_apiserver_accepts_the_manifests(
     helm: Path, kubectl: Path, cluster: LocalCluster, tmp_path: Path
 ) -> None:
-    cluster.create_namespace("opgate-helm")
-    manifest = tmp_path / "chart.yaml"
-    manifest.write_text(yaml.safe_dump_all(_render(helm, "redis.url=redis://r:6379/0")))
-    out = subprocess.run(
-        [str(kubectl), "--kubeconfig", cluster.kubeconfig_path, "apply", "--dry-run=server",
-         "-n", "opgate-helm", "-f", str(manifest)], capture_output=True, text=True)
-    assert out.returncode == 0, out.stderr
+    out = _dry_run(kubectl, cluster, tmp_path, _render(helm, "redis.url=redis://r:6379/0"))
     for kind in ("serviceaccount", "configmap", "deployment.apps", "service",
                  "clusterrole.rbac.authorization.k8s.io"):
-        assert kind in out.stdout
+        assert kind in out
+
+
+# ---- a parent chart that lists opgate as a dependency ------------------------------------------
+
+PARENT_DEPLOYMENT = """\
+apiVersion: apps/v1
+kind: Deployment
+metadata: {name: {{ .Release.Name }}-controller}
+spec:
+  selector: {matchLabels: {app: controller}}
+  template:
+    metadata: {labels: {app: controller}}
+    spec:
+      containers:
+        - name: controller
+          image: example.com/controller:1.0
+        {{- include "opgate.sidecar" . | nindent 8 }}
+      volumes:
+        {{- include "opgate.volumes" . | nindent 8 }}
+"""
+
+
+def _parent_chart(helm: Path, tmp_path: Path, values: str = "") -> Path:
+    """A chart of its own (appVersion 9.9.9) with opgate as a ``file://`` dependency."""
+    parent = tmp_path / "parent"
+    (parent / "templates").mkdir(parents=True)
+    (parent / "Chart.yaml").write_text(
+        "apiVersion: v2\nname: parent\nversion: 1.0.0\nappVersion: \"9.9.9\"\n"
+        f"dependencies:\n  - name: opgate\n    version: 0.1.0\n    repository: file://{CHART}\n")
+    (parent / "values.yaml").write_text("opgate:\n  operator: {enabled: false}\n" + values)
+    (parent / "templates" / "deployment.yaml").write_text(PARENT_DEPLOYMENT)
+    subprocess.run([str(helm), "dependency", "build", str(parent)], check=True,
+                   capture_output=True, text=True)
+    return parent
+
+
+def test_a_parent_chart_injects_the_sidecar(
+    helm: Path, kubectl: Path, cluster: LocalCluster, tmp_path: Path
+) -> None:
+    parent = _parent_chart(helm, tmp_path, "  redis: {url: redis://r:6379/0}\n")
+    docs = _render(helm, "opgate.sidecar.logLevel=debug", release="shop", chart=parent)
+    # operator.enabled=false: only the parent's Deployment, and opgate's policies for it
+    assert sorted((d["kind"], d["metadata"]["name"]) for d in docs) == [
+        ("ConfigMap", "shop-opgate-policies"), ("Deployment", "shop-controller")]
+    pod = _one(docs, "Deployment")["spec"]["template"]["spec"]
+    [sidecar] = [c for c in pod["containers"] if c["name"] == "opgate"]
+    assert sidecar["image"] == "ghcr.io/opgate/opgate:0.1.0"  # opgate's appVersion, not 9.9.9
+    args = build_parser().parse_args(sidecar["args"])
+    assert (args.log_level, args.redis_url) == ("debug", "redis://r:6379/0")
+    assert {"name": "opgate-policies", "configMap": {"name": "shop-opgate-policies"}} in (
+        pod["volumes"])
+    _dry_run(kubectl, cluster, tmp_path, docs)
+
+
+def test_operator_disabled_leaves_only_the_policies(helm: Path) -> None:
+    docs = _render(helm, "operator.enabled=false")
+    assert [(d["kind"], d["metadata"]["name"]) for d in docs] == [
+        ("ConfigMap", "demo-opgate-policies")]

@@ -25,11 +25,34 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end -}}
 
 {{/*
-The sidecar container. Other charts can inject it with
-  {{ include "opgate.sidecar" . | nindent 8 }}
-next to their controller container (and "opgate.volumes" in the pod's volumes).
+The sidecar container and the pod volumes it needs. Other charts list opgate as a dependency
+and inject them next to their controller container:
+  containers:
+    - name: controller
+      ...
+    {{- include "opgate.sidecar" . | nindent 8 }}
+  volumes:
+    {{- include "opgate.volumes" . | nindent 8 }}
+Given a context whose .Values hold opgate's values (this chart's own, .Subcharts.<alias> for an
+aliased dependency, or a dict with Values, Release and Chart), they use it; given a parent
+chart's root context, they use the opgate subchart's (.Subcharts.opgate: the values under
+`opgate:` with this chart's defaults, this chart's name and appVersion).
 */}}
+{{- define "opgate.context" -}}
+{{- $in := .in -}}
+{{- if hasKey ($in.Values | default dict) "sidecar" -}}
+{{- $_ := set .out "ctx" $in -}}
+{{- else if and $in.Subcharts (hasKey $in.Subcharts "opgate") -}}
+{{- $_ := set .out "ctx" (get $in.Subcharts "opgate") -}}
+{{- else -}}
+{{- fail "opgate.sidecar/opgate.volumes: pass a context with opgate's values: the root context of a chart that depends on opgate, .Subcharts.<alias> for an aliased dependency, or (dict \"Values\" .Values.opgate \"Release\" .Release \"Chart\" .Chart)" -}}
+{{- end -}}
+{{- end -}}
+
 {{- define "opgate.sidecar" -}}
+{{- $r := dict -}}
+{{- include "opgate.context" (dict "in" . "out" $r) -}}
+{{- with $r.ctx -}}
 - name: opgate
   image: "{{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}"
   imagePullPolicy: {{ .Values.image.pullPolicy }}
@@ -98,9 +121,13 @@ next to their controller container (and "opgate.volumes" in the pod's volumes).
     {{- if .Values.sidecar.capture.enabled }}
     - {name: opgate-capture, mountPath: {{ dir .Values.sidecar.capture.path | quote }}}
     {{- end }}
+{{- end }}
 {{- end -}}
 
 {{- define "opgate.volumes" -}}
+{{- $r := dict -}}
+{{- include "opgate.context" (dict "in" . "out" $r) -}}
+{{- with $r.ctx -}}
 - name: opgate-policies
   configMap:
     name: {{ include "opgate.fullname" . }}-policies
@@ -119,4 +146,5 @@ next to their controller container (and "opgate.volumes" in the pod's volumes).
   emptyDir:
     sizeLimit: {{ .Values.sidecar.capture.sizeLimit }}
 {{- end }}
+{{- end -}}
 {{- end -}}
