@@ -192,3 +192,23 @@ def test_operator_disabled_leaves_only_the_policies(helm: Path) -> None:
     docs = _render(helm, "operator.enabled=false")
     assert [(d["kind"], d["metadata"]["name"]) for d in docs] == [
         ("ConfigMap", "demo-opgate-policies")]
+
+
+@pytest.mark.parametrize("listen", ["0.0.0.0:9500", "[::]:9500"])
+def test_admin_port_follows_admin_listen(helm: Path, listen: str) -> None:
+    docs = _render(helm, f"sidecar.adminListen={listen}")
+    sidecar = _sidecar(docs)
+    assert build_parser().parse_args(sidecar["args"]).admin_listen == listen
+    assert sidecar["ports"] == [{"name": "admin", "containerPort": 9500, "protocol": "TCP"}]
+    pod = _one(docs, "Deployment")["spec"]["template"]
+    assert pod["metadata"]["annotations"]["prometheus.io/port"] == "9500"
+    assert _one(docs, "Service", "-metrics")["spec"]["ports"][0]["port"] == 9500
+
+
+def test_a_stale_admin_port_is_refused(helm: Path) -> None:
+    # the same port in both is fine (values files written for the old chart)
+    _render(helm, "sidecar.adminListen=0.0.0.0:9500", "sidecar.adminPort=9500")
+    err = _render_error(helm, "sidecar.adminListen=0.0.0.0:9500", "sidecar.adminPort=9091")
+    assert "sidecar.adminPort" in err and "sidecar.adminListen" in err
+    err = _render_error(helm, "sidecar.adminListen=unix:/run/opgate/admin.sock")
+    assert "sidecar.adminListen" in err and "HOST:PORT" in err

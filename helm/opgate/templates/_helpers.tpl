@@ -25,6 +25,23 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end -}}
 
 {{/*
+The admin port: the port of sidecar.adminListen (HOST:PORT or [V6]:PORT, for the kubelet's probes
+and Prometheus). sidecar.adminPort is deprecated: accepted only when it names the same port.
+*/}}
+{{- define "opgate.adminPort" -}}
+{{- $listen := toString .Values.sidecar.adminListen -}}
+{{- if not (regexMatch "^(\\[[0-9A-Fa-f:.]*\\]|[^:/\\[\\]]*):[0-9]{1,5}$" $listen) -}}
+{{- fail (printf "sidecar.adminListen must be HOST:PORT or [V6]:PORT (the kubelet's probes and Prometheus need a TCP port), got %q" $listen) -}}
+{{- end -}}
+{{- $port := regexFind "[0-9]+$" $listen -}}
+{{- $old := .Values.sidecar.adminPort -}}
+{{- if and $old (ne (toString $old) $port) -}}
+{{- fail (printf "sidecar.adminPort (%v) is deprecated and disagrees with sidecar.adminListen (%s): the admin port is the one in sidecar.adminListen; drop sidecar.adminPort" $old $listen) -}}
+{{- end -}}
+{{- $port -}}
+{{- end -}}
+
+{{/*
 The sidecar container and the pod volumes it needs. Other charts list opgate as a dependency
 and inject them next to their controller container:
   containers:
@@ -92,7 +109,7 @@ chart's root context, they use the opgate subchart's (.Subcharts.opgate: the val
     {{- toYaml . | nindent 4 }}
   {{- end }}
   ports:
-    - {name: admin, containerPort: {{ .Values.sidecar.adminPort }}, protocol: TCP}
+    - {name: admin, containerPort: {{ include "opgate.adminPort" . }}, protocol: TCP}
   livenessProbe:
     httpGet: {path: /healthz, port: admin}
     periodSeconds: 10
