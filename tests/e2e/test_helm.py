@@ -212,3 +212,21 @@ def test_a_stale_admin_port_is_refused(helm: Path) -> None:
     assert "sidecar.adminPort" in err and "sidecar.adminListen" in err
     err = _render_error(helm, "sidecar.adminListen=unix:/run/opgate/admin.sock")
     assert "sidecar.adminListen" in err and "HOST:PORT" in err
+
+
+def _mounts(container: dict[str, Any]) -> dict[str, str]:
+    """mountPath -> volume name; a path mounted twice fails here (the apiserver refuses it)."""
+    paths = [m["mountPath"] for m in container["volumeMounts"]]
+    assert len(paths) == len(set(paths)), paths
+    return {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+
+
+def test_workers_get_a_writable_tmp(helm: Path) -> None:
+    # --workers N > 1 keeps its sockets in a temporary directory; the root filesystem is read-only
+    docs = _render(helm, "redis.url=redis://r:6379/0", "sidecar.extraArgs={--workers,2}")
+    sidecar = _sidecar(docs)
+    assert build_parser().parse_args(sidecar["args"]).workers == 2
+    assert sidecar["securityContext"]["readOnlyRootFilesystem"] is True
+    assert _mounts(sidecar)["/tmp"] == "opgate-tmp"
+    pod = _one(docs, "Deployment")["spec"]["template"]["spec"]
+    assert {"name": "opgate-tmp", "emptyDir": {"sizeLimit": "16Mi"}} in pod["volumes"]

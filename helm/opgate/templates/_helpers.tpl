@@ -129,6 +129,7 @@ chart's root context, they use the opgate subchart's (.Subcharts.opgate: the val
     capabilities: {drop: [ALL]}
   volumeMounts:
     - {name: opgate-policies, mountPath: /etc/opgate/policies, readOnly: true}
+    - {name: opgate-tmp, mountPath: /tmp}
     {{- if .Values.redis.passwordSecret.name }}
     - {name: opgate-redis, mountPath: /etc/opgate/redis, readOnly: true}
     {{- end }}
@@ -148,6 +149,9 @@ chart's root context, they use the opgate subchart's (.Subcharts.opgate: the val
 - name: opgate-policies
   configMap:
     name: {{ include "opgate.fullname" . }}-policies
+- name: opgate-tmp
+  emptyDir:
+    sizeLimit: {{ .Values.sidecar.tmpSizeLimit }}
 {{- if .Values.redis.passwordSecret.name }}
 - name: opgate-redis
   secret:
