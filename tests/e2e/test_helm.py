@@ -230,3 +230,47 @@ def test_workers_get_a_writable_tmp(helm: Path) -> None:
     assert _mounts(sidecar)["/tmp"] == "opgate-tmp"
     pod = _one(docs, "Deployment")["spec"]["template"]["spec"]
     assert {"name": "opgate-tmp", "emptyDir": {"sizeLimit": "16Mi"}} in pod["volumes"]
+
+
+def test_audit_and_capture_share_a_directory(
+    helm: Path, kubectl: Path, cluster: LocalCluster, tmp_path: Path
+) -> None:
+    docs = _render(helm, "sidecar.audit.enabled=true", "sidecar.capture.enabled=true",
+                   "sidecar.capture.path=/var/log/opgate/capture.flows")
+    sidecar = _sidecar(docs)
+    args = build_parser().parse_args(sidecar["args"])
+    assert (args.audit_log, args.capture) == ("/var/log/opgate/audit.log",
+                                              "/var/log/opgate/capture.flows")
+    assert _mounts(sidecar)["/var/log/opgate"] == "opgate-audit"  # one volume holds both files
+    pod = _one(docs, "Deployment")["spec"]["template"]["spec"]
+    assert [v["name"] for v in pod["volumes"] if v["name"].startswith("opgate-capture")] == []
+    _dry_run(kubectl, cluster, tmp_path, docs)
+    # apart, each has its own volume, as before
+    sidecar = _sidecar(_render(helm, "sidecar.audit.enabled=true", "sidecar.capture.enabled=true"))
+    assert _mounts(sidecar)["/var/log/opgate-capture"] == "opgate-capture"
+
+
+def test_a_capture_on_another_mount_is_refused(helm: Path) -> None:
+    err = _render_error(helm, "sidecar.capture.enabled=true",
+                        "sidecar.capture.path=/tmp/capture.flows")
+    assert "/tmp" in err and "sidecar.capture.path" in err
+
+
+def test_extra_volumes_for_another_token_file(
+    helm: Path, kubectl: Path, cluster: LocalCluster, tmp_path: Path
+) -> None:
+    docs = _render(
+        helm, "sidecar.tokenFile=/var/run/secrets/opgate/token",
+        "extraVolumes[0].name=opgate-token",
+        "extraVolumes[0].projected.sources[0].serviceAccountToken.path=token",
+        "extraVolumes[0].projected.sources[0].serviceAccountToken.expirationSeconds=3600",
+        "sidecar.extraVolumeMounts[0].name=opgate-token",
+        "sidecar.extraVolumeMounts[0].mountPath=/var/run/secrets/opgate",
+        "sidecar.extraVolumeMounts[0].readOnly=true")
+    sidecar = _sidecar(docs)
+    assert build_parser().parse_args(sidecar["args"]).token_file == (
+        "/var/run/secrets/opgate/token")
+    assert _mounts(sidecar)["/var/run/secrets/opgate"] == "opgate-token"
+    pod = _one(docs, "Deployment")["spec"]["template"]["spec"]
+    assert "opgate-token" in [v["name"] for v in pod["volumes"]]
+    _dry_run(kubectl, cluster, tmp_path, docs)

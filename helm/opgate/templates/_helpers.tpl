@@ -41,6 +41,20 @@ and Prometheus). sidecar.adminPort is deprecated: accepted only when it names th
 {{- $port -}}
 {{- end -}}
 
+{{/* The audit log's directory (its volume's mountPath), when it is written to a file. */}}
+{{- define "opgate.auditDir" -}}
+{{- if and .Values.sidecar.audit.enabled (ne .Values.sidecar.audit.path "-") -}}
+{{- dir .Values.sidecar.audit.path -}}
+{{- end -}}
+{{- end -}}
+
+{{/* "true" when the capture has a volume of its own: not when it shares the audit log's directory. */}}
+{{- define "opgate.captureVolume" -}}
+{{- if and .Values.sidecar.capture.enabled (ne (dir .Values.sidecar.capture.path) (include "opgate.auditDir" .)) -}}
+true
+{{- end -}}
+{{- end -}}
+
 {{/*
 The sidecar container and the pod volumes it needs. Other charts list opgate as a dependency
 and inject them next to their controller container:
@@ -127,18 +141,28 @@ chart's root context, they use the opgate subchart's (.Subcharts.opgate: the val
     readOnlyRootFilesystem: true
     runAsNonRoot: true
     capabilities: {drop: [ALL]}
+  {{- $mounts := list (dict "name" "opgate-policies" "mountPath" "/etc/opgate/policies" "readOnly" true) }}
+  {{- $mounts = append $mounts (dict "name" "opgate-tmp" "mountPath" "/tmp") }}
+  {{- if .Values.redis.passwordSecret.name }}
+  {{- $mounts = append $mounts (dict "name" "opgate-redis" "mountPath" "/etc/opgate/redis" "readOnly" true) }}
+  {{- end }}
+  {{- $auditDir := include "opgate.auditDir" . }}
+  {{- if $auditDir }}
+  {{- $mounts = append $mounts (dict "name" "opgate-audit" "mountPath" $auditDir) }}
+  {{- end }}
+  {{- if include "opgate.captureVolume" . }}
+  {{- $mounts = append $mounts (dict "name" "opgate-capture" "mountPath" (dir .Values.sidecar.capture.path)) }}
+  {{- end }}
+  {{- $mounts = concat $mounts (.Values.sidecar.extraVolumeMounts | default list) }}
+  {{- $seen := dict }}
+  {{- range $mounts }}
+  {{- if hasKey $seen .mountPath }}
+  {{- fail (printf "opgate sidecar: %s and %s are both mounted at %s; give sidecar.audit.path, sidecar.capture.path and sidecar.extraVolumeMounts directories of their own (the audit log and the capture may share one)" (get $seen .mountPath) .name .mountPath) }}
+  {{- end }}
+  {{- $_ := set $seen .mountPath .name }}
+  {{- end }}
   volumeMounts:
-    - {name: opgate-policies, mountPath: /etc/opgate/policies, readOnly: true}
-    - {name: opgate-tmp, mountPath: /tmp}
-    {{- if .Values.redis.passwordSecret.name }}
-    - {name: opgate-redis, mountPath: /etc/opgate/redis, readOnly: true}
-    {{- end }}
-    {{- if and .Values.sidecar.audit.enabled (ne .Values.sidecar.audit.path "-") }}
-    - {name: opgate-audit, mountPath: {{ dir .Values.sidecar.audit.path | quote }}}
-    {{- end }}
-    {{- if .Values.sidecar.capture.enabled }}
-    - {name: opgate-capture, mountPath: {{ dir .Values.sidecar.capture.path | quote }}}
-    {{- end }}
+    {{- toYaml $mounts | nindent 4 }}
 {{- end }}
 {{- end -}}
 
@@ -157,15 +181,18 @@ chart's root context, they use the opgate subchart's (.Subcharts.opgate: the val
   secret:
     secretName: {{ .Values.redis.passwordSecret.name }}
 {{- end }}
-{{- if and .Values.sidecar.audit.enabled (ne .Values.sidecar.audit.path "-") }}
+{{- if include "opgate.auditDir" . }}
 - name: opgate-audit
   emptyDir:
     sizeLimit: {{ .Values.sidecar.audit.sizeLimit }}
 {{- end }}
-{{- if .Values.sidecar.capture.enabled }}
+{{- if include "opgate.captureVolume" . }}
 - name: opgate-capture
   emptyDir:
     sizeLimit: {{ .Values.sidecar.capture.sizeLimit }}
+{{- end }}
+{{- with .Values.extraVolumes }}
+{{ toYaml . }}
 {{- end }}
 {{- end -}}
 {{- end -}}
