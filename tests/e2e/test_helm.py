@@ -274,3 +274,20 @@ def test_extra_volumes_for_another_token_file(
     pod = _one(docs, "Deployment")["spec"]["template"]["spec"]
     assert "opgate-token" in [v["name"] for v in pod["volumes"]]
     _dry_run(kubectl, cluster, tmp_path, docs)
+
+
+@pytest.mark.parametrize("length", [49, 53])  # 53: the longest release name helm accepts
+def test_long_release_names_fit(
+    helm: Path, kubectl: Path, cluster: LocalCluster, tmp_path: Path, length: int
+) -> None:
+    docs = _render(helm, release="r" * length)
+    names = [d["metadata"]["name"] for d in docs]
+    assert all(len(n) <= 63 and not n.endswith("-") for n in names), names
+    for kind, suffix in (("Service", "-metrics"), ("ConfigMap", "-policies"),
+                         ("ConfigMap", "-kubeconfig")):
+        _one(docs, kind, suffix)  # each keeps its suffix
+    pod = _one(docs, "Deployment")["spec"]["template"]["spec"]
+    assert {v["configMap"]["name"] for v in pod["volumes"] if "configMap" in v} == {
+        _one(docs, "ConfigMap", "-policies")["metadata"]["name"],
+        _one(docs, "ConfigMap", "-kubeconfig")["metadata"]["name"]}
+    _dry_run(kubectl, cluster, tmp_path, docs)

@@ -7,6 +7,18 @@
 {{- end -}}
 {{- end -}}
 
+{{/*
+The full name with a suffix ("metrics", "policies", "kubeconfig"), the full name cut short so
+that the whole still fits 63 characters (a Service name is a DNS label).
+  {{ include "opgate.suffixedName" (list . "metrics") }}
+*/}}
+{{- define "opgate.suffixedName" -}}
+{{- $ctx := index . 0 -}}
+{{- $suffix := index . 1 -}}
+{{- $base := include "opgate.fullname" $ctx | trunc (int (sub 62 (len $suffix))) | trimSuffix "-" -}}
+{{- printf "%s-%s" $base $suffix -}}
+{{- end -}}
+
 {{- define "opgate.serviceAccountName" -}}
 {{- default (include "opgate.fullname" .) .Values.serviceAccount.name -}}
 {{- end -}}
@@ -172,7 +184,7 @@ chart's root context, they use the opgate subchart's (.Subcharts.opgate: the val
 {{- with $r.ctx -}}
 - name: opgate-policies
   configMap:
-    name: {{ include "opgate.fullname" . }}-policies
+    name: {{ include "opgate.suffixedName" (list . "policies") }}
 - name: opgate-tmp
   emptyDir:
     sizeLimit: {{ .Values.sidecar.tmpSizeLimit }}
