@@ -291,3 +291,25 @@ def test_long_release_names_fit(
         _one(docs, "ConfigMap", "-policies")["metadata"]["name"],
         _one(docs, "ConfigMap", "-kubeconfig")["metadata"]["name"]}
     _dry_run(kubectl, cluster, tmp_path, docs)
+
+
+def _operator(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    pod = _one(docs, "Deployment")["spec"]["template"]["spec"]
+    [container] = [c for c in pod["containers"] if c["name"] == "operator"]
+    return container
+
+
+def test_operator_args_follow_the_kubeconfig(helm: Path) -> None:
+    from examples.reconciler.__main__ import parse_args
+
+    operator = _operator(_render(helm))  # the kubeconfig comes by $KUBECONFIG
+    assert parse_args(operator["args"]).all_namespaces
+    assert {"name": "KUBECONFIG", "value": "/etc/opgate/kubeconfig/config"} in operator["env"]
+    docs = _render(helm, "operator.kubeconfig=false")
+    operator = _operator(docs)
+    assert "/etc/opgate/kubeconfig/config" not in str(operator)
+    assert parse_args(operator["args"]).kubeconfig is None
+    assert [d for d in docs if d["metadata"]["name"].endswith("-kubeconfig")] == []
+    err = _render_error(helm, "operator.kubeconfig=false",
+                        "operator.args={--kubeconfig,/etc/opgate/kubeconfig/config}")
+    assert "operator.kubeconfig" in err and "operator.args" in err
