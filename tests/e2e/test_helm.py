@@ -313,3 +313,26 @@ def test_operator_args_follow_the_kubeconfig(helm: Path) -> None:
     err = _render_error(helm, "operator.kubeconfig=false",
                         "operator.args={--kubeconfig,/etc/opgate/kubeconfig/config}")
     assert "operator.kubeconfig" in err and "operator.args" in err
+
+
+def test_a_unix_socket_listener_needs_no_kubeconfig(helm: Path) -> None:
+    # client-go cannot dial a Unix socket: a kubeconfig for it would be unusable
+    err = _render_error(helm, "sidecar.listen=unix:/run/opgate/api.sock")
+    assert "sidecar.listen" in err and "operator.kubeconfig" in err
+    docs = _render(helm, "sidecar.listen=unix:/run/opgate/api.sock", "operator.kubeconfig=false")
+    assert build_parser().parse_args(_sidecar(docs)["args"]).listen == "unix:/run/opgate/api.sock"
+
+
+def test_a_shared_socket_directory(
+    helm: Path, kubectl: Path, cluster: LocalCluster, tmp_path: Path
+) -> None:
+    docs = _render(helm, "sidecar.listen=unix:/run/opgate/api.sock", "operator.kubeconfig=false",
+                   "operator.args={--all-namespaces}", "extraVolumes[0].name=sock",
+                   "extraVolumes[0].emptyDir.medium=Memory",
+                   "sidecar.extraVolumeMounts[0].name=sock",
+                   "sidecar.extraVolumeMounts[0].mountPath=/run/opgate",
+                   "operator.extraVolumeMounts[0].name=sock",
+                   "operator.extraVolumeMounts[0].mountPath=/run/opgate")
+    assert _mounts(_sidecar(docs))["/run/opgate"] == "sock"
+    assert _mounts(_operator(docs)) == {"/run/opgate": "sock"}
+    _dry_run(kubectl, cluster, tmp_path, docs)
