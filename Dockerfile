@@ -17,4 +17,7 @@ USER 65532:65532
 ENV PYTHONUNBUFFERED=1
 EXPOSE 8001 9091
 ENTRYPOINT ["opgate"]
-CMD ["serve", "--policies", "/etc/opgate/policies/examples"]
+# the policies come from the pod (the chart mounts a ConfigMap and passes --policies); with none,
+# opgate relays every call as it is (metrics, access log). /etc/opgate/policies holds the repo's
+# demo and example policies to try: the examples' identity policy admits only its own callers.
+CMD ["serve"]
