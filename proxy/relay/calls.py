@@ -14,6 +14,7 @@ from proxy.engine.chain import Chain
 from proxy.engine.context import RequestContext
 
 __all__ = [
+    "IMPERSONATION_DROPPED",
     "PolicyStoreLike",
     "RelaySettings",
     "body_predicate",
@@ -65,6 +66,14 @@ def trace_ids(marker: str) -> Callable[[], str]:
     counter = itertools.count(1)
     return lambda: f"{prefix}{next(counter):x}"
 
+
+# told to the client (a Warning kubectl prints) when a client's Impersonate-* headers are dropped:
+# `kubectl --as bob` through opgate runs as the caller itself (opgate's own token when it sent
+# none), and must not look as if it ran as bob
+IMPERSONATION_DROPPED = (
+    "Impersonate-* headers dropped (no policy allows impersonation): the call was made as the "
+    "caller itself"
+)
 
 _BAD_ESCAPE = re.compile(r"%(?![0-9A-Fa-f]{2})")
 

@@ -19,6 +19,7 @@ from collections.abc import Collection, Iterable, Mapping
 from multidict import CIMultiDict
 
 from proxy.engine.context import RequestContext
+from proxy.relay.calls import IMPERSONATION_DROPPED
 
 __all__ = [
     "HOP_BY_HOP",
@@ -127,6 +128,8 @@ def for_upstream(
             ",".join(names),
             ctx.trace_id,
         )
+        if not allowed:
+            ctx.warn(IMPERSONATION_DROPPED)
     if authorization is not None:
         out["Authorization"] = authorization
     return out

@@ -32,6 +32,7 @@ from proxy.engine.telemetry import INFLIGHT, WATCHES_OPEN, publish_levels
 from proxy.relay import errors
 from proxy.relay.aftercare import Aftercare
 from proxy.relay.calls import (
+    IMPERSONATION_DROPPED,
     PolicyStoreLike,
     RelaySettings,
     body_predicate,
@@ -255,6 +256,8 @@ class FastRelay:
         if impersonating:
             log.info("%s client impersonation headers (trace %s)",
                      "forwarding" if allowed else "stripped", ctx.trace_id)
+            if not allowed:
+                ctx.warn(IMPERSONATION_DROPPED)
         return head + (ctx.body or b"")
 
     async def _relay(self, req: Request, ctx: RequestContext) -> None:
