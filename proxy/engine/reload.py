@@ -8,9 +8,15 @@ writes a new ``..<timestamp>`` directory and atomically renames a ``..data_tmp``
 Changes are grouped until ``debounce_ms`` pass without another one, so an editor's truncate-
 then-write is read whole; the reload then runs in a worker thread and swaps atomically.
 
+It also watches each policy path's parent (its nearest existing ancestor), and sets the watches
+up anew whenever a directory it watches, or should watch, goes, comes back or is replaced: a
+policy directory deleted and recreated is watched again as soon as it is back. Whether each
+path is a directory or a single file is remembered from when it was first seen.
+
 A slow safety poll compares the files' digest every ``poll_seconds`` (and once right after the
-watch starts), in case an event was missed: a watched directory replaced wholesale, a file that
-is a symlink to somewhere else, a network filesystem without inotify.
+watches are set up), in case an event was missed: a file that is a symlink to somewhere else, a
+network filesystem without inotify, a change made while the watches were being set up anew. It
+runs on time however many unrelated changes the watched directories see.
 """
 
 from __future__ import annotations
@@ -54,32 +60,62 @@ async def watch_policies(
 
 
 class _Targets:
-    """What to watch for a store's paths, and which changes matter."""
+    """What to watch for a store's paths, and which changes matter.
 
-    def __init__(self, paths: tuple[str, ...]) -> None:
+    ``kinds`` remembers, for each path, whether it is a directory or a single file, from the
+    first time it was seen to exist: a policy directory that is deleted is still a directory
+    while it is missing and when it comes back (it is not mistaken for a file in the meantime),
+    and a single file stays a single file. A path never seen yet is decided when it appears.
+    """
+
+    def __init__(self, paths: tuple[str, ...], kinds: dict[str, bool]) -> None:
         self.dirs: set[str] = set()  # policy directories: any *.yaml in them counts
-        self.files: set[str] = set()  # single policy files
+        self.files: set[str] = set()  # single policy files, and paths not seen yet
         for raw in paths:
             path = os.path.abspath(raw)
-            if os.path.isdir(path):
-                self.dirs.add(path)
-            else:
-                self.files.add(path)
-        self.watched = sorted(self.dirs | {os.path.dirname(f) for f in self.files})
-
-    def existing(self) -> list[str]:
-        return [d for d in self.watched if os.path.isdir(d)]
+            if path not in kinds and os.path.exists(path):
+                kinds[path] = os.path.isdir(path)
+            (self.dirs if kinds.get(path) else self.files).add(path)
+        # where a ConfigMap volume's ..data swap counts: a policy directory, a file's directory
+        self.homes = self.dirs | {os.path.dirname(f) for f in self.files}
+        watched = {d for d in self.dirs if os.path.isdir(d)}
+        # each target's nearest existing ancestor too: it sees the target deleted, (re)created
+        # or renamed into place, whatever happened to the directories in between
+        watched.update(_nearest_dir(os.path.dirname(t)) for t in self.dirs | self.files)
+        self.watched = sorted(watched)
+        self.identity = tuple(_identity(d) for d in self.watched)
 
     def matters(self, _change: Change, path: str) -> bool:
+        """Whether a change may alter the policy set (a reload then tells for sure)."""
         path = os.path.abspath(path)
-        if path in self.files or path in self.watched:  # a watched directory itself: re-arm
+        if path in self.files or path in self.dirs:
             return True
         parent, name = os.path.split(path)
-        if parent not in self.watched:
+        if parent not in self.homes:
             return False
         if name.startswith(".."):  # ConfigMap volume: ..data, ..data_tmp, ..<timestamp>
             return True
         return parent in self.dirs and not name.startswith(".") and name.endswith(_SUFFIXES)
+
+    def rearm(self, change: Change, path: str) -> bool:
+        """Whether a change means the watches must be set up anew: a policy directory or a
+        watched directory removed, replaced or created (a new one may reuse the old inode)."""
+        path = os.path.abspath(path)
+        return path in self.dirs or (path in self.watched and change.name != "modified")
+
+
+def _nearest_dir(path: str) -> str:
+    while not os.path.isdir(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    return path
+
+
+def _identity(path: str) -> tuple[str, int, int]:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return (path, -1, -1)
+    return (path, st.st_dev, st.st_ino)
 
 
 async def _reload(store: PolicyStore) -> None:
@@ -104,29 +140,35 @@ async def _watch(store: PolicyStore, stop: asyncio.Event, debounce_ms: int,
                  poll_seconds: float) -> None:
     from watchfiles import awatch  # here: loaded only when there are policy files to watch
 
+    kinds: dict[str, bool] = {}  # directory or file, per path, as first seen (see _Targets)
     next_poll = 0.0  # poll once as soon as the watch is armed: covers changes made before
     warned = False
     while not stop.is_set():
-        targets = _Targets(store.paths)
-        dirs = targets.existing()
+        targets = _Targets(store.paths, kinds)
+        log.debug("watching %s for policy files %s", targets.watched,
+                  sorted(targets.dirs | targets.files))
         try:
-            if not dirs:
-                raise FileNotFoundError(f"none of {targets.watched} exists")
+            # No watch_filter: awatch drops a batch that the filter empties without yielding,
+            # so steady unrelated writes where it looks (a log file) would starve the poll.
             async for changes in awatch(
-                *dirs, watch_filter=targets.matters, debounce=max(debounce_ms, 500),
-                step=debounce_ms, stop_event=stop, rust_timeout=_TICK_MS, yield_on_timeout=True,
-                recursive=False,
+                *targets.watched, debounce=max(debounce_ms, 500), step=debounce_ms,
+                stop_event=stop, rust_timeout=_TICK_MS, yield_on_timeout=True, recursive=False,
             ):
                 warned = False
-                if changes:
-                    log.debug("policy files changed: %s", sorted(p for _, p in changes))
+                relevant = sorted(p for c, p in changes if targets.matters(c, p))
+                if relevant:
+                    log.debug("policy files changed: %s", relevant)
                     await _reload(store)
                     next_poll = time.monotonic() + poll_seconds
                 elif time.monotonic() >= next_poll:
                     await _poll(store)
                     next_poll = time.monotonic() + poll_seconds
-                if any(path in targets.watched for _, path in changes):
-                    break  # a watched directory was removed or replaced: watch it anew
+                if (any(targets.rearm(c, p) for c, p in changes)
+                        or _Targets(store.paths, kinds).identity != targets.identity):
+                    # A directory went, came or was replaced: watch anew, and poll at once
+                    # after that, for what changed before the new watches were in place.
+                    next_poll = 0.0
+                    break
             else:
                 return  # the stop event ended the watch
         except asyncio.CancelledError:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -123,5 +124,61 @@ async def test_reload_under_load(upstream: str, tmp_path: Path) -> None:
             metrics = await r.text()
         assert 'opgate_policy_reloads_total{result="error"} 5.0' in metrics
     finally:
+        opgate.stop()
+    assert "Traceback" not in opgate.stderr()
+
+
+async def _until_active(admin: aiohttp.ClientSession, url: str, expected: list[str],
+                        within: float) -> dict[str, object]:
+    """The /debug/policies state once the active policies are ``expected``; fails after
+    ``within`` seconds."""
+    deadline = asyncio.get_running_loop().time() + within
+    while True:
+        state = await _active(admin, url)
+        if [p["name"] for p in state["policies"]] == expected:  # type: ignore[attr-defined]
+            return state
+        assert asyncio.get_running_loop().time() < deadline, state
+        await asyncio.sleep(0.05)
+
+
+@pytest.mark.asyncio
+async def test_policy_directory_deleted_and_recreated(upstream: str, tmp_path: Path) -> None:
+    """QA's repro: ``rm -rf pd; sleep 2.5; mkdir pd; sleep 0.5; cp v2/* pd/`` while a log file
+    is written next to ``pd``: the new files, and every later edit, are in effect within 2 s
+    (not after the 10 s safety poll)."""
+    policy_dir = tmp_path / "pd"
+    policy_dir.mkdir()
+    (policy_dir / "policy.yaml").write_text(VALID.format(n=0))
+    opgate = OpgateProcess("--upstream", upstream, "--policies", str(policy_dir),
+                           "--no-access-log", log_dir=tmp_path)
+    stop = asyncio.Event()
+
+    async def scribble() -> None:  # steady unrelated writes in the parent directory
+        with (tmp_path / "other.log").open("a") as fh:
+            while not stop.is_set():
+                fh.write("x\n")
+                fh.flush()
+                await asyncio.sleep(0.1)
+
+    writer = asyncio.create_task(scribble())
+    try:
+        await asyncio.to_thread(opgate.wait_ready)
+        async with aiohttp.ClientSession() as admin:
+            await _until_active(admin, opgate.admin_url, ["version-0"], within=2.0)
+            shutil.rmtree(policy_dir)
+            await asyncio.sleep(2.5)
+            state = await _active(admin, opgate.admin_url)
+            assert state["failing"] and "no such file" in str(state["last_error"]), state
+            policy_dir.mkdir()
+            await asyncio.sleep(0.5)
+            (policy_dir / "policy.yaml").write_text(VALID.format(n=1))
+            await _until_active(admin, opgate.admin_url, ["version-1"], within=2.0)
+            for n in (2, 3):
+                await asyncio.sleep(0.5)
+                (policy_dir / "policy.yaml").write_text(VALID.format(n=n))
+                await _until_active(admin, opgate.admin_url, [f"version-{n}"], within=2.0)
+    finally:
+        stop.set()
+        await writer
         opgate.stop()
     assert "Traceback" not in opgate.stderr()
