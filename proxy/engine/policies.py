@@ -240,9 +240,15 @@ def build_policy_set(files: Sequence[tuple[str, bytes]], *, parsers: Mapping[str
     policies: list[Policy] = []
     first_seen: dict[str, str] = {}
     for file, data in files:
-        for doc in parse_yaml_documents(data, file=file, errors=errors):
+        before = len(errors)
+        documents = parse_yaml_documents(data, file=file, errors=errors)
+        if len(errors) == before and all(doc.value is None for doc in documents):
+            # empty, only comments or only "---": a ConfigMap key emptied or cut short must not
+            # take its policies away without a word
+            errors.append(PolicyError(file, 1, "no policy document in this file"))
+        for doc in documents:
             if doc.value is None:
-                continue  # an empty document
+                continue  # an empty document between others
             policy = _parse_policy(doc, parsers=parsers, errors=errors)
             if policy is None:
                 continue

@@ -182,3 +182,34 @@ async def test_policy_directory_deleted_and_recreated(upstream: str, tmp_path: P
         await writer
         opgate.stop()
     assert "Traceback" not in opgate.stderr()
+
+
+@pytest.mark.asyncio
+async def test_emptied_policy_file_is_an_error(upstream: str, tmp_path: Path) -> None:
+    """A policy file emptied under a running opgate: the last good set stays, and the error is
+    shown on /debug/policies and counted."""
+    policy_dir = tmp_path / "pd"
+    policy_dir.mkdir()
+    (policy_dir / "a.yaml").write_text(VALID.format(n=0))
+    (policy_dir / "b.yaml").write_text(VALID.format(n=1))
+    opgate = OpgateProcess("--upstream", upstream, "--policies", str(policy_dir),
+                           "--no-access-log", log_dir=tmp_path)
+    try:
+        await asyncio.to_thread(opgate.wait_ready)
+        async with aiohttp.ClientSession() as admin:
+            await _until_active(admin, opgate.admin_url, ["version-0", "version-1"], within=2.0)
+            (policy_dir / "b.yaml").write_text("")
+            for _ in range(40):
+                await asyncio.sleep(0.05)
+                state = await _active(admin, opgate.admin_url)
+                if state["failing"]:
+                    break
+            assert state["failing"], state
+            assert state["last_error"] == f"{policy_dir}/b.yaml:1: no policy document in this file"
+            assert [p["name"] for p in state["policies"]] == [  # type: ignore[attr-defined]
+                "version-0", "version-1"]
+            async with admin.get(opgate.admin_url + "/metrics") as r:
+                assert 'opgate_policy_reloads_total{result="error"} 1.0' in await r.text()
+    finally:
+        opgate.stop()
+    assert "no policy document in this file" in opgate.stderr()

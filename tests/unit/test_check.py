@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -52,6 +54,22 @@ def test_duplicate_names_across_files(tmp_path: Path) -> None:
     (tmp_path / "b.yaml").write_text(policy_doc("other") + "---\n" + policy_doc("same"))
     assert check([tmp_path], parsers=PARSERS) == [
         f'{tmp_path}/b.yaml:11: duplicate policy name "same" (also at {tmp_path}/a.yaml:4)']
+
+
+def test_file_without_a_policy_document(tmp_path: Path) -> None:
+    (tmp_path / "a.yaml").write_text(policy_doc("alpha"))
+    (tmp_path / "b.yaml").write_text("# emptied\n---\n")
+    assert check([tmp_path], parsers=PARSERS) == [
+        f"{tmp_path}/b.yaml:1: no policy document in this file"]
+
+
+def test_cli_check_fails_on_an_empty_file(tmp_path: Path) -> None:
+    (tmp_path / "a.yaml").write_text(policy_doc("alpha"))
+    (tmp_path / "b.yaml").write_text("")
+    done = subprocess.run([sys.executable, "-m", "proxy", "check", str(tmp_path)],
+                          capture_output=True, text=True)
+    assert done.returncode == 1, done
+    assert f"{tmp_path}/b.yaml:1: no policy document in this file" in done.stdout + done.stderr
 
 
 def test_missing_paths(tmp_path: Path) -> None:

@@ -242,14 +242,14 @@ def test_a_crashing_parser_is_an_error_not_a_crash(tmp_path: Path,
 def test_directory_loading(tmp_path: Path) -> None:
     (tmp_path / "b.yaml").write_text(policy_doc("b"))
     (tmp_path / "a.yml").write_text(policy_doc("a"))
-    (tmp_path / "c.yaml").write_text("# nothing yet\n")
+    (tmp_path / "c.yaml").write_text("# the rest\n---\n" + policy_doc("c"))
     (tmp_path / "notes.txt").write_text("not yaml: [")
     (tmp_path / ".hidden.yaml").write_text("not yaml: [")
     (tmp_path / "sub").mkdir()
     (tmp_path / "sub" / "deep.yaml").write_text("not yaml: [")
     (tmp_path / "gone.yaml").symlink_to(tmp_path / "nowhere.yaml")  # dangling: skipped
     pset = load_policy_set([tmp_path], parsers=PARSERS)
-    assert [p.name for p in pset.policies] == ["a", "b"]
+    assert [p.name for p in pset.policies] == ["a", "b", "c"]
     assert pset.files == tuple(str(tmp_path / n) for n in ("a.yml", "b.yaml", "c.yaml"))
     # the same file named twice is read once
     again = load_policy_set([tmp_path, tmp_path / "a.yml"], parsers=PARSERS)
@@ -258,6 +258,30 @@ def test_directory_loading(tmp_path: Path) -> None:
 
 def test_empty_directory_is_an_error(tmp_path: Path) -> None:
     assert errors_of(tmp_path) == [f"{tmp_path}: no policy files (*.yaml, *.yml) here"]
+
+
+@pytest.mark.parametrize("text", ["", "\n\n", "# nothing yet\n", "---\n", "---\n# c\n---\n...\n",
+                                  "%YAML 1.1\n---\n"])
+def test_file_without_a_policy_document_is_an_error(tmp_path: Path, text: str) -> None:
+    """An emptied or cut-short file (a ConfigMap key) must not drop its policies silently."""
+    (tmp_path / "a.yaml").write_text(policy_doc("a"))
+    (tmp_path / "b.yaml").write_text(text)
+    assert errors_of(tmp_path) == [f"{tmp_path}/b.yaml:1: no policy document in this file"]
+    assert errors_of(tmp_path / "b.yaml") == [
+        f"{tmp_path}/b.yaml:1: no policy document in this file"]
+
+
+def test_empty_documents_beside_a_policy_are_fine(tmp_path: Path) -> None:
+    path = tmp_path / "p.yaml"
+    path.write_text("# policies\n---\n---\n" + policy_doc("a") + "---\n# more later\n")
+    assert [p.name for p in load_policy_set([path], parsers=PARSERS).policies] == ["a"]
+
+
+def test_a_syntax_error_is_not_also_an_empty_file(tmp_path: Path) -> None:
+    path = tmp_path / "p.yaml"
+    path.write_text("metadata: {name: a\n")
+    errors = errors_of(path)
+    assert len(errors) == 1 and "invalid YAML" in errors[0]
 
 
 def make_configmap(root: Path, files: Mapping[str, str], stamp: str) -> None:
@@ -345,6 +369,20 @@ def test_store_reload_swaps_keeps_last_good_and_counts(tmp_path: Path,
     assert [p.name for p in store.current.policies] == ["gamma"]
     assert not store.failing and "sometimes" in store.last_error  # the last error stays visible
     assert in_flight is good and [p.name for p in in_flight.policies] == ["alpha"]
+
+
+def test_store_keeps_the_set_when_a_file_is_emptied(tmp_path: Path) -> None:
+    (tmp_path / "a.yaml").write_text(policy_doc("a"))
+    (tmp_path / "b.yaml").write_text(policy_doc("b"))
+    store = PolicyStore([tmp_path], parsers=PARSERS)
+    assert store.reload()
+    good, errors = store.current, reloads("error")
+    (tmp_path / "b.yaml").write_text("")  # a ConfigMap key emptied
+    assert store.reload() is False
+    assert store.current is good and store.failing
+    assert store.last_error == f"{tmp_path}/b.yaml:1: no policy document in this file"
+    assert store.describe()["last_error"] == store.last_error
+    assert reloads("error") == errors + 1
 
 
 def test_store_first_load_failure(tmp_path: Path) -> None:

@@ -217,3 +217,25 @@ async def test_hot_reload_under_load(tmp_path: Path) -> None:
     assert store.last_error == (f'{path}:6: spec.mode: must be one of enforce, dryrun '
                                 '(got "broken18")')
     assert names(store) == ["v20"]
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("emptied", ["", "# cut short\n---\n"])
+async def test_emptied_file_keeps_the_good_set(tmp_path: Path, emptied: str) -> None:
+    """A file truncated to nothing (or to comments) is an error, not a silent loss of rules."""
+    (tmp_path / "a.yaml").write_text(policy_doc("a"))
+    path = tmp_path / "b.yaml"
+    path.write_text(policy_doc("b"))
+    store = PolicyStore([tmp_path], parsers=PARSERS)
+    assert store.reload()
+    good = store.current
+    errors = reloads("error")
+    async with watching(store):
+        path.write_text(emptied)
+        await until(lambda: store.failing, within=1.0)
+        assert store.current is good and names(store) == ["a", "b"]
+        assert store.last_error == f"{path}:1: no policy document in this file"
+        assert reloads("error") == errors + 1
+        path.write_text(policy_doc("c"))
+        await until(named(store, "a", "c"), within=1.0)
+        assert not store.failing
