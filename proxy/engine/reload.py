@@ -150,9 +150,12 @@ async def _watch(store: PolicyStore, stop: asyncio.Event, debounce_ms: int,
         try:
             # No watch_filter: awatch drops a batch that the filter empties without yielding,
             # so steady unrelated writes where it looks (a log file) would starve the poll.
+            # ignore_permission_denied: a parent we may not read (mode 0711) is left unwatched
+            # rather than failing the whole watch; the per-tick identity check covers it.
             async for changes in awatch(
                 *targets.watched, debounce=max(debounce_ms, 500), step=debounce_ms,
                 stop_event=stop, rust_timeout=_TICK_MS, yield_on_timeout=True, recursive=False,
+                ignore_permission_denied=True,
             ):
                 warned = False
                 relevant = sorted(p for c, p in changes if targets.matters(c, p))
