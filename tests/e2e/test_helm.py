@@ -194,6 +194,21 @@ def test_operator_disabled_leaves_only_the_policies(helm: Path) -> None:
         ("ConfigMap", "demo-opgate-policies")]
 
 
+def test_no_policies_no_policy_mount(
+    helm: Path, kubectl: Path, cluster: LocalCluster, tmp_path: Path,
+) -> None:
+    """Without policies the sidecar runs without --policies: an empty policy directory would
+    stop it at start (opgate refuses one), so nothing is mounted."""
+    docs = _render(helm, "policies.operator\\.yaml=null")
+    assert not [d for d in docs if d["metadata"]["name"].endswith("-policies")]
+    sidecar = _sidecar(docs)
+    assert build_parser().parse_args(sidecar["args"]).policies is None
+    assert "/etc/opgate/policies" not in [m["mountPath"] for m in sidecar["volumeMounts"]]
+    pod = _one(docs, "Deployment")["spec"]["template"]["spec"]
+    assert "opgate-policies" not in [v["name"] for v in pod["volumes"]]
+    _dry_run(kubectl, cluster, tmp_path, docs)
+
+
 @pytest.mark.parametrize("listen", ["0.0.0.0:9500", "[::]:9500"])
 def test_admin_port_follows_admin_listen(helm: Path, listen: str) -> None:
     docs = _render(helm, f"sidecar.adminListen={listen}")

@@ -103,7 +103,9 @@ chart's root context, they use the opgate subchart's (.Subcharts.opgate: the val
     - serve
     - --listen={{ .Values.sidecar.listen }}
     - --admin-listen={{ .Values.sidecar.adminListen }}
+    {{- if .Values.policies }}
     - --policies=/etc/opgate/policies
+    {{- end }}
     - --token-file={{ .Values.sidecar.tokenFile }}
     - --log-level={{ .Values.sidecar.logLevel }}
     - --header-timeout={{ .Values.sidecar.headerTimeout }}
@@ -153,8 +155,10 @@ chart's root context, they use the opgate subchart's (.Subcharts.opgate: the val
     readOnlyRootFilesystem: true
     runAsNonRoot: true
     capabilities: {drop: [ALL]}
-  {{- $mounts := list (dict "name" "opgate-policies" "mountPath" "/etc/opgate/policies" "readOnly" true) }}
-  {{- $mounts = append $mounts (dict "name" "opgate-tmp" "mountPath" "/tmp") }}
+  {{- $mounts := list (dict "name" "opgate-tmp" "mountPath" "/tmp") }}
+  {{- if .Values.policies }}
+  {{- $mounts = prepend $mounts (dict "name" "opgate-policies" "mountPath" "/etc/opgate/policies" "readOnly" true) }}
+  {{- end }}
   {{- if .Values.redis.passwordSecret.name }}
   {{- $mounts = append $mounts (dict "name" "opgate-redis" "mountPath" "/etc/opgate/redis" "readOnly" true) }}
   {{- end }}
@@ -182,9 +186,11 @@ chart's root context, they use the opgate subchart's (.Subcharts.opgate: the val
 {{- $r := dict -}}
 {{- include "opgate.context" (dict "in" . "out" $r) -}}
 {{- with $r.ctx -}}
+{{- if .Values.policies }}
 - name: opgate-policies
   configMap:
     name: {{ include "opgate.suffixedName" (list . "policies") }}
+{{- end }}
 - name: opgate-tmp
   emptyDir:
     sizeLimit: {{ .Values.sidecar.tmpSizeLimit }}
