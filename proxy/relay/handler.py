@@ -195,7 +195,14 @@ class Relay:
     ) -> web.StreamResponse:
         ctx.answer = status
         ctx.status_code = status.code
-        resp, size = await send_status(request, status, extra=ctx.response_headers, close=close)
+        never = False  # refused before an Expect: 100-continue client sent its body
+        if request.body_exists and request.content.total_bytes == 0:
+            expect = request.headers.get("Expect")
+            never = expect is not None and expect.lower() == "100-continue"
+        resp, size = await send_status(request, status, extra=ctx.response_headers,
+                                       close=close or never)
+        if never:  # the body never comes: close now, as the apiserver does, instead of waiting
+            request.protocol.force_close()  # for it (the next request would be read as it)
         ctx.bytes_out = size
         return resp
 

@@ -365,3 +365,28 @@ async def test_request_timeout_cuts_a_stalled_non_watch_response() -> None:
             assert 0.35 < loop.time() - started < 3
     finally:
         await up.close()
+
+
+@pytest.mark.asyncio
+async def test_a_refused_expect_continue_call_closes_the_connection() -> None:
+    """A call refused before its ``Expect: 100-continue`` body was asked for: the client sends
+    no body, so the connection cannot carry another request (the next one would be read as the
+    body). The apiserver closes it; so must opgate, and say so."""
+    up = await AiohttpUpstream(ok_handler).start()
+    try:
+        async with running_proxy(up.url, middlewares=(Recorder(),)) as proxy:
+            host, port = proxy.listener.address.rsplit(":", 1)
+            reader, writer = await asyncio.open_connection(host, int(port))
+            writer.write(b"POST /api/v1/namespaces/a/configmaps/deny HTTP/1.1\r\nHost: x\r\n"
+                         b"Content-Type: application/json\r\nContent-Length: 62\r\n"
+                         b"Expect: 100-continue\r\n\r\n")
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+            assert head.startswith(b"HTTP/1.1 403 ")
+            assert b"\r\nconnection: close\r\n" in head.lower()
+            length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+            assert b'"Forbidden"' in await reader.readexactly(length)
+            writer.write(b"GET /version HTTP/1.1\r\nHost: x\r\n\r\n")  # too late: it is closed
+            assert await asyncio.wait_for(reader.read(), 5) == b""
+            writer.close()
+    finally:
+        await up.close()

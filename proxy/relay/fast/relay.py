@@ -223,7 +223,9 @@ class FastRelay:
         ctx.bytes_out = len(body)
         lines = [status_line(status.code)]
         lines += map(header_line, (*status.response_headers(), *ctx.response_headers))
-        if close or not req.keep_alive:
+        # a body not (yet) read whole ends the connection (see FastServer): say so, e.g. to a
+        # client refused before it sent its Expect: 100-continue body
+        if close or not req.keep_alive or not req.body_done:
             lines.append(b"Connection: close\r\n")
             req.keep_alive = False
         lines.append(b"Content-Length: %d\r\n\r\n" % len(body))
