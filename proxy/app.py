@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import gc
 import logging
 import os
 import signal
+import socket
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -39,10 +41,12 @@ from proxy.middlewares.metrics import Metrics
 from proxy.relay import RelaySettings, relay_core, resolve_upstream, serve_api
 from proxy.relay.authn import UpstreamAuthenticator
 from proxy.relay.counts import QuotaCounts
+from proxy.relay.endpoint import make_ssl_context
 from proxy.relay.informer import InformerPool
-from proxy.relay.upstream import UpstreamConfigError
+from proxy.relay.listen import TLSFilesError
+from proxy.relay.upstream import UpstreamConfigError, check_ca_file
 from proxy.settings import Settings
-from proxy.stores import build_store
+from proxy.stores import StoreConfigError, build_store
 
 log = logging.getLogger("opgate")
 
@@ -207,8 +211,18 @@ async def _serve(settings: Settings, *, reuse_port: bool, parent_fd: int | None,
     try:
         upstream = resolve_upstream(url=up.url, kubeconfig=up.kubeconfig, ca_file=up.ca_file,
                                     insecure=up.insecure, token_file=up.token_file)
+        if up.ca_file:
+            check_ca_file(up.ca_file, "--upstream-ca")
+        make_ssl_context(upstream)  # a CA or client certificate ssl cannot load: refused now
     except UpstreamConfigError as exc:
         log.error("cannot configure the upstream: %s", exc)
+        return 2
+    rl = settings.ratelimit
+    try:
+        buckets = build_store(redis_url=rl.redis_url, password_file=rl.redis_password_file,
+                              timeout=rl.redis_timeout, replicas=rl.replicas)
+    except StoreConfigError as exc:
+        log.error("cannot configure the rate-limit store: %s", exc)
         return 2
 
     store = PolicyStore(settings.policies.paths, parsers=section_parsers())
@@ -227,9 +241,6 @@ async def _serve(settings: Settings, *, reuse_port: bool, parent_fd: int | None,
     except Exception as exc:  # MitmproxyMissing, OSError
         log.error("cannot capture to %s: %s", settings.log.capture, exc)
         return 2
-    rl = settings.ratelimit
-    buckets = build_store(redis_url=rl.redis_url, password_file=rl.redis_password_file,
-                          timeout=rl.redis_timeout, replicas=rl.replicas)
     # the CR instances' own qps (instanceAnnotation), watched with opgate's upstream credentials
     informers = InformerPool(upstream, connect_timeout=up.connect_timeout)
     access_writer = AccessWriter(sys.stdout) if settings.log.access_log else None
@@ -288,13 +299,22 @@ async def _serve(settings: Settings, *, reuse_port: bool, parent_fd: int | None,
     admin = None
     listener = None
     try:
-        listener = await serve_api(relay, listen=settings.listen.listen,
-                                   tls_cert=settings.listen.tls_cert,
-                                   tls_key=settings.listen.tls_key, reuse_port=reuse_port)
-        admin = await serve_admin(
-            build_admin_app(checks=checks, describe_policies=describe_policies,
-                            render_metrics=registry_metrics(telemetry.REGISTRY)),
-            listen=settings.listen.admin_listen)
+        try:
+            listener = await serve_api(relay, listen=settings.listen.listen,
+                                       tls_cert=settings.listen.tls_cert,
+                                       tls_key=settings.listen.tls_key, reuse_port=reuse_port)
+        except (OSError, TLSFilesError, ValueError) as exc:
+            log.error("%s", listen_failure("--listen", settings.listen.listen, exc))
+            return 2
+        try:
+            admin = await serve_admin(
+                build_admin_app(checks=checks, describe_policies=describe_policies,
+                                render_metrics=registry_metrics(telemetry.REGISTRY)),
+                listen=settings.listen.admin_listen)
+        except (OSError, ValueError) as exc:
+            flag = "--admin-listen" if not tag else "the worker's admin socket"
+            log.error("%s", listen_failure(flag, settings.listen.admin_listen, exc))
+            return 2
         if settings.policies.paths:
             tasks.append(asyncio.create_task(watch_policies(store), name="policy-watch"))
         freeze_startup_objects()
@@ -330,6 +350,23 @@ async def _serve(settings: Settings, *, reuse_port: bool, parent_fd: int | None,
             if audit_log[1] is not None:
                 audit_log[1].close()
     return 0
+
+
+def listen_failure(flag: str, address: str, exc: BaseException) -> str:
+    """One line naming the flag, the address and why it cannot be listened on."""
+    if isinstance(exc, socket.gaierror):
+        why = f"cannot resolve the host ({exc.strerror or exc})"
+    elif isinstance(exc, OSError) and exc.errno == errno.EADDRINUSE:
+        why = "the address is already in use (another opgate, or another program, listens there)"
+    elif isinstance(exc, OSError) and exc.errno == errno.EADDRNOTAVAIL:
+        why = "not an address of this machine"
+    elif isinstance(exc, OSError) and exc.errno == errno.EACCES:
+        why = "permission denied (ports below 1024 need privileges; a socket path, write access)"
+    elif isinstance(exc, OSError):
+        why = exc.strerror or str(exc)
+    else:
+        why = str(exc)
+    return f"cannot listen on {flag} {address}: {why}"
 
 
 async def _until_signalled(parent_fd: int | None = None) -> None:

@@ -9,10 +9,11 @@ in :mod:`proxy.workers`; otherwise :mod:`proxy.app` runs the sidecar in this pro
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 from proxy.settings import (
     ListenSettings,
@@ -25,8 +26,10 @@ from proxy.settings import (
 )
 
 _TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"", "0", "false", "no", "off"}
 LOOPS = ("auto", "asyncio", "uvloop")
 RELAYS = ("fast", "aiohttp")
+LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
 def worker_count(text: str) -> int:
@@ -53,6 +56,67 @@ def non_negative(text: str) -> int:
     return value
 
 
+def positive_int(text: str) -> int:
+    """``--replicas``: a whole number, 1 or more."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a number >= 1, got {text!r}")
+    return value
+
+
+def seconds(text: str) -> float:
+    """A timeout flag where 0 means none: a finite number of seconds, 0 or more."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds >= 0, got {text!r}")
+    return value
+
+
+def positive_seconds(text: str) -> float:
+    """``--redis-timeout``: a finite number of seconds, more than 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text!r}")
+    return value
+
+
+def listen_address(text: str) -> str:
+    """``--listen`` / ``--admin-listen``: ``HOST:PORT``, ``[V6]:PORT`` or ``unix:/path``."""
+    from proxy.relay.listen import parse_listen
+
+    try:
+        parse_listen(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def redis_url(text: str) -> str:
+    """``--redis-url``: a URL of a scheme opgate knows, with a host and a numeric port."""
+    from proxy.stores import redis_url_problem
+
+    problem = redis_url_problem(text)
+    if problem:
+        raise argparse.ArgumentTypeError(problem)
+    return text
+
+
+def log_level(text: str) -> str:
+    name = text.strip().lower()
+    if name not in LOG_LEVELS:
+        raise argparse.ArgumentTypeError(f"expected one of {', '.join(LOG_LEVELS)}, got {text!r}")
+    return name
+
+
 def loop_name(text: str) -> str:
     name = text.strip().lower()
     if name not in LOOPS:
@@ -67,8 +131,51 @@ def relay_name(text: str) -> str:
     return name
 
 
+def _var(flag: str) -> str:
+    return "OPGATE_" + flag.lstrip("-").upper().replace("-", "_")
+
+
 def _env(flag: str) -> str | None:
-    return os.environ.get("OPGATE_" + flag.lstrip("-").upper().replace("-", "_"))
+    return os.environ.get(_var(flag))
+
+
+class _FromEnv(str):
+    """A flag's default taken from its ``OPGATE_*`` variable: argparse converts it with the
+    flag's type only when the ``serve`` command is parsed (never for ``check`` or ``--help``),
+    and an error names the variable."""
+
+    var: str
+
+    def __new__(cls, value: str, var: str) -> _FromEnv:
+        self = super().__new__(cls, value)
+        self.var = var
+        return self
+
+
+def _env_aware(kind: Callable[[str], Any]) -> Callable[[str], Any]:
+    """``kind``, but a bad value from the environment is reported as the variable's."""
+
+    def convert(text: str) -> Any:
+        try:
+            return kind(text)
+        except (argparse.ArgumentTypeError, ValueError) as exc:
+            if not isinstance(text, _FromEnv):
+                raise
+            detail = str(exc) if isinstance(exc, argparse.ArgumentTypeError) else (
+                f"not a valid {getattr(kind, '__name__', 'value')}")
+            raise argparse.ArgumentTypeError(
+                f"environment variable {text.var}={str(text)!r}: {detail}") from None
+
+    convert.__name__ = getattr(kind, "__name__", "value")
+    return convert
+
+
+class _Parser(argparse.ArgumentParser):
+    """A command's parser whose usage errors are one line (the flag and what is wrong), not
+    the usage block of every flag."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 class _EnvDefaults(argparse.HelpFormatter):
@@ -99,15 +206,20 @@ def _add(
 ) -> None:
     env = _env(flag)
     if kind is bool:
+        if env is not None and env.strip().lower() not in _TRUE | _FALSE:
+            # reported by main() only when the serve command is parsed (a subparser's defaults)
+            problems = parser.get_default("env_problems") or []
+            parser.set_defaults(env_problems=[
+                *problems, f"argument {flag}: environment variable {_var(flag)}={env!r}: "
+                "expected one of 1, true, yes, on, 0, false, no, off"])
         on = env.strip().lower() in _TRUE if env is not None else bool(default)
         parser.add_argument(flag, action="store_true", default=on, help=help)
         return
-    if isinstance(default, str) and kind is not str:  # argparse converts it (and reports errors)
-        parser.add_argument(flag, type=kind, default=env if env is not None else default,
-                            help=help, metavar=metavar)
-        return
-    value = kind(env) if env is not None else default
-    parser.add_argument(flag, type=kind, default=value, help=help, metavar=metavar)
+    # a string default (the flag's own or the variable's) is converted by argparse, which
+    # reports a bad one as a usage error; only when the serve command is parsed
+    value = _FromEnv(env, _var(flag)) if env is not None else default
+    parser.add_argument(flag, type=_env_aware(kind), default=value, help=help, metavar=metavar)
+
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -117,18 +229,19 @@ def build_parser() -> argparse.ArgumentParser:
         "controller to kube-apiserver passes through identity, rate-limit, quota and audit "
         "policies read from hot-reloaded YAML files.",
     )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                                parser_class=_Parser)
 
     serve = sub.add_parser("serve", help="run the sidecar proxy", formatter_class=_EnvDefaults,
                            description="Relay the Kubernetes API from a local listener to "
                            "kube-apiserver through the policy chain.")
     g = serve.add_argument_group("listeners")
-    _add(g, "--listen", default="127.0.0.1:8001", metavar="ADDR",
+    _add(g, "--listen", kind=listen_address, default="127.0.0.1:8001", metavar="ADDR",
          help="API listener: HOST:PORT, [V6]:PORT or unix:/path")
     _add(g, "--tls-cert", metavar="FILE",
          help="serve TLS on the API listener with this certificate (reloaded when it changes)")
     _add(g, "--tls-key", metavar="FILE", help="private key for --tls-cert")
-    _add(g, "--admin-listen", default="127.0.0.1:9091", metavar="ADDR",
+    _add(g, "--admin-listen", kind=listen_address, default="127.0.0.1:9091", metavar="ADDR",
          help="admin listener for /metrics, /healthz, /readyz and /debug/policies")
     g = serve.add_argument_group("upstream (kube-apiserver)")
     _add(g, "--upstream", metavar="URL",
@@ -142,25 +255,26 @@ def build_parser() -> argparse.ArgumentParser:
          help="do not verify the apiserver's certificate (testing only)")
     _add(g, "--token-file", metavar="FILE",
          help="bearer token sent upstream when the client sent none (re-read when it changes)")
-    _add(g, "--connect-timeout", kind=float, default=5.0, metavar="SECONDS",
+    _add(g, "--connect-timeout", kind=seconds, default="5", metavar="SECONDS",
          help="time to open a connection to the apiserver")
-    _add(g, "--header-timeout", kind=float, default=30.0, metavar="SECONDS",
+    _add(g, "--header-timeout", kind=seconds, default="30", metavar="SECONDS",
          help="time for the apiserver to answer headers before opgate answers 504")
-    _add(g, "--request-timeout", kind=float, default=300.0, metavar="SECONDS",
+    _add(g, "--request-timeout", kind=seconds, default="300", metavar="SECONDS",
          help="total time of a non-long-running call (0: none); watches, exec, logs have none")
-    _add(g, "--watch-idle-timeout", kind=float, default=0.0, metavar="SECONDS",
+    _add(g, "--watch-idle-timeout", kind=seconds, default="0", metavar="SECONDS",
          help="end a long-running stream after this long without bytes (0: never)")
     g = serve.add_argument_group("policies and state")
     _add(g, "--policies", metavar="PATH",
          help="policy file or directory of *.yaml, watched and hot-reloaded")
-    _add(g, "--redis-url", metavar="URL",
+    _add(g, "--redis-url", kind=redis_url, metavar="URL",
          help="Redis for rate-limit buckets and quota reservations shared by replicas "
-         "(redis://, rediss://, redis+sentinel://); default: in-process")
+         "(redis://, rediss:// with ?ssl_ca_certs=/path/ca.crt, unix://, redis+sentinel://, "
+         "redis+cluster://); default: in-process")
     _add(g, "--redis-password-file", metavar="FILE",
          help="file holding the Redis password (a mounted Secret), when the URL has none")
-    _add(g, "--redis-timeout", kind=float, default=0.05, metavar="SECONDS",
+    _add(g, "--redis-timeout", kind=positive_seconds, default="0.05", metavar="SECONDS",
          help="timeout of one Redis call before the rule's failure mode applies")
-    _add(g, "--replicas", kind=int, default=1, metavar="N",
+    _add(g, "--replicas", kind=positive_int, default="1", metavar="N",
          help="replicas sharing the budgets; with Redis down each admits qps/N locally")
     g = serve.add_argument_group("processes")
     _add(g, "--workers", kind=worker_count, default="1", metavar="N",
@@ -171,7 +285,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add(g, "--relay", kind=relay_name, default="fast", metavar="|".join(RELAYS),
          help="relay core: fast (asyncio protocols + httptools) or aiohttp (client + server)")
     g = serve.add_argument_group("logging")
-    _add(g, "--log-level", default="info", metavar="LEVEL",
+    _add(g, "--log-level", kind=log_level, default="info", metavar="|".join(LOG_LEVELS),
          help="debug, info, warning or error")
     _add(g, "--no-access-log", kind=bool, help="do not write one JSON line per request")
     _add(g, "--audit-log", metavar="PATH",
@@ -194,10 +308,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="run the demo: a real apiserver, opgate, a sample operator",
                           description="Start etcd + kube-apiserver, Redis when available, "
                           "opgate with policies/ and the sample reconciler; Ctrl-C stops all.")
-    demo.add_argument("--policies", default="policies/demo", metavar="PATH",
+    demo.add_argument("--policies", default="policies/demo", metavar="PATH",  # DEFAULT_POLICIES
                       help="policies to serve (edit them while the demo runs)")
-    demo.add_argument("--widgets", type=int, default=5, help="widgets to create")
-    demo.add_argument("--duration", type=float, default=0.0,
+    demo.add_argument("--widgets", type=non_negative, default=5, help="widgets to create")
+    demo.add_argument("--duration", type=seconds, default=0.0,
                       help="stop by itself after this many seconds (0: run until Ctrl-C)")
     return parser
 
@@ -228,6 +342,10 @@ def settings_from(args: argparse.Namespace) -> Settings:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "serve" and getattr(args, "env_problems", None):
+        print(f"opgate serve: error: {args.env_problems[0]} (see opgate serve --help)",
+              file=sys.stderr)
+        return 2
     if args.command == "check":
         from proxy.app import check_paths
 
@@ -239,6 +357,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if bool(args.tls_cert) != bool(args.tls_key):
         print("opgate: --tls-cert and --tls-key go together", file=sys.stderr)
         return 2
+    if args.tls_cert:
+        from proxy.relay.listen import TLSFilesError, server_tls_context
+
+        try:
+            server_tls_context(args.tls_cert, args.tls_key)
+        except TLSFilesError as exc:
+            print(f"opgate: {exc}", file=sys.stderr)
+            return 2
     settings = settings_from(args)
     if settings.log.capture:
         from proxy.capture import MitmproxyMissing, load_mitmproxy

@@ -26,7 +26,7 @@ from proxy.relay.fast import FastRelay
 if TYPE_CHECKING:
     from proxy.relay.handler import Relay
 
-__all__ = ["Listener", "parse_listen", "serve_api"]
+__all__ = ["Listener", "TLSFilesError", "parse_listen", "serve_api", "server_tls_context"]
 
 log = logging.getLogger("opgate.listen")
 
@@ -112,9 +112,25 @@ class _CertReloader:
             await self._task
 
 
+class TLSFilesError(ValueError):
+    """``--tls-cert`` / ``--tls-key`` cannot be used; ``str()`` names the flag and the reason."""
+
+
 def server_tls_context(cert: str, key: str) -> ssl.SSLContext:
+    """The API listener's TLS context; :class:`TLSFilesError` when the pair cannot be loaded."""
+    for flag, path in (("--tls-cert", cert), ("--tls-key", key)):
+        try:
+            with open(path, "rb") as f:
+                f.read(1)
+        except OSError as e:
+            raise TLSFilesError(f"{flag} {path}: cannot read it: {e.strerror}") from e
     ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    ctx.load_cert_chain(cert, key)
+    try:
+        ctx.load_cert_chain(cert, key)
+    except (ssl.SSLError, OSError, ValueError) as e:
+        raise TLSFilesError(
+            f"--tls-cert {cert} / --tls-key {key}: not a PEM certificate and its private key "
+            f"({getattr(e, 'reason', None) or e})") from e
     ctx.set_alpn_protocols(["http/1.1"])  # both relay cores speak HTTP/1.1 only
     return ctx
 

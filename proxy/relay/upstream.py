@@ -14,6 +14,7 @@ import base64
 import binascii
 import os
 import shutil
+import ssl
 import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
@@ -26,6 +27,7 @@ __all__ = [
     "SERVICE_ACCOUNT_DIR",
     "UpstreamConfig",
     "UpstreamConfigError",
+    "check_ca_file",
     "resolve_upstream",
 ]
 
@@ -81,12 +83,12 @@ def resolve_upstream(
         config = _from_kubeconfig(_kubeconfig_path(kubeconfig, env))
     overrides: dict[str, Any] = {}
     if ca_file:
-        _must_read(ca_file, "the --ca-file")
+        _must_read(ca_file, "--upstream-ca")
         overrides.update(ca_file=ca_file, ca_data=None)
     if insecure:
         overrides["insecure"] = True
     if token_file:
-        _must_read(token_file, "the --token-file")
+        _must_read(token_file, "--token-file")
         overrides.update(token_file=token_file, token=None)
     return replace(config, **overrides) if overrides else config
 
@@ -226,6 +228,19 @@ def _must_read(path: str, what: str) -> None:
     try:
         with open(path, "rb") as f:
             f.read(1)
+    except OSError as e:
+        raise UpstreamConfigError(f"{what} {path}: cannot read it: {e.strerror}") from e
+
+
+def check_ca_file(path: str, what: str = "--upstream-ca") -> None:
+    """``path`` holds PEM CA certificates ssl can load (as the upstream's TLS context will);
+    else :class:`UpstreamConfigError` naming ``what``."""
+    try:
+        ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=path)
+    except (ssl.SSLError, ValueError) as e:
+        raise UpstreamConfigError(
+            f"{what} {path}: not a PEM CA certificate bundle "
+            f"({getattr(e, 'reason', None) or e})") from e
     except OSError as e:
         raise UpstreamConfigError(f"{what} {path}: cannot read it: {e.strerror}") from e
 

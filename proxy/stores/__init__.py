@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from urllib.parse import unquote, urlsplit
 
 from proxy.stores.base import BucketRequest, KeyVerdict, Store, StoreUnavailable, Verdict
 from proxy.stores.memory import MemoryStore
@@ -21,11 +22,83 @@ __all__ = [
     "KeyVerdict",
     "MemoryStore",
     "Store",
+    "StoreConfigError",
     "StoreUnavailable",
     "Verdict",
     "build_store",
     "redis_password",
+    "redis_url_problem",
 ]
+
+REDIS_SCHEMES = ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster", "redis+sentinel",
+                 "rediss+sentinel")
+_TLS_FILES = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile")
+
+
+class StoreConfigError(ValueError):
+    """The Redis settings cannot work (an unreadable password or CA file); ``str()`` names the
+    flag and the reason."""
+
+
+def redis_url_problem(url: str) -> str | None:
+    """What is wrong with a ``--redis-url`` (its form only; no file is read), or None."""
+    try:
+        parts = urlsplit(url)
+    except ValueError as exc:
+        return f"{url!r} is not a URL: {exc}"
+    scheme = parts.scheme.lower()
+    if scheme not in REDIS_SCHEMES:
+        return (f"{_redacted(url)!r}: the scheme must be one of "
+                f"{', '.join(s + '://' for s in REDIS_SCHEMES)}")
+    if scheme == "unix":
+        return None if parts.path else f"{_redacted(url)!r}: unix:// needs a socket path"
+    netloc = parts.netloc.rpartition("@")[2]
+    if scheme.endswith("+sentinel"):
+        nodes = [n for n in netloc.split(",") if n]
+        if not nodes:
+            return f"{_redacted(url)!r}: a redis+sentinel URL needs sentinel host:port pairs"
+        for node in nodes:
+            host, colon, port = node.rpartition(":")
+            if colon and host and not port.isdigit() and not node.endswith("]"):
+                return f"{_redacted(url)!r}: sentinel port {port!r} is not a number"
+        pieces = [p for p in parts.path.split("/") if p]
+        if not pieces:
+            return f"{_redacted(url)!r}: a redis+sentinel URL needs the master name: …/mastername"
+        if len(pieces) > 1 and not pieces[1].isdigit():
+            return f"{_redacted(url)!r}: the database {pieces[1]!r} is not a number"
+        return None
+    if not netloc or not parts.hostname:
+        return f"{_redacted(url)!r}: no host (expected {scheme}://HOST:PORT/DB)"
+    try:
+        port = parts.port
+    except ValueError:
+        port = -1
+    if port is not None and not 0 < port < 65536:
+        return f"{_redacted(url)!r}: the port is not a number from 1 to 65535"
+    db = parts.path.strip("/")
+    if db and not scheme.endswith("+cluster") and not db.isdigit():
+        return f"{_redacted(url)!r}: the database {db!r} is not a number (…/0)"
+    return None
+
+
+def redis_tls_files(url: str) -> list[tuple[str, str]]:
+    """The ``ssl_ca_certs`` / ``ssl_certfile`` / ``ssl_keyfile`` files a URL names."""
+    query = urlsplit(url).query
+    found = []
+    for pair in query.split("&") if query else ():
+        name, _, value = pair.partition("=")
+        if name in _TLS_FILES:
+            found.append((name, unquote(value)))
+    return found
+
+
+def _redacted(url: str) -> str:
+    """The URL without its password."""
+    scheme, sep, rest = url.partition("://")
+    userinfo, at, hostpart = rest.rpartition("@")
+    if not sep or not at or ":" not in userinfo:
+        return url
+    return f"{scheme}://{userinfo.partition(':')[0]}:***@{hostpart}"
 
 
 def redis_password(password: str | None = None, password_file: str | None = None) -> str | None:
@@ -34,7 +107,12 @@ def redis_password(password: str | None = None, password_file: str | None = None
         return password
     path = password_file or os.environ.get("OPGATE_REDIS_PASSWORD_FILE")
     if path:
-        return Path(path).read_text("utf-8").strip() or None
+        try:
+            return Path(path).read_text("utf-8").strip() or None
+        except (OSError, UnicodeDecodeError) as exc:
+            reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
+            raise StoreConfigError(
+                f"--redis-password-file {path}: cannot read it: {reason}") from exc
     return os.environ.get("OPGATE_REDIS_PASSWORD") or None
 
 
@@ -54,13 +132,25 @@ def build_store(
 
     ``replicas`` is the number of opgate replicas sharing the limits: while Redis is down each
     one runs ``failure: open`` rules at ``qps / replicas``. Redis is not contacted here; the
-    first decision connects (and the breaker copes if it cannot).
+    first decision connects (and the breaker copes if it cannot). A URL of a wrong form, or a
+    password file or TLS file (``?ssl_ca_certs=``…) that cannot be read, raises
+    :class:`StoreConfigError`: configuration errors, unlike Redis being down.
     """
     from proxy.stores.breaker import ResilientStore, set_backend_gauge
 
     if not redis_url:
         set_backend_gauge("local")
         return MemoryStore()
+    problem = redis_url_problem(redis_url)
+    if problem:
+        raise StoreConfigError(f"--redis-url {problem}")
+    for name, path in redis_tls_files(redis_url):
+        try:
+            with open(path, "rb") as f:
+                f.read(1)
+        except OSError as exc:
+            raise StoreConfigError(
+                f"--redis-url: {name}={path}: cannot read it: {exc.strerror}") from exc
     from proxy.stores.lease import LeasingStore
     from proxy.stores.redis import RedisStore
 

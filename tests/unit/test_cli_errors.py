@@ -1,0 +1,145 @@
+"""Bad input on the command line or in ``OPGATE_*`` variables: one line naming the flag (or the
+variable) and what is wrong, exit code 2, never a traceback."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from proxy.cli import build_parser, main
+from proxy.relay.upstream import UpstreamConfigError, resolve_upstream
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _usage_error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    with pytest.raises(SystemExit) as exit_:
+        build_parser().parse_args(argv)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err  # one line, not the usage block of every flag
+    return lines[0]
+
+
+@pytest.mark.parametrize(("argv", "flag"), [
+    (["--header-timeout", "-5"], "--header-timeout"),
+    (["--request-timeout", "-1"], "--request-timeout"),
+    (["--connect-timeout", "-1"], "--connect-timeout"),
+    (["--watch-idle-timeout", "-0.5"], "--watch-idle-timeout"),
+    (["--header-timeout", "nan"], "--header-timeout"),
+    (["--request-timeout", "inf"], "--request-timeout"),
+    (["--redis-timeout", "0"], "--redis-timeout"),
+    (["--replicas", "0"], "--replicas"),
+    (["--replicas", "-2"], "--replicas"),
+    (["--workers", "-1"], "--workers"),
+    (["--audit-log-maxsize", "-1"], "--audit-log-maxsize"),
+    (["--audit-log-maxbackup", "-1"], "--audit-log-maxbackup"),
+    (["--capture-maxsize", "-1"], "--capture-maxsize"),
+    (["--capture-maxbackup", "-3"], "--capture-maxbackup"),
+    (["--log-level", "loud"], "--log-level"),
+    (["--listen", "notanaddr"], "--listen"),
+    (["--listen", "127.0.0.1:99999"], "--listen"),
+    (["--admin-listen", "notanaddr"], "--admin-listen"),
+    (["--admin-listen", "127.0.0.1:99999"], "--admin-listen"),
+    (["--listen", "unix:"], "--listen"),
+    (["--redis-url", "http://x"], "--redis-url"),
+    (["--redis-url", "redis://127.0.0.1:notaport/0"], "--redis-url"),
+    (["--redis-url", "redis://127.0.0.1:6379/zero"], "--redis-url"),
+    (["--redis-url", "redis+sentinel://h:26379"], "--redis-url"),
+])
+def test_bad_flag_values_are_one_line_usage_errors(
+        argv: list[str], flag: str, capsys: pytest.CaptureFixture[str]) -> None:
+    line = _usage_error(["serve", *argv], capsys)
+    assert line.startswith("opgate serve: error: ")
+    assert f"argument {flag}" in line
+
+
+@pytest.mark.parametrize("url", [
+    "redis://127.0.0.1:6379/0", "rediss://:pw@redis.example:6380/1?ssl_ca_certs=/x/ca.crt",
+    "unix:///run/redis.sock", "redis+cluster://10.0.0.1:7000",
+    "redis+sentinel://:pw@s1:26379,s2:26379/mymaster/0", "redis://[::1]:6379/0",
+])
+def test_good_redis_urls_are_accepted(url: str) -> None:
+    assert build_parser().parse_args(["serve", "--redis-url", url]).redis_url == url
+
+
+def test_log_level_is_a_choice_in_any_case() -> None:
+    assert build_parser().parse_args(["serve", "--log-level", "DEBUG"]).log_level == "debug"
+    assert build_parser().parse_args(["serve"]).log_level == "info"
+
+
+@pytest.mark.parametrize(("var", "value"), [
+    ("OPGATE_HEADER_TIMEOUT", "30s"),
+    ("OPGATE_REPLICAS", "two"),
+    ("OPGATE_REDIS_TIMEOUT", "-1"),
+    ("OPGATE_AUDIT_LOG_MAXSIZE", "-1"),
+    ("OPGATE_LISTEN", "notanaddr"),
+    ("OPGATE_LOG_LEVEL", "verbose"),
+    ("OPGATE_REDIS_URL", "http://x"),
+])
+def test_bad_environment_value_names_the_variable(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], var: str,
+        value: str) -> None:
+    monkeypatch.setenv(var, value)
+    line = _usage_error(["serve"], capsys)
+    assert f"environment variable {var}={value!r}" in line
+
+
+def test_bad_boolean_environment_value_names_the_variable(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("OPGATE_UPSTREAM_INSECURE", "maybe")
+    assert main(["serve"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert "OPGATE_UPSTREAM_INSECURE='maybe'" in err
+
+
+def test_a_flag_overrides_a_bad_environment_value(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OPGATE_HEADER_TIMEOUT", "30s")
+    args = build_parser().parse_args(["serve", "--header-timeout", "5"])
+    assert args.header_timeout == 5.0
+
+
+def _opgate(*argv: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    import os
+
+    return subprocess.run([sys.executable, "-m", "proxy", *argv], capture_output=True,
+                          text=True, timeout=60, cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT), **env})
+
+
+def test_a_bad_serve_variable_does_not_break_other_commands() -> None:
+    """``OPGATE_REPLICAS=two opgate check …`` crashed with a ValueError traceback."""
+    done = _opgate("check", "policies/demo", env={"OPGATE_REPLICAS": "two"})
+    assert done.returncode == 0, done.stderr
+    assert "Traceback" not in done.stderr
+    done = _opgate("serve", "--help", env={"OPGATE_HEADER_TIMEOUT": "30s"})
+    assert done.returncode == 0, done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_serve_with_a_bad_variable_is_one_line() -> None:
+    done = _opgate("serve", env={"OPGATE_HEADER_TIMEOUT": "30s"})
+    assert done.returncode == 2
+    assert "Traceback" not in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
+    assert "OPGATE_HEADER_TIMEOUT" in done.stderr
+
+
+def test_help_names_every_redis_scheme() -> None:
+    out = _opgate("serve", "--help", env={}).stdout
+    flat = "".join(out.split())
+    for scheme in ("redis://", "rediss://", "redis+sentinel://", "redis+cluster://"):
+        assert scheme in flat
+
+
+def test_missing_upstream_ca_names_the_real_flag(tmp_path: Path) -> None:
+    with pytest.raises(UpstreamConfigError) as err:
+        resolve_upstream(url="https://127.0.0.1:6443", ca_file=str(tmp_path / "nope.crt"))
+    assert "--upstream-ca" in str(err.value)
+    assert "--ca-file" not in str(err.value)
