@@ -46,7 +46,7 @@ from proxy.relay.informer import InformerPool
 from proxy.relay.listen import TLSFilesError
 from proxy.relay.upstream import UpstreamConfigError, check_ca_file
 from proxy.settings import Settings
-from proxy.stores import StoreConfigError, build_store
+from proxy.stores import Store, StoreConfigError, build_store, redis_password
 
 log = logging.getLogger("opgate")
 
@@ -275,9 +275,12 @@ async def _serve(settings: Settings, *, reuse_port: bool, parent_fd: int | None,
     await informers.start()
     await counts.start(follow=lambda: quotas.prepare(store.current))  # reloads, within 1 s
 
+    redis_check = RedisCheck(settings)
+
     async def ratelimit_ready() -> tuple[bool, str]:
-        health = buckets.health()
-        return True, ", ".join(f"{k}={v}" for k, v in health.items())
+        # ready either way: a sidecar's readiness must not flap with Redis (the policies'
+        # failure modes decide what Redis down means), but the detail says it
+        return True, redis_check.describe(buckets)
 
     async def quota_counts() -> tuple[bool, str]:
         return True, counts.describe()
@@ -315,6 +318,8 @@ async def _serve(settings: Settings, *, reuse_port: bool, parent_fd: int | None,
             flag = "--admin-listen" if not tag else "the worker's admin socket"
             log.error("%s", listen_failure(flag, settings.listen.admin_listen, exc))
             return 2
+        if rl.redis_url:
+            tasks.append(asyncio.create_task(redis_check.run(), name="redis-probe"))
         if settings.policies.paths:
             tasks.append(asyncio.create_task(watch_policies(store), name="policy-watch"))
         freeze_startup_objects()
@@ -367,6 +372,52 @@ def listen_failure(flag: str, address: str, exc: BaseException) -> str:
     else:
         why = str(exc)
     return f"cannot listen on {flag} {address}: {why}"
+
+
+class RedisCheck:
+    """The start-up probe of ``--redis-url`` and the ``ratelimit-store`` line of ``/readyz``.
+
+    Once, in the background (startup is not held up), opgate PINGs Redis with a client of its
+    own and a short timeout; a failure is logged as ONE error line naming the problem
+    (authentication, TLS, unreachable) and opgate goes on: the policies' failure modes apply
+    while Redis is away, and Redis may come up later. It then re-PINGs quietly every
+    ``retry_every`` seconds until Redis answers (logged once, at info), so that ``/readyz``
+    says the store is degraded rather than ok meanwhile."""
+
+    retry_every = 5.0
+
+    def __init__(self, settings: Settings) -> None:
+        self.url = settings.ratelimit.redis_url
+        self.password_file = settings.ratelimit.redis_password_file
+        self.problem: str | None = None
+
+    async def run(self) -> None:
+        from proxy.stores.redis import probe, redacted
+
+        assert self.url is not None
+        password = redis_password(None, self.password_file)
+        self.problem = await probe(self.url, password=password)
+        if self.problem is None:
+            return
+        log.error("Redis %s: %s; opgate goes on without it (failure: open rules use in-process "
+                  "buckets, failure: closed rules and quotas answer 503) and keeps trying",
+                  redacted(self.url), self.problem)
+        while self.problem is not None:
+            await asyncio.sleep(self.retry_every)
+            self.problem = await probe(self.url, password=password)
+        log.info("Redis %s answers now", redacted(self.url))
+
+    def describe(self, store: Store) -> str:
+        health = store.health()
+        if not self.url:
+            return ", ".join(f"{k}={v}" for k, v in health.items())
+        breaker = health.get("breaker")
+        if breaker not in (None, "closed"):
+            return (f"degraded: Redis unavailable ({health.get('last_error')}), breaker "
+                    f"{breaker}; the policies' failure modes apply")
+        if self.problem is not None:
+            return f"degraded: Redis {self.problem}; the policies' failure modes apply"
+        return ", ".join(f"{k}={v}" for k, v in health.items())
 
 
 async def _until_signalled(parent_fd: int | None = None) -> None:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import importlib.resources
 import logging
+import ssl
 from collections.abc import Sequence
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
@@ -35,7 +36,7 @@ from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel
 from redis.backoff import NoBackoff
-from redis.exceptions import RedisError
+from redis.exceptions import AuthenticationError, RedisError, ResponseError
 
 from proxy.engine import telemetry
 from proxy.stores.base import (
@@ -49,7 +50,7 @@ from proxy.stores.base import (
     verdict_from,
 )
 
-__all__ = ["QUOTA_SCRIPT", "SCRIPT", "RedisStore", "connect"]
+__all__ = ["QUOTA_SCRIPT", "SCRIPT", "RedisStore", "connect", "probe", "redacted"]
 
 log = logging.getLogger("opgate.ratelimit.store")
 SCRIPT = importlib.resources.files("proxy.stores").joinpath("gcra.lua").read_text("utf-8")
@@ -319,6 +320,60 @@ class RedisStore:
     async def close(self) -> None:
         close = getattr(self.client, "aclose", None) or self.client.close
         await close()
+
+
+PROBE_TIMEOUT = 2.0  # seconds for the start-up probe (connect, TLS, AUTH, PING)
+
+
+async def probe(url: str, *, password: str | None = None,
+                within: float = PROBE_TIMEOUT) -> str | None:
+    """PING Redis once with its own short-lived client; None when it answers, else what went
+    wrong in words a user can act on (authentication, TLS, unreachable). Never raises."""
+    client: Any = None
+    try:
+        client, _ = connect(url, password=password, timeout=within)
+        async with asyncio.timeout(within):
+            await client.ping()
+        return None
+    except Exception as exc:  # a probe never takes anything down
+        problem = describe_failure(exc, timeout=within)
+        if isinstance(exc, TimeoutError) and url.lower().startswith("rediss"):
+            problem = (f"TLS failed or unreachable: no TLS handshake within {within:g}s "
+                       "(does the server speak TLS, as rediss:// says?)")
+        return problem
+    finally:
+        if client is not None:
+            close = getattr(client, "aclose", None) or client.close
+            try:
+                await close()
+            except Exception as exc:  # the client failed already; nothing to keep
+                log.debug("closing the probe's Redis client: %s", exc)
+
+
+def describe_failure(exc: BaseException, *, timeout: float = PROBE_TIMEOUT) -> str:
+    """What a failed Redis call means, as one phrase."""
+    text = str(exc) or type(exc).__name__
+    if isinstance(exc, AuthenticationError) or any(
+            word in text for word in ("NOAUTH", "WRONGPASS", "invalid password",
+                                      "Authentication required")):
+        return (f"authentication failed ({text}): check the password (in --redis-url or "
+                "--redis-password-file)")
+    seen: BaseException | None = exc
+    while seen is not None:  # TLS errors come wrapped in redis-py's ConnectionError
+        if isinstance(seen, ssl.SSLError) or "SSL" in str(seen):
+            return (f"TLS failed ({text}): does the server speak TLS (rediss://) and is "
+                    "ssl_ca_certs its CA?")
+        seen = seen.__cause__ or seen.__context__
+    if isinstance(exc, TimeoutError):
+        return f"unreachable: no answer within {timeout:g}s"
+    if isinstance(exc, ResponseError):
+        return f"answered with an error: {text}"
+    return f"unreachable: {text}"
+
+
+def redacted(url: str) -> str:
+    """The URL without its password, for logs and /readyz."""
+    return _redacted(url)
 
 
 def _redacted(url: str) -> str:

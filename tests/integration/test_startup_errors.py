@@ -1,5 +1,8 @@
 """``python -m proxy serve`` as the user meets it: bad files, addresses and Redis settings give one
-line naming the flag and what is wrong (exit code 2), never a traceback.
+line naming the flag and what is wrong (exit code 2), never a traceback; a Redis that is down,
+refuses the password or does not speak TLS is said once at start, and opgate serves on.
+
+Redis is a real ``redis-server`` started with ``--requirepass``.
 """
 
 from __future__ import annotations
@@ -8,12 +11,18 @@ import os
 import socket
 import subprocess
 import sys
+import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from proxy.envtest.procs import free_port
+from proxy.envtest import pki
+from proxy.envtest.procs import Proc, free_port
+from tests.integration.opgate_proc import OpgateProcess
+from tests.integration.redis_server import REDIS_BINARY
 
 ROOT = Path(__file__).resolve().parents[2]
 PASSWORD = "s3cret"
@@ -100,3 +109,103 @@ def test_redis_ca_file_unreadable() -> None:
 
 def test_bad_numeric_variable() -> None:
     _one_error(_serve(env={"OPGATE_HEADER_TIMEOUT": "30s"}), "OPGATE_HEADER_TIMEOUT")
+
+
+# --- Redis misconfigured or down: said once at start, opgate serves on --------------------
+
+
+@pytest.fixture(scope="module")
+def password_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
+    tmp = tmp_path_factory.mktemp("redis")
+    port = free_port()
+    proc = Proc("redis", [REDIS_BINARY, "--bind", "127.0.0.1", "--port", str(port), "--save", "",
+                          "--appendonly", "no", "--dir", str(tmp), "--requirepass", PASSWORD],
+                log=tmp / "redis.log")
+    proc.start()
+    try:
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:
+                    s.sendall(b"PING\r\n")
+                    if b"NOAUTH" in s.recv(64):
+                        break
+            except OSError:
+                time.sleep(0.05)
+        yield port
+    finally:
+        proc.stop()
+
+
+def _readyz_store_line(opgate: OpgateProcess) -> str:
+    try:
+        with urllib.request.urlopen(opgate.admin_url + "/readyz?verbose", timeout=5) as resp:
+            body = resp.read().decode()
+    except urllib.error.HTTPError as exc:  # the fake upstream is down: 503, body still says
+        body = exc.read().decode()
+    return next(line for line in body.splitlines() if "ratelimit-store" in line)
+
+
+def _wait_for(opgate: OpgateProcess, text: str, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while text not in opgate.stderr():
+        assert opgate.proc.poll() is None, opgate.stderr()
+        assert time.monotonic() < deadline, opgate.stderr()
+        time.sleep(0.1)
+
+
+@pytest.mark.parametrize(("url", "problem"), [
+    ("redis://:wrong@127.0.0.1:{port}/0", "authentication failed"),
+    ("redis://127.0.0.1:{port}/0", "authentication failed"),
+    ("rediss://:" + PASSWORD + "@127.0.0.1:{port}/0", "TLS failed"),
+    ("redis://127.0.0.1:{free}/0", "unreachable"),
+])
+def test_redis_problem_is_one_error_line_and_opgate_serves_on(
+        password_redis: int, tmp_path: Path, url: str, problem: str) -> None:
+    url = url.format(port=password_redis, free=free_port())
+    opgate = OpgateProcess("--upstream", UPSTREAM, "--redis-url", url, log_dir=tmp_path)
+    try:
+        opgate.wait_ready()
+        _wait_for(opgate, problem)
+        time.sleep(0.3)
+        errors = [line for line in opgate.stderr().splitlines() if " ERROR " in line]
+        assert len(errors) == 1, opgate.stderr()
+        assert problem in errors[0] and "goes on" in errors[0]
+        assert PASSWORD not in opgate.stderr() and ":wrong@" not in opgate.stderr()
+        store = _readyz_store_line(opgate)
+        assert store.startswith("[+]")  # readiness does not flap with Redis
+        assert "degraded" in store and problem in store
+        assert opgate.proc.poll() is None  # Redis down never takes the proxy down
+        assert "Traceback" not in opgate.stderr()
+    finally:
+        assert opgate.stop() == 0
+
+
+def test_redis_ca_that_is_not_the_servers(password_redis: int, tmp_path: Path) -> None:
+    """A readable ssl_ca_certs against a server that speaks no TLS: TLS failed, serving on."""
+    files = pki.write_pki(tmp_path / "pki")
+    url = (f"rediss://:{PASSWORD}@127.0.0.1:{password_redis}/0"
+           f"?ssl_ca_certs={files.ca_cert}")
+    opgate = OpgateProcess("--upstream", UPSTREAM, "--redis-url", url, log_dir=tmp_path)
+    try:
+        opgate.wait_ready()
+        _wait_for(opgate, "TLS failed")
+        assert opgate.proc.poll() is None
+    finally:
+        assert opgate.stop() == 0
+
+
+def test_redis_that_answers_is_not_reported(password_redis: int, tmp_path: Path) -> None:
+    secret = tmp_path / "password"
+    secret.write_text(PASSWORD + "\n")
+    opgate = OpgateProcess("--upstream", UPSTREAM, "--redis-url",
+                           f"redis://127.0.0.1:{password_redis}/0", "--redis-password-file",
+                           str(secret), log_dir=tmp_path)
+    try:
+        opgate.wait_ready()
+        time.sleep(0.5)  # the probe has answered by now
+        assert " ERROR " not in opgate.stderr(), opgate.stderr()
+        store = _readyz_store_line(opgate)
+        assert store.startswith("[+]") and "degraded" not in store, store
+    finally:
+        assert opgate.stop() == 0
