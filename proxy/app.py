@@ -82,6 +82,9 @@ def configure_logging(settings: Settings, *, tag: str = "") -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level)
+    # watchfiles says "N changes detected" at INFO on every edit; opgate logs the reload itself
+    logging.getLogger("watchfiles").setLevel(
+        logging.DEBUG if level <= logging.DEBUG else logging.WARNING)
     access = logging.getLogger("opgate.access")  # the access log writes to stdout itself
     access.propagate = False
     access.handlers[:] = []

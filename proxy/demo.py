@@ -31,7 +31,8 @@ from proxy.envtest.procs import Proc, free_port
 
 NAMESPACE = "opgate-demo"
 ROOT = Path(__file__).resolve().parent.parent
-EXAMPLE = ROOT / "examples" / "reconciler"
+EXAMPLE = ROOT / "examples" / "reconciler"  # its *.yaml are package data (pyproject.toml)
+DEFAULT_POLICIES = "policies/demo"
 
 _COLOURS = {"allowed": "32", "throttled": "33", "denied": "31", "unauthorized": "31",
             "error": "31", "fault": "35"}
@@ -120,8 +121,11 @@ def _intruder(url: str, token: str, stop: threading.Event) -> None:
 
 def run_demo(*, policies: str, widgets: int, duration: float) -> int:
     policies_path = Path(policies).resolve()
+    if not policies_path.exists() and policies == DEFAULT_POLICIES:
+        policies_path = ROOT / DEFAULT_POLICIES  # a checkout, run from another directory
     if not policies_path.exists():
-        print(f"demo: {policies}: no such policy file or directory", file=sys.stderr)
+        print(f"demo: {policies}: no such policy file or directory; run the demo from a "
+              "checkout of opgate (`make demo`) or pass --policies PATH", file=sys.stderr)
         return 2
     procs: list[Proc] = []
     stop = threading.Event()

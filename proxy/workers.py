@@ -66,7 +66,14 @@ def refusal(settings: Settings) -> str | None:
 
 def supervise(settings: Settings) -> int:
     """Run ``settings.runtime.workers`` workers until SIGTERM/SIGINT; the exit status."""
-    run_dir = tempfile.mkdtemp(prefix="opgate-workers-")
+    try:  # in $TMPDIR, else /tmp, /var/tmp, /usr/tmp, the working directory
+        run_dir = tempfile.mkdtemp(prefix="opgate-workers-")
+    except OSError as exc:
+        print(f"opgate: --workers {settings.runtime.workers} needs a writable directory for "
+              "the workers' shared metrics and admin sockets: set $TMPDIR to one (in a pod with "
+              f"a read-only root filesystem, mount an emptyDir at /tmp) ({exc})",
+              file=sys.stderr)
+        return 2
     metrics_dir = os.path.join(run_dir, "metrics")
     os.mkdir(metrics_dir)
     # before prometheus_client is imported here or in any worker (the workers inherit it)

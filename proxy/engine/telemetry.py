@@ -35,8 +35,18 @@ from bisect import bisect_left
 from collections.abc import Iterable
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+)
 from prometheus_client.metrics import MetricWrapperBase
+
+# no ``*_created`` series (one per counter and histogram child, the process's start time):
+# they double what /metrics sends and Prometheus does not need them
+disable_created_metrics()
 
 # prometheus_client picks its value class from this variable when it is imported, so it is
 # read here the same way: in multiprocess mode the files must follow the updates promptly.

@@ -1,16 +1,21 @@
 """Bad input on the command line or in ``OPGATE_*`` variables: one line naming the flag (or the
-variable) and what is wrong, exit code 2, never a traceback."""
+variable) and what is wrong, exit code 2, never a traceback; and the smaller start-up items
+(log noise, ``*_created`` series, the demo's paths, the workers' temporary directory)."""
 
 from __future__ import annotations
 
+import logging
 import subprocess
 import sys
+import tempfile
+import tomllib
 from pathlib import Path
 
 import pytest
 
 from proxy.cli import build_parser, main
 from proxy.relay.upstream import UpstreamConfigError, resolve_upstream
+from proxy.settings import RateLimitSettings, RuntimeSettings, Settings
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -143,3 +148,72 @@ def test_missing_upstream_ca_names_the_real_flag(tmp_path: Path) -> None:
         resolve_upstream(url="https://127.0.0.1:6443", ca_file=str(tmp_path / "nope.crt"))
     assert "--upstream-ca" in str(err.value)
     assert "--ca-file" not in str(err.value)
+
+
+def test_workers_without_a_writable_temporary_directory(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+        tmp_path: Path) -> None:
+    """A read-only root filesystem: one line, not a FileNotFoundError traceback."""
+    from proxy.workers import supervise
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "read-only" / "tmp"))
+    settings = Settings(runtime=RuntimeSettings(workers=2),
+                        ratelimit=RateLimitSettings(redis_url="redis://127.0.0.1:1/0"))
+    assert supervise(settings) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert "--workers 2 needs a writable directory" in err and "TMPDIR" in err
+
+
+@pytest.mark.parametrize(("level", "watchfiles"), [("info", logging.WARNING),
+                                                    ("debug", logging.DEBUG)])
+def test_watchfiles_change_lines_only_in_debug(level: str, watchfiles: int) -> None:
+    from proxy.app import configure_logging
+    from proxy.settings import LogSettings
+
+    root = logging.getLogger()
+    handlers, root_level = root.handlers[:], root.level
+    try:
+        configure_logging(Settings(log=LogSettings(level=level)))
+        assert logging.getLogger("watchfiles").getEffectiveLevel() == watchfiles
+        info = logging.getLogger("watchfiles.main").isEnabledFor(logging.INFO)
+        assert info == (level == "debug")  # "N changes detected" is an INFO line
+    finally:
+        root.handlers[:] = handlers
+        root.setLevel(root_level)
+        logging.getLogger("watchfiles").setLevel(logging.NOTSET)
+
+
+def test_no_created_series() -> None:
+    from prometheus_client import generate_latest
+
+    from proxy.engine import telemetry
+
+    telemetry.POLICY_RELOADS.labels(result="ok").inc(0)
+    text = generate_latest(telemetry.REGISTRY).decode()
+    assert "opgate_policy_reloads_total" in text
+    assert "_created" not in text
+
+
+def test_demo_without_its_policies_says_what_to_do(tmp_path: Path) -> None:
+    import os
+
+    done = subprocess.run([sys.executable, "-m", "proxy", "demo", "--policies",
+                           str(tmp_path / "policies" / "demo")], capture_output=True, text=True,
+                          timeout=60, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 2
+    assert "Traceback" not in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
+    assert "make demo" in done.stderr and "--policies" in done.stderr
+
+
+def test_demo_files_are_package_data() -> None:
+    """``opgate demo`` applies examples/reconciler/*.yaml: a pip install must carry them."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    data = project["tool"]["setuptools"]["package-data"]
+    assert "*.yaml" in data["examples.reconciler"]
+    assert (ROOT / "examples" / "reconciler" / "__init__.py").exists()
+    from proxy.demo import EXAMPLE
+
+    for name in ("rbac.yaml", "widget-crd.yaml"):
+        assert (EXAMPLE / name).exists()
