@@ -12,12 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 import gc
 import logging
 import os
 import signal
-import socket
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -43,7 +41,7 @@ from proxy.relay.authn import UpstreamAuthenticator
 from proxy.relay.counts import QuotaCounts
 from proxy.relay.endpoint import make_ssl_context
 from proxy.relay.informer import InformerPool
-from proxy.relay.listen import TLSFilesError
+from proxy.relay.listen import TLSFilesError, listen_failure
 from proxy.relay.upstream import UpstreamConfigError, check_ca_file
 from proxy.settings import Settings
 from proxy.stores import Store, StoreConfigError, build_store, redis_password
@@ -358,23 +356,6 @@ async def _serve(settings: Settings, *, reuse_port: bool, parent_fd: int | None,
             if audit_log[1] is not None:
                 audit_log[1].close()
     return 0
-
-
-def listen_failure(flag: str, address: str, exc: BaseException) -> str:
-    """One line naming the flag, the address and why it cannot be listened on."""
-    if isinstance(exc, socket.gaierror):
-        why = f"cannot resolve the host ({exc.strerror or exc})"
-    elif isinstance(exc, OSError) and exc.errno == errno.EADDRINUSE:
-        why = "the address is already in use (another opgate, or another program, listens there)"
-    elif isinstance(exc, OSError) and exc.errno == errno.EADDRNOTAVAIL:
-        why = "not an address of this machine"
-    elif isinstance(exc, OSError) and exc.errno == errno.EACCES:
-        why = "permission denied (ports below 1024 need privileges; a socket path, write access)"
-    elif isinstance(exc, OSError):
-        why = exc.strerror or str(exc)
-    else:
-        why = str(exc)
-    return f"cannot listen on {flag} {address}: {why}"
 
 
 class RedisCheck:

@@ -84,8 +84,10 @@ def supervise(settings: Settings) -> int:
         try:
             listen, held = hold_port(settings.listen.listen)
         except (OSError, ValueError) as exc:
-            log.error("cannot listen on %s: %s", settings.listen.listen, exc)
-            return 1
+            from proxy.relay.listen import listen_failure
+
+            log.error("%s", listen_failure("--listen", settings.listen.listen, exc))
+            return 2
         n = settings.runtime.workers
         for_workers = replace(
             settings, listen=replace(settings.listen, listen=listen),
@@ -201,8 +203,11 @@ class Supervisor:
             try:
                 admin = await serve_admin(app, listen=self.settings.listen.admin_listen)
             except OSError as exc:
-                log.error("cannot listen on %s: %s", self.settings.listen.admin_listen, exc)
-                return 1
+                from proxy.relay.listen import listen_failure
+
+                log.error("%s", listen_failure("--admin-listen", self.settings.listen.admin_listen,
+                                               exc))
+                return 2
             keepers = [asyncio.create_task(self._keep(w)) for w in self.workers]
             log.info("serving the Kubernetes API on %s with %d workers (pids %s); admin on %s",
                      self.listen, len(self.workers), ", ".join(self._pids()),

@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import os
+import socket
 import ssl
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
@@ -26,7 +28,8 @@ from proxy.relay.fast import FastRelay
 if TYPE_CHECKING:
     from proxy.relay.handler import Relay
 
-__all__ = ["Listener", "TLSFilesError", "parse_listen", "serve_api", "server_tls_context"]
+__all__ = ["Listener", "TLSFilesError", "listen_failure", "parse_listen", "serve_api",
+           "server_tls_context"]
 
 log = logging.getLogger("opgate.listen")
 
@@ -48,6 +51,23 @@ def parse_listen(listen: str) -> tuple[str, int] | str:
             f"listen address {listen!r}: expected HOST:PORT, [IPV6]:PORT or unix:/path"
         )
     return host, int(port)
+
+
+def listen_failure(flag: str, address: str, exc: BaseException) -> str:
+    """One line naming the flag, the address and why it cannot be listened on."""
+    if isinstance(exc, socket.gaierror):
+        why = f"cannot resolve the host ({exc.strerror or exc})"
+    elif isinstance(exc, OSError) and exc.errno == errno.EADDRINUSE:
+        why = "the address is already in use (another opgate, or another program, listens there)"
+    elif isinstance(exc, OSError) and exc.errno == errno.EADDRNOTAVAIL:
+        why = "not an address of this machine"
+    elif isinstance(exc, OSError) and exc.errno == errno.EACCES:
+        why = "permission denied (ports below 1024 need privileges; a socket path, write access)"
+    elif isinstance(exc, OSError):
+        why = exc.strerror or str(exc)
+    else:
+        why = str(exc)
+    return f"cannot listen on {flag} {address}: {why}"
 
 
 class Listener:

@@ -92,6 +92,20 @@ def test_port_in_use(flag: str, taken_port: int) -> None:
                "already in use")
 
 
+@pytest.mark.parametrize("flag", ["--listen", "--admin-listen"])
+def test_port_in_use_with_workers(flag: str, taken_port: int) -> None:
+    """The supervisor of --workers holds both ports itself: the same one line, exit 2."""
+    other = "--admin-listen" if flag == "--listen" else "--listen"
+    address = f"127.0.0.1:{taken_port}"
+    done = _serve("--workers", "2", "--redis-url", "redis://127.0.0.1:1/0", flag, address,
+                  other, f"127.0.0.1:{free_port()}")
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr
+    lines = [line for line in done.stderr.splitlines() if "cannot listen" in line]
+    assert len(lines) == 1, done.stderr
+    assert f"{flag} {address}" in lines[0] and "already in use" in lines[0]
+
+
 def test_redis_password_file_missing() -> None:
     _one_error(_serve("--redis-url", "redis://127.0.0.1:6379/0", "--redis-password-file",
                       "/nonexistent"), "--redis-password-file", "/nonexistent")
