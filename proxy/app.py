@@ -383,9 +383,8 @@ class RedisCheck:
         self.problem = await probe(self.url, password=password)
         if self.problem is None:
             return
-        log.error("Redis %s: %s; opgate goes on without it (failure: open rules use in-process "
-                  "buckets, failure: closed rules and quotas answer 503) and keeps trying",
-                  redacted(self.url), self.problem)
+        log.error("Redis %s: %s; opgate goes on without it (the policies' failure modes "
+                  "apply) and keeps trying", redacted(self.url), self.problem)
         while self.problem is not None:
             await asyncio.sleep(self.retry_every)
             self.problem = await probe(self.url, password=password)
