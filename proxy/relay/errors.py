@@ -12,10 +12,13 @@ not flood the log.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import ssl
 import sys
 import time
+from collections.abc import AsyncIterator
 
 from proxy.engine import telemetry
 from proxy.engine.context import RequestContext
@@ -24,6 +27,7 @@ from proxy.engine.status import StatusError, gateway_timeout, service_unavailabl
 __all__ = [
     "Answer",
     "ConnectTimeout",
+    "body_within",
     "describe",
     "stream_broke",
     "too_large",
@@ -48,6 +52,19 @@ class Answer(Exception):
 
 class ConnectTimeout(TimeoutError):
     """The upstream did not accept the connection in time (a 504 that names the connect)."""
+
+
+@contextlib.asynccontextmanager
+async def body_within(seconds: float) -> AsyncIterator[None]:
+    """Bound the read of a request body a middleware wants (``seconds``: the request timeout,
+    0 = none): a client that stalls mid-body gets a ``504 Timeout`` Status, as the apiserver's
+    own request timeout answers, and its connection is closed."""
+    try:
+        async with asyncio.timeout(seconds or None):
+            yield
+    except TimeoutError:
+        raise Answer(gateway_timeout(
+            f"opgate: the request body did not arrive within {seconds:g}s"), close=True) from None
 
 
 def too_large(limit: int) -> StatusError:

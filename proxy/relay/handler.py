@@ -174,7 +174,8 @@ class Relay:
         upgrade = "Upgrade" in request.headers and is_upgrade_request(request.headers)
         try:
             if request.body_exists and self._wants_body is not None and self._wants_body(ctx):
-                ctx.body = await read_body(request, limit=self.settings.max_body_bytes)
+                async with errors.body_within(self.settings.request_timeout):
+                    ctx.body = await read_body(request, limit=self.settings.max_body_bytes)
             denied = await settle(self._chain.entry(ctx))
             if denied is not None:
                 return await self._answer(request, ctx, denied, close=upgrade)
@@ -199,10 +200,12 @@ class Relay:
         if request.body_exists and request.content.total_bytes == 0:
             expect = request.headers.get("Expect")
             never = expect is not None and expect.lower() == "100-continue"
-        resp, size = await send_status(request, status, extra=ctx.response_headers,
-                                       close=close or never)
-        if never:  # the body never comes: close now, as the apiserver does, instead of waiting
-            request.protocol.force_close()  # for it (the next request would be read as it)
+        close = close or never
+        resp, size = await send_status(request, status, extra=ctx.response_headers, close=close)
+        if close and request.body_exists and not request.content.is_eof():
+            # close now, as the apiserver does, rather than let aiohttp linger reading a body
+            # nobody will read (or that never comes: the next request would be read as it)
+            request.protocol.force_close()
         ctx.bytes_out = size
         return resp
 

@@ -91,7 +91,8 @@ async def relay_upgrade(
     if ctx.body is not None:
         body = ctx.body
     elif request.body_exists:  # unusual for an upgrade, but relay it (bounded)
-        body = await read_body(request, limit=settings.max_body_bytes)
+        async with errors.body_within(settings.request_timeout):
+            body = await read_body(request, limit=settings.max_body_bytes)
     headers = relay.upstream_headers(request, ctx, upgrade=True)
     headers["Host"] = endpoint.host_header
     if body or "Content-Length" in headers:

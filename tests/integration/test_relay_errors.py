@@ -390,3 +390,32 @@ async def test_a_refused_expect_continue_call_closes_the_connection() -> None:
             writer.close()
     finally:
         await up.close()
+
+
+@pytest.mark.asyncio
+async def test_a_body_that_stalls_for_a_middleware_times_out() -> None:
+    """A middleware wants the body and the client stops sending it halfway: the call ends with
+    a 504 Timeout Status after the request timeout and the connection is closed, instead of
+    holding the call (and its gauges) for as long as the client likes."""
+    up = await AiohttpUpstream(ok_handler).start()
+    rec = Recorder(needs_body=True)
+    loop = asyncio.get_running_loop()
+    try:
+        async with running_proxy(up.url, middlewares=(rec,),
+                                 settings=RelaySettings(request_timeout=0.5)) as proxy:
+            host, port = proxy.listener.address.rsplit(":", 1)
+            reader, writer = await asyncio.open_connection(host, int(port))
+            writer.write(b"POST /api/v1/namespaces/a/configmaps HTTP/1.1\r\nHost: x\r\n"
+                         b"Content-Type: application/json\r\nContent-Length: 20\r\n\r\n{\"ki")
+            started = loop.time()
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+            assert 0.4 < loop.time() - started < 3
+            assert head.startswith(b"HTTP/1.1 504 ")
+            length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+            status = assert_status(await reader.readexactly(length), 504, "Timeout")
+            assert "request body" in status["message"]
+            assert await asyncio.wait_for(reader.read(), 5) == b""  # closed
+            writer.close()
+    finally:
+        await up.close()
+    assert rec.bodies == []  # the chain never ran on half a body

@@ -169,7 +169,8 @@ class FastRelay:
                     if req.expect_continue:
                         req.conn.write(_CONTINUE)
                     limit = self.settings.max_body_bytes
-                    body = await req.read_all(limit)
+                    async with errors.body_within(self.settings.request_timeout):
+                        body = await req.read_all(limit)
                     if body is None:
                         raise errors.Answer(errors.too_large(limit), close=True)
                     ctx.body = body
@@ -336,7 +337,8 @@ class FastRelay:
         """An upgrade: its own upstream connection, and after a ``101`` a raw byte tunnel."""
         client = req.conn
         if req.has_body and ctx.body is None:  # unusual for an upgrade, but relay it (bounded)
-            body = await req.read_all(self.settings.max_body_bytes)
+            async with errors.body_within(self.settings.request_timeout):
+                body = await req.read_all(self.settings.max_body_bytes)
             if body is None:
                 raise errors.Answer(errors.too_large(self.settings.max_body_bytes), close=True)
             ctx.body = body
