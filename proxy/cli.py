@@ -32,39 +32,32 @@ RELAYS = ("fast", "aiohttp")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
+def _whole_number(minimum: int, *, alternative: str = "") -> Callable[[str], int]:
+    """A flag's parser of whole numbers >= ``minimum`` (naming ``alternative`` words in the
+    error, e.g. ``auto``)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = minimum - 1
+        if value < minimum:
+            raise argparse.ArgumentTypeError(
+                f"expected a number >= {minimum}{alternative}, got {text!r}")
+        return value
+
+    return parse
+
+
+non_negative = _whole_number(0)  # a rotation flag (--audit-log-maxsize …)
+positive_int = _whole_number(1)  # --replicas
+_worker_number = _whole_number(1, alternative=" or auto")
+
+
 def worker_count(text: str) -> int:
     """``--workers``: a positive number, or ``auto`` for one per CPU."""
     if text.strip().lower() == "auto":
         return os.cpu_count() or 1
-    try:
-        count = int(text)
-    except ValueError:
-        count = 0
-    if count < 1:
-        raise argparse.ArgumentTypeError(f"expected a number >= 1 or auto, got {text!r}")
-    return count
-
-
-def non_negative(text: str) -> int:
-    """A rotation flag (``--audit-log-maxsize`` …): a whole number, 0 or more."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
-    return value
-
-
-def positive_int(text: str) -> int:
-    """``--replicas``: a whole number, 1 or more."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a number >= 1, got {text!r}")
-    return value
+    return _worker_number(text)
 
 
 def seconds(text: str) -> float:

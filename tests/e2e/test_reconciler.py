@@ -15,7 +15,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime
@@ -199,6 +199,14 @@ def create_widgets(cluster: LocalCluster, namespace: str, specs: dict[str, dict[
         for name, spec in specs.items()])
 
 
+def delete_all_and_wait(cluster: LocalCluster, namespace: str, names: Iterable[str], *,
+                        env: Env, proc: Proc) -> float:
+    all_at_once([lambda name=name: cluster.call(
+        "DELETE", f"{widgets_path(namespace)}/{name}").ok() for name in names])
+    return wait_for(lambda: leftovers(cluster, namespace), what="after deleting", env=env,
+                    proc=proc)
+
+
 def patch_widget(cluster: LocalCluster, namespace: str, name: str, patch: dict[str, Any]) -> None:
     cluster.call("PATCH", f"{widgets_path(namespace)}/{name}", body=patch,
                  content_type="application/merge-patch+json").ok()
@@ -312,9 +320,7 @@ def test_noisy_widget_throttled_alone_and_retry_after_honoured(
             patch_widget(cluster, ns, f"quiet-{i}", {"spec": {"data": {"changed": "yes"}}})
         wait_for(lambda: problems(cluster, specs, ns), what="after the noisy burst", env=env,
                  proc=operator)
-        all_at_once([lambda name=name: cluster.call(
-            "DELETE", f"{widgets_path(ns)}/{name}").ok() for name in specs])
-        wait_for(lambda: leftovers(cluster, ns), what="after deleting", env=env, proc=operator)
+        delete_all_and_wait(cluster, ns, specs, env=env, proc=operator)
         stop_cleanly(operator)
 
     calls = access_log(gate, until=has_watch)
@@ -360,9 +366,7 @@ def test_operator_with_the_helm_charts_kubeconfig(
         create_widgets(cluster, ns, specs)
         wait_for(lambda: problems(cluster, specs, ns), what="after creating", env=env,
                  proc=operator)
-        all_at_once([lambda name=name: cluster.call(
-            "DELETE", f"{widgets_path(ns)}/{name}").ok() for name in specs])
-        wait_for(lambda: leftovers(cluster, ns), what="after deleting", env=env, proc=operator)
+        delete_all_and_wait(cluster, ns, specs, env=env, proc=operator)
         stop_cleanly(operator)
     calls = access_log(gate, until=has_watch)
     assert sum(1 for c in calls if (c["verb"], c.get("resource"), c.get("code"))
