@@ -111,10 +111,13 @@ class _Plan:
 
 
 def _bearer(headers: Mapping[str, str]) -> str | None:
+    """The bearer token as the apiserver reads it (its ``bearertoken`` authenticator): the
+    value trimmed, then split on single spaces, the second part; ``Bearer  tok`` (two spaces)
+    has an empty token there, so none (the apiserver runs such a call as anonymous), and
+    ``Bearer a b`` is token ``a``."""
     value = headers.get("Authorization") or headers.get("authorization") or ""
-    scheme, _, token = value.strip().partition(" ")
-    token = token.strip()
-    return token if scheme.lower() == "bearer" and token else None
+    parts = value.strip().split(" ", 2)
+    return (parts[1] or None) if len(parts) > 1 and parts[0].lower() == "bearer" else None
 
 
 # what str.strip() strips from text decoded as latin-1 (as the fast relay decodes header values)
@@ -139,9 +142,8 @@ def _bearer_bytes(headers: Mapping[str, str]) -> bytes | None:
         token = _bearer(headers)
         return None if token is None else token.encode()
     value: bytes = raw("Authorization") or b""
-    scheme, _, found = value.strip(_STRIP).partition(b" ")
-    found = found.strip(_STRIP)
-    return found if scheme.lower() == b"bearer" and found else None
+    parts = value.strip(_STRIP).split(b" ", 2)
+    return (parts[1] or None) if len(parts) > 1 and parts[0].lower() == b"bearer" else None
 
 
 def _action(info: RequestInfo, verb: str) -> str:

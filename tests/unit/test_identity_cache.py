@@ -43,6 +43,21 @@ def test_the_bytes_token_is_the_str_token(value: bytes) -> None:
                                                else token.encode("latin-1"))
 
 
+@pytest.mark.parametrize(("value", "token"), [
+    (b"Bearer abc", b"abc"), (b" bearer abc ", b"abc"), (b"Bearer a b", b"a"),
+    (b"Bearer  abc", None), (b"Bearer\tabc", None), (b"Bearer", None), (b"Bearer ", None),
+    (b"Basic abc", None),
+])
+def test_the_token_is_the_one_the_apiserver_reads(value: bytes, token: bytes | None) -> None:
+    """k8s.io/apiserver's bearertoken authenticator: TrimSpace, SplitN(" ", 3), parts[1]; an
+    empty one is no token (two spaces: the apiserver runs the call as anonymous, so opgate
+    must not credit it to the token after them)."""
+    headers = WireHeaders([(b"Authorization", value)])
+    assert identity._bearer_bytes(headers) == token
+    assert identity._bearer({"Authorization": value.decode()}) == (
+        None if token is None else token.decode())
+
+
 def test_the_bytes_token_is_the_str_token_fuzzed() -> None:
     rnd = random.Random(7)
     alphabet = [*b" \t\r\x0b\x0c\x1c\x1f\x85\xa0\xe9Bb", *b"earERA xyz.-_"]
