@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import re
 from typing import Any
+from urllib.parse import unquote_plus
 
 __all__ = ["REDACTED", "SECRET_NAME", "carries_token", "redact_header", "redact_object",
            "redact_query"]
@@ -28,13 +29,15 @@ _WS_BEARER = re.compile(r"(base64url\.bearer\.authorization\.k8s\.io\.)[^,\s]*",
 
 
 def redact_query(query: str) -> str:
-    """``query`` with the value of every secret-looking parameter replaced by ``REDACTED``."""
-    if not query or not SECRET_NAME.search(query):
+    """``query`` with the value of every secret-looking parameter replaced by ``REDACTED``; a
+    name is judged decoded, as the apiserver reads it (``%74oken`` is ``token``)."""
+    if not query or ("%" not in query and not SECRET_NAME.search(query)):
         return query
     parts = []
     for part in query.split("&"):
         name, eq, _ = part.partition("=")
-        parts.append(f"{name}={REDACTED}" if eq and SECRET_NAME.search(name) else part)
+        plain = unquote_plus(name) if "%" in name or "+" in name else name
+        parts.append(f"{name}={REDACTED}" if eq and SECRET_NAME.search(plain) else part)
     return "&".join(parts)
 
 

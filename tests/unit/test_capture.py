@@ -316,6 +316,10 @@ def test_redaction_helpers() -> None:
     assert redact_header("User-Agent", "kubectl") == "kubectl"
     assert redact_query(f"watch=1&access_token={TOKEN}&x=y") == (
         "watch=1&access_token=REDACTED&x=y")
+    # a name is judged as the apiserver decodes it
+    assert redact_query(f"%74oken={TOKEN}&a%5Fpassword={TOKEN}&x%3Dy=1") == (
+        "%74oken=REDACTED&a%5Fpassword=REDACTED&x%3Dy=1")
+    assert redact_query("label%53elector=a") == "label%53elector=a"
     review = {"kind": "TokenReview", "spec": {"token": TOKEN, "audiences": ["a"]}}
     assert redact_object(review, "authentication.k8s.io", "tokenreviews")["spec"] == {
         "token": "REDACTED", "audiences": ["a"]}
