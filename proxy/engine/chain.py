@@ -91,13 +91,21 @@ async def settle(result: Maybe[T]) -> T:
 class Chain:
     """An ordered, immutable list of middlewares, with their hooks resolved once."""
 
-    __slots__ = ("_active", "_active_for", "_entry", "_exit", "_exits", "_retry", "_sections",
-                 "middlewares", "needs_body")
+    __slots__ = ("_active", "_active_for", "_before_body", "_entry", "_exit", "_exits",
+                 "_retry", "_sections", "middlewares", "needs_body")
 
     def __init__(self, middlewares: Sequence[object] = ()) -> None:
         self.middlewares = tuple(middlewares)
         self.needs_body = any(getattr(m, "needs_body", False) for m in self.middlewares)
         self._entry = self._hooks("entry")
+        # the entry hooks of the middlewares before the first that reads bodies (identity,
+        # faults): run before a body is read for the others (entry_before_body)
+        lead = 0
+        for m in self.middlewares:
+            if getattr(m, "needs_body", False):
+                break
+            lead += getattr(m, "entry", None) is not None
+        self._before_body = frozenset(id(e) for e in self._entry[:lead])
         self._exit = self._hooks("exit")
         self._retry = self._hooks("retry")
         self._sections: tuple[tuple[str, ...] | None, ...] = tuple(
@@ -152,6 +160,27 @@ class Chain:
             hooks = active[verb]
         except KeyError:
             hooks = self._of_verb("entry", verb)
+        return self._run_entry(ctx, hooks)
+
+    def entry_before_body(self, ctx: RequestContext) -> Maybe[StatusError | None]:
+        """:meth:`entry` for a call whose body is read for a middleware, before the read: the
+        hooks of the middlewares ahead of the first that reads bodies (who calls, what is
+        injected), so a caller refused there (a ``401``) never makes opgate read its body."""
+        return self._entry_part(ctx, before=True)
+
+    def entry_after_body(self, ctx: RequestContext) -> Maybe[StatusError | None]:
+        """The rest of :meth:`entry` once the body is in ``ctx.body``."""
+        return self._entry_part(ctx, before=False)
+
+    def _entry_part(self, ctx: RequestContext, *, before: bool) -> Maybe[StatusError | None]:
+        if ctx.policies is not self._active_for:
+            self._entry_hooks(ctx.policies)
+        verb = ctx.info.verb
+        hooks = self._active.get(verb) or self._of_verb("entry", verb)
+        lead = self._before_body
+        return self._run_entry(ctx, tuple(h for h in hooks if (id(h) in lead) is before))
+
+    def _run_entry(self, ctx: RequestContext, hooks: Hooks) -> Maybe[StatusError | None]:
         for entry in hooks:  # no enumerate(): ~250 instructions a hook (see _index)
             name, fail_open, hook, _verbs = entry
             try:

@@ -174,9 +174,15 @@ class Relay:
         upgrade = "Upgrade" in request.headers and is_upgrade_request(request.headers)
         try:
             if request.body_exists and self._wants_body is not None and self._wants_body(ctx):
-                async with errors.body_within(self.settings.request_timeout):
-                    ctx.body = await read_body(request, limit=self.settings.max_body_bytes)
-            denied = await settle(self._chain.entry(ctx))
+                # the hooks ahead of the body's readers first: a caller refused there (401)
+                # never makes opgate read its body
+                denied = await settle(self._chain.entry_before_body(ctx))
+                if denied is None:
+                    async with errors.body_within(self.settings.request_timeout):
+                        ctx.body = await read_body(request, limit=self.settings.max_body_bytes)
+                    denied = await settle(self._chain.entry_after_body(ctx))
+            else:
+                denied = await settle(self._chain.entry(ctx))
             if denied is not None:
                 return await self._answer(request, ctx, denied, close=upgrade)
             if upgrade:
@@ -196,15 +202,14 @@ class Relay:
     ) -> web.StreamResponse:
         ctx.answer = status
         ctx.status_code = status.code
-        never = False  # refused before an Expect: 100-continue client sent its body
-        if request.body_exists and request.content.total_bytes == 0:
-            expect = request.headers.get("Expect")
-            never = expect is not None and expect.lower() == "100-continue"
-        close = close or never
-        resp, size = await send_status(request, status, extra=ctx.response_headers, close=close)
-        if close and request.body_exists and not request.content.is_eof():
-            # close now, as the apiserver does, rather than let aiohttp linger reading a body
-            # nobody will read (or that never comes: the next request would be read as it)
+        # answered before the body was read whole (a refusal, a timeout): close now, as the
+        # fast relay does, rather than let aiohttp linger reading a body nobody will read, or
+        # one that never comes (an Expect: 100-continue client refused: the next request
+        # would be read as it)
+        unread = request.body_exists and not request.content.is_eof()
+        resp, size = await send_status(request, status, extra=ctx.response_headers,
+                                       close=close or unread)
+        if unread:
             request.protocol.force_close()
         ctx.bytes_out = size
         return resp

@@ -419,3 +419,41 @@ async def test_a_body_that_stalls_for_a_middleware_times_out() -> None:
     finally:
         await up.close()
     assert rec.bodies == []  # the chain never ran on half a body
+
+
+class Gatekeeper:
+    """Refuses every call without a token, as identity does, ahead of a body reader."""
+
+    name = "gatekeeper"
+    needs_body = False
+    fail_open = False
+
+    def entry(self, ctx: RequestContext) -> Deny | None:
+        if ctx.headers.get("Authorization"):
+            return None
+        return Deny(StatusError(401, "no bearer token", "Unauthorized"))
+
+
+@pytest.mark.asyncio
+async def test_a_caller_refused_ahead_of_the_body_readers_sends_no_body() -> None:
+    """A middleware ahead of one that reads bodies refuses the call: the answer comes at once,
+    without opgate reading (or waiting for) the body; with a token the body is read."""
+    up = await AiohttpUpstream(ok_handler).start()
+    rec = Recorder(needs_body=True)
+    try:
+        async with running_proxy(up.url, middlewares=(Gatekeeper(), rec)) as proxy:
+            host, port = proxy.listener.address.rsplit(":", 1)
+            reader, writer = await asyncio.open_connection(host, int(port))
+            writer.write(b"POST /api/v1/namespaces/a/configmaps HTTP/1.1\r\nHost: x\r\n"
+                         b"Content-Type: application/json\r\nContent-Length: 3000000\r\n\r\n")
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)  # no body sent
+            assert head.startswith(b"HTTP/1.1 401 ")
+            assert b"\r\nconnection: close\r\n" in head.lower()
+            writer.close()
+            async with aiohttp.ClientSession() as c:
+                async with c.post(proxy.url + "/api/v1/namespaces/a/configmaps", data=b"{}",
+                                  headers={"Authorization": "Bearer t"}) as r:
+                    assert r.status == 200
+    finally:
+        await up.close()
+    assert rec.bodies == [b"{}"]  # the refused call never reached the body reader

@@ -349,3 +349,27 @@ def test_crash_while_waiting_is_contained(fail_open: bool, expect_code: int | No
                    Plain("c", calls)])
     asyncio.run(settle(chain.exit(ctx)))  # every exit hook runs, crashes or not
     assert calls == ["a.exit", "b.exit (waited)", "c.exit"]
+
+
+def test_entry_in_two_parts_around_a_body_read() -> None:
+    """The hooks ahead of the first body reader, then the rest: together what entry runs, in
+    its order; a refusal in the first part leaves the rest (and the body read) out."""
+    calls: list[str] = []
+    reader = Recorder("reader", calls)
+    reader.needs_body = True
+    chain = Chain([Recorder("who", calls), Recorder("faults", calls), reader,
+                   ExitOnly(calls), Recorder("last", calls)])
+    ctx = make_ctx("POST")
+    assert asyncio.run(settle(chain.entry_before_body(ctx))) is None
+    assert calls == ["who.entry", "faults.entry"]
+    assert asyncio.run(settle(chain.entry_after_body(ctx))) is None
+    assert calls == ["who.entry", "faults.entry", "reader.entry", "last.entry"]
+    calls.clear()
+    assert asyncio.run(settle(chain.entry(make_ctx("POST")))) is None
+    assert calls == ["who.entry", "faults.entry", "reader.entry", "last.entry"]
+
+    calls.clear()
+    denying = Chain([Recorder("who", calls, Deny(forbidden("no"))), reader])
+    status = asyncio.run(settle(denying.entry_before_body(make_ctx("POST"))))
+    assert status is not None and status.code == 403
+    assert calls == ["who.entry"]

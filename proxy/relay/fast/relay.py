@@ -24,7 +24,7 @@ from urllib.parse import unquote
 
 import httptools
 
-from proxy.engine.chain import Chain
+from proxy.engine.chain import Chain, settle
 from proxy.engine.context import RequestContext
 from proxy.engine.requestinfo import parse_request_info
 from proxy.engine.status import StatusError, bad_request, internal_error
@@ -166,17 +166,11 @@ class FastRelay:
                 if bad is not None:
                     raise errors.Answer(bad_request(f"opgate: {bad}"))
                 if req.has_body and self._wants_body is not None and self._wants_body(ctx):
-                    if req.expect_continue:
-                        req.conn.write(_CONTINUE)
-                    limit = self.settings.max_body_bytes
-                    async with errors.body_within(self.settings.request_timeout):
-                        body = await req.read_all(limit)
-                    if body is None:
-                        raise errors.Answer(errors.too_large(limit), close=True)
-                    ctx.body = body
-                denied = self._chain.entry(ctx)
-                if type(denied) is CoroutineType:  # a hook has to wait
-                    denied = await denied
+                    denied = await self._entry_with_body(req, ctx)
+                else:
+                    denied = self._chain.entry(ctx)
+                    if type(denied) is CoroutineType:  # a hook has to wait
+                        denied = await denied
                 if denied is not None:
                     self._answer(req, ctx, denied, close=req.upgrade)
                 else:
@@ -214,6 +208,23 @@ class FastRelay:
             waiting = self._chain.exit(ctx)
             if waiting is not None:  # a hook has to wait (chain.exit answers at once if not)
                 await waiting
+
+    async def _entry_with_body(self, req: Request, ctx: RequestContext) -> StatusError | None:
+        """The chain's entry for a call whose body a middleware wants: the hooks ahead of the
+        body's readers first (a caller refused there never makes opgate read its body), then
+        the body, bounded, then the rest."""
+        denied = await settle(self._chain.entry_before_body(ctx))
+        if denied is not None:
+            return denied
+        if req.expect_continue:
+            req.conn.write(_CONTINUE)
+        limit = self.settings.max_body_bytes
+        async with errors.body_within(self.settings.request_timeout):
+            body = await req.read_all(limit)
+        if body is None:
+            raise errors.Answer(errors.too_large(limit), close=True)
+        ctx.body = body
+        return await settle(self._chain.entry_after_body(ctx))
 
     def _answer(
         self, req: Request, ctx: RequestContext, status: StatusError, *, close: bool = False
