@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
-from redis.asyncio import Redis
+from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel
@@ -59,6 +59,7 @@ DEFAULT_PREFIX = "opgate:rl:"
 DEFAULT_QUOTA_PREFIX = "opgate:quota:"
 WARM_BUDGET = 0.25  # seconds, once per process (see RedisStore._warm_up)
 WARM_CONNECTIONS = 4
+MAX_CONNECTIONS = 16  # per process; a call waits for a free one (within its own timeout)
 _FIELDS = 5  # per-key values in the script's reply
 
 
@@ -105,7 +106,12 @@ def connect(url: str, *, password: str | None = None, timeout: float = 0.05) -> 
     if scheme in ("redis+sentinel", "rediss+sentinel"):
         return _sentinel_master(url, common), False
     if scheme in ("redis", "rediss", "unix"):
-        return Redis.from_url(url, **common), False
+        # a bounded pool that makes callers wait for a free connection: a burst of first
+        # calls (a controller starting its informers) would otherwise open a connection each,
+        # their handshakes would miss the timeout and trip the breaker
+        pool = BlockingConnectionPool.from_url(url, max_connections=MAX_CONNECTIONS,
+                                               timeout=None, **common)
+        return Redis.from_pool(pool), False
     raise ValueError(f"unsupported Redis URL scheme {parts.scheme!r} (redis, rediss, unix, "
                      "redis+cluster, rediss+cluster, redis+sentinel, rediss+sentinel)")
 

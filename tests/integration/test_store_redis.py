@@ -273,3 +273,25 @@ def test_unreachable_redis_fails_fast() -> None:
         await store.close()
 
     run(go())
+
+
+def test_a_burst_of_first_calls_shares_a_bounded_pool(server: RedisServer) -> None:
+    """100 calls at once as a fresh store's first traffic (a controller starting its
+    informers): none fails, and they share at most MAX_CONNECTIONS connections instead of
+    opening one each, whose handshakes missed the 50 ms timeout and tripped the breaker."""
+    from proxy.stores.redis import MAX_CONNECTIONS
+
+    async def burst() -> tuple[list[BaseException], int]:
+        store = RedisStore.from_url(server.url, timeout=0.05)
+        requests = [r(f"burst-{i % 3}", 1000, 1000) for i in range(100)]
+        try:
+            answers = await asyncio.gather(*(store.acquire([q]) for q in requests),
+                                           return_exceptions=True)
+            info = await store.client.info("clients")
+        finally:
+            await store.close()
+        return [a for a in answers if isinstance(a, BaseException)], info["connected_clients"]
+
+    failed, clients = run(burst())
+    assert failed == []
+    assert clients <= MAX_CONNECTIONS + 1  # (+1: another test's client may still be there)
