@@ -174,7 +174,8 @@ def serve(
 def open_audit_log(settings: Settings, *, tag: str = "") -> tuple[
         AccessWriter, audit.QueuedStream | None] | None:
     """The audit log's batched writer (and, for a file, the thread that writes and rotates it);
-    each worker of ``--workers N`` writes its own file (``audit.log`` -> ``audit.worker1.log``)."""
+    each worker of ``--workers N`` writes its own file (``audit.log`` -> ``audit.worker0.log``,
+    ``audit.worker1.log``, …)."""
     path = settings.log.audit_log
     if not path:
         return None
@@ -192,7 +193,7 @@ def open_audit_log(settings: Settings, *, tag: str = "") -> tuple[
 def open_capture(settings: Settings, upstream_url: str, *, tag: str = "") -> Any:
     """The capture file's writer (:class:`proxy.capture.FlowFile`; mitmproxy is imported
     here, only when ``--capture`` is set); each worker of ``--workers N`` writes its own file
-    (``capture.flows`` -> ``capture.worker1.flows``)."""
+    (``capture.flows`` -> ``capture.worker0.flows``, ``capture.worker1.flows``, …)."""
     path = settings.log.capture
     if not path:
         return None
