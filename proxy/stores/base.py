@@ -248,11 +248,19 @@ def reserve_step(
 ) -> tuple[bool, int]:
     """One :class:`Reservation` against ``members`` (member -> expiry, µs), changed in place:
     ``(allowed, used)``. Mirrors ``quota.lua``: expired members (expiry <= now) are dropped
-    first, then the live ones not in ``seen`` are counted."""
+    first, then the live ones not in ``seen`` are counted; a named member whose name a counted
+    one has already is the same object, allowed within the room that one holds (nothing is
+    added)."""
     for member in [m for m, expiry in members.items() if expiry <= now]:
         del members[member]
     seen = frozenset(request.seen)
-    used = request.observed + sum(1 for m in members if _counted(m, seen))
+    counted = [m for m in members if _counted(m, seen)]
+    used = request.observed + len(counted)
+    name = request.member.partition("|")[0]
+    if name and any(m.partition("|")[0] == name for m in counted):
+        # the same object as a live reservation (an apply racing the create it follows, or
+        # a second create of the name): it needs no more room than that one already holds
+        return request.limit < 0 or used <= request.limit, used
     allowed = request.limit < 0 or used + 1 <= request.limit
     if allowed and not request.check_only:
         members[request.member] = now + float(round(request.ttl * US))

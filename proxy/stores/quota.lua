@@ -11,6 +11,8 @@
 --          "|<token>" entries, whose objects the caller's watch already counts.
 --          Returns {allowed, used}: used = observed + live members not seen; allowed when
 --          limit < 0 or used + 1 <= limit, and then the member is added (unless check only).
+--          A member whose name a counted live member has already is the same object: allowed
+--          when used <= limit, and nothing is added.
 -- settle:  ARGV[3] member, ARGV[4] ttl_us (< 0: drop the member). Otherwise the member now
 --          expires within ttl_us, never later than it already would. Returns {found}.
 --
@@ -78,6 +80,9 @@ for i = 8, #ARGV do
   seen[ARGV[i]] = true
 end
 
+local bar = string.find(member, "|", 1, true)
+local own = bar and string.sub(member, 1, bar - 1) or member
+local same = false
 local used = observed
 for _, m in ipairs(redis.call("ZRANGE", key, 0, -1)) do
   local bar = string.find(m, "|", 1, true)
@@ -91,7 +96,20 @@ for _, m in ipairs(redis.call("ZRANGE", key, 0, -1)) do
   end
   if not ((name ~= "" and seen[name]) or seen[token]) then
     used = used + 1
+    if own ~= "" and name == own then
+      same = true
+    end
   end
+end
+
+-- the same object as a live reservation (an apply racing the create it follows, or a second
+-- create of the name): it needs no more room than that one already holds, and adds nothing
+if same then
+  expire_key()
+  if limit < 0 or used <= limit then
+    return {1, used}
+  end
+  return {0, used}
 end
 
 local allowed = 0

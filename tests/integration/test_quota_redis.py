@@ -91,7 +91,7 @@ def test_server_time_expiry_key_ttl_and_noscript(server: RedisServer) -> None:
             one = res("d|1", 0, 1, ttl=0.3, scope="apps/deployments/ns-x")
             assert (await store.reserve(one)).allowed
             assert 0 < await client.pttl(key) <= 300  # the key expires with its last member
-            two = res("d|2", 0, 1, ttl=0.3, scope="apps/deployments/ns-x")
+            two = res("e|2", 0, 1, ttl=0.3, scope="apps/deployments/ns-x")
             assert not (await store.reserve(two)).allowed
             await asyncio.sleep(0.35)  # a crashed replica's reservation ends on its own
             assert await client.exists(key) == 0

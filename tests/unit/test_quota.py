@@ -368,6 +368,22 @@ def test_server_side_apply_reserves_and_settles() -> None:
     assert isinstance(decide(mw, ctx_for(pset, CM + "/a4", method="PATCH", ctype=APPLY)), Deny)
 
 
+def test_an_apply_racing_the_create_it_follows_is_not_refused() -> None:
+    """A create took the last room and the watch does not show its object yet: an apply to
+    the same name right after (an update, or the same create) needs no more room."""
+    counts = MemoryQuotaCounts()
+    counts.set("", "configmaps", "team-a", 2)  # SIMPLE: at most 3
+    mw = Quota(counts=counts)
+    pset = policies(SIMPLE)
+    assert decide(mw, ctx_for(pset, body={"metadata": {"name": "last"}})) is None
+    apply = ctx_for(pset, CM + "/last", method="PATCH", ctype=APPLY, query="fieldManager=op")
+    assert decide(mw, apply) is None
+    assert [m.partition("|")[0] for m in reservations(mw)] == ["last"]  # nothing added
+    # another name still finds the quota full
+    assert isinstance(decide(mw, ctx_for(pset, CM + "/other", method="PATCH", ctype=APPLY)),
+                      Deny)
+
+
 def test_not_synced_names_fail_an_apply_as_the_policy_says() -> None:
     counts = MemoryQuotaCounts()
     counts.unsync("", "configmaps")

@@ -68,9 +68,20 @@ QUOTA_TABLE: list[tuple[int, str, Any, Any, tuple[str, ...]]] = [
     # scopes are apart
     (10 * S + 2, "reserve", res("a|u1", 0, 1, scope="/configmaps/team-b"), (True, 0),
      ("e|t7", "g|t9")),
-    (10 * S + 2, "reserve", res("a|u2", 0, 1, scope="/configmaps/team-b"), (False, 1),
+    # the same name as a live reservation: the same object (an apply racing its create), no
+    # more room needed and nothing added
+    (10 * S + 2, "reserve", res("a|u2", 0, 1, scope="/configmaps/team-b"), (True, 1),
+     ("e|t7", "g|t9")),
+    (10 * S + 2, "reserve", res("b|u3", 0, 1, scope="/configmaps/team-b"), (False, 1),
      ("e|t7", "g|t9")),
     (30 * S, "reserve", res("h|t10", 0, 1), (True, 0), ("h|t10",)),
+    (30 * S, "reserve", res("h|t11", 0, 1), (True, 1), ("h|t10",)),
+    (30 * S, "reserve", res("h|t12", 0, 1, check_only=True), (True, 1), ("h|t10",)),
+    (30 * S, "reserve", res("i|t13", 0, 1), (False, 1), ("h|t10",)),
+    # a name the watch shows is counted in observed, not as this object's reservation
+    (30 * S, "reserve", res("h|t14", 1, 1, seen=("h",)), (False, 1), ("h|t10",)),
+    (30 * S, "reserve", res("|t15", 0, 2), (True, 1), ("h|t10", "|t15")),
+    (30 * S, "reserve", res("|t16", 0, 2), (False, 2), ("h|t10", "|t15")),  # no name: apart
 ]
 
 
