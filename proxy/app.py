@@ -80,9 +80,10 @@ def configure_logging(settings: Settings, *, tag: str = "") -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level)
-    # watchfiles says "N changes detected" at INFO on every edit; opgate logs the reload itself
-    logging.getLogger("watchfiles").setLevel(
-        logging.DEBUG if level <= logging.DEBUG else logging.WARNING)
+    # watchfiles logs every batch of changes (INFO) and its raw events (DEBUG); opgate logs the
+    # reloads itself. Never below WARNING: its own lines written where the policy watcher looks
+    # (the log file beside the policy directory) would be changes it reports, without end.
+    logging.getLogger("watchfiles").setLevel(logging.WARNING)
     access = logging.getLogger("opgate.access")  # the access log writes to stdout itself
     access.propagate = False
     access.handlers[:] = []
