@@ -200,6 +200,8 @@ class Relay:
         *,
         close: bool = False,
     ) -> web.StreamResponse:
+        if ctx.decision == "allowed":  # the relay's own answer (400, 413, 5xx), no denial
+            ctx.decision = "error"
         ctx.answer = status
         ctx.status_code = status.code
         # answered before the body was read whole (a refusal, a timeout): close now, as the

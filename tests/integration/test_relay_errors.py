@@ -419,6 +419,8 @@ async def test_a_body_that_stalls_for_a_middleware_times_out() -> None:
     finally:
         await up.close()
     assert rec.bodies == []  # the chain never ran on half a body
+    # the relay's own answer: not "allowed" in the access log, the audit log and the metrics
+    assert [(e["code"], e["decision"]) for e in rec.exits] == [(504, "error")]
 
 
 class Gatekeeper:

@@ -230,6 +230,8 @@ class FastRelay:
         self, req: Request, ctx: RequestContext, status: StatusError, *, close: bool = False
     ) -> None:
         body = status.body()
+        if ctx.decision == "allowed":  # the relay's own answer (400, 413, 5xx), no denial
+            ctx.decision = "error"
         ctx.answer = status
         ctx.status_code = status.code
         ctx.bytes_out = len(body)
