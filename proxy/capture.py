@@ -104,7 +104,7 @@ def to_flow(call: CapturedCall, *, upstream: str, mitm: Any = None) -> Any:
     host = parts.hostname or "kubernetes"
     port = parts.port or (443 if scheme == "https" else 80)
     notes: dict[str, Any] = {}
-    target = quote(call.path, safe=_PATH_SAFE)
+    target = call.raw_path or quote(call.path, safe=_PATH_SAFE)  # as the client sent it
     if call.query:
         target += "?" + redact_query(call.query)
     client = connection.Client(peername=(call.remote, 0), sockname=("", 0),

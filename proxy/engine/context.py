@@ -78,12 +78,13 @@ class RequestContext:
 
     info: RequestInfo
     method: str
-    path: str
+    path: str  # percent-decoded, as the apiserver routes by it
     query: str
     headers: Mapping[str, str]
     policies: PolicySet
     trace_id: str = ""
     remote: str = ""  # the caller's address as the listener saw it ("" on a Unix socket)
+    raw_path: str = ""  # the path as the client sent it, when it held escapes ("": ``path``)
     started: float = field(default_factory=time.monotonic)
     wall_time: float = field(default_factory=time.time)
     identity: Identity | None = None

@@ -145,9 +145,10 @@ def source_ips(ctx: RequestContext) -> list[str]:
     return found
 
 
-def request_uri(path: str, query: str) -> str:
-    """The request URI as the client sent it (path re-escaped), secrets in the query redacted."""
-    uri = quote(path, safe=_PATH_SAFE) if _NEEDS_QUOTE.search(path) else path
+def request_uri(path: str, query: str, *, escaped: bool = False) -> str:
+    """The request URI as the client sent it (a decoded path re-escaped; an ``escaped`` one, as
+    sent, kept), secrets in the query redacted."""
+    uri = quote(path, safe=_PATH_SAFE) if not escaped and _NEEDS_QUOTE.search(path) else path
     if not query:
         return uri
     return f"{uri}?{redact_query(query)}"
@@ -412,6 +413,8 @@ class Audit:
         info = ctx.info
         notes: dict[str, str] = {}
         uri, ref = self._info_parts(ctx)
+        if ctx.raw_path:  # escapes as the client sent them (c%6Dq stays c%6Dq), as the apiserver
+            uri = request_uri(ctx.raw_path, ctx.query, escaped=True)
         ev: dict[str, Any] = {"kind": "Event", "apiVersion": "audit.k8s.io/v1",
                               "level": decision.level, "auditID": ctx.trace_id, "stage": stage,
                               "requestURI": uri, "verb": info.verb}

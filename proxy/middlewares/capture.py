@@ -98,6 +98,7 @@ class CapturedCall:
     trace_id: str
     method: str
     path: str  # decoded, as ctx.path
+    raw_path: str  # as sent, when it held escapes ("": path)
     query: str
     request_headers: Pairs
     request_body: bytes | None  # what was kept (None: not seen)
@@ -207,7 +208,8 @@ class Capture:
             body = b"" if not size else None  # None: streamed before the tap, or never read
         finished = ctx.wall_time + ((ctx.finished or time.monotonic()) - ctx.started)
         call = CapturedCall(
-            trace_id=ctx.trace_id, method=ctx.method, path=ctx.path, query=ctx.query,
+            trace_id=ctx.trace_id, method=ctx.method, path=ctx.path, raw_path=ctx.raw_path,
+            query=ctx.query,
             request_headers=request_headers, request_body=body, request_size=size,
             started=ctx.wall_time, request_done=tap.request_at or ctx.wall_time,
             verb=info.verb, api_group=info.api_group, resource=info.resource,

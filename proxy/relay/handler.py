@@ -132,6 +132,9 @@ class Relay:
             trace_id=_next_trace_id(),
             remote=request.remote or "",
         )
+        sent = raw if cut < 0 else raw[:cut]
+        if "%" in sent:  # the records keep the path as sent
+            ctx.raw_path = sent
         if bad is None:
             resp = await self._after.track(ctx, self._serve(request, ctx))
         else:

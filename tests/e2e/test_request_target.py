@@ -13,6 +13,7 @@ import json
 import socket
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
@@ -22,6 +23,7 @@ from tests.e2e.conftest import Opgate
 pytestmark = pytest.mark.e2e
 
 FAULTED = "target-faulted"
+_WORK: dict[int, Path] = {}  # per opgate (by port): where its audit log and capture are
 POLICY = f"""\
 apiVersion: opgate.dev/v1alpha1
 kind: Policy
@@ -78,10 +80,33 @@ def gate(relay: str, cluster: LocalCluster,
     for ns in ("default", FAULTED):
         cluster.call("POST", f"/api/v1/namespaces/{ns}/configmaps", body={
             "metadata": {"name": "target-cm"}, "data": {"in": ns}})
-    token = tmp_path_factory.mktemp("targets") / "token"
+    work = tmp_path_factory.mktemp("targets")
+    token = work / "token"
     token.write_text(cluster.admin_token)
-    return opgate_factory(tls=False, policies={"targets.yaml": POLICY},
-                          extra_args=["--token-file", str(token), "--relay", relay])
+    gate = opgate_factory(tls=False, policies={"targets.yaml": POLICY},
+                          extra_args=["--token-file", str(token), "--relay", relay,
+                                      "--audit-log", str(work / "audit.log"),
+                                      "--capture", str(work / "capture.flows")])
+    _WORK[gate.port] = work
+    return gate
+
+
+def _records(gate: Opgate, marker: str) -> tuple[list[str], list[str]]:
+    """The audit log's requestURIs and the capture's request paths that hold ``marker``."""
+    from mitmproxy.io import FlowReader
+
+    work = _WORK[gate.port]
+    audit = work / "audit.log"
+    uris = [json.loads(line)["requestURI"]
+            for line in (audit.read_text().splitlines() if audit.exists() else [])
+            if marker in line]
+    paths: list[str] = []
+    flows = work / "capture.flows"
+    if flows.exists():
+        with flows.open("rb") as f:
+            paths = [flow.request.path for flow in FlowReader(f).stream()
+                     if marker in flow.request.path]
+    return uris, paths
 
 
 @pytest.mark.parametrize("prefix", ["http://kubernetes.default.svc", "https://10.0.0.1:6443",
@@ -137,3 +162,15 @@ def test_the_access_log_names_the_call_not_the_absolute_target(gate: Opgate) -> 
         assert time.monotonic() < deadline, "the call was never logged"
         time.sleep(0.1)
     assert "http://elsewhere" not in logged()
+
+
+def test_the_audit_log_and_the_capture_keep_the_path_as_sent(gate: Opgate) -> None:
+    """The apiserver's audit log keeps a request's escapes (requestURI as sent); so do opgate's
+    audit log and its capture, while the policies judge the decoded path."""
+    sent = "/api/v1/namespaces/default/%63onfigmaps/target-cm?x=%41&trace=escapes-kept"
+    code, _ = _call(gate, "GET", sent)
+    assert code == 200
+    deadline = time.monotonic() + 15  # both are written in batches, the capture at a flow's end
+    while _records(gate, "escapes-kept") != ([sent], [sent]):
+        assert time.monotonic() < deadline, _records(gate, "escapes-kept")
+        time.sleep(0.2)

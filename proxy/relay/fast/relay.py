@@ -141,7 +141,7 @@ class FastRelay:
         cut = url.find(b"?")
         raw_path = url if cut < 0 else url[:cut]
         query = "" if cut < 0 else url[cut + 1 :].decode("latin-1")
-        path = raw_path.decode("latin-1")
+        sent = path = raw_path.decode("latin-1")
         if "%" in path:
             if malformed_escape(path):
                 bad = "malformed percent-encoding in the path"
@@ -154,6 +154,8 @@ class FastRelay:
             WireHeaders(req.headers), self._policies.current,  # type: ignore[arg-type]
             _next_trace_id(), req.conn.remote,
         )
+        if path is not sent:  # it held escapes: the records keep it as sent
+            ctx.raw_path = sent
         # counted in the gauges as Aftercare.track does it, without a coroutine of its own
         watch = ctx.info.verb == "watch"
         INFLIGHT.now += 1
