@@ -45,6 +45,7 @@ from proxy.relay.listen import TLSFilesError, listen_failure
 from proxy.relay.upstream import UpstreamConfigError, check_ca_file
 from proxy.settings import Settings
 from proxy.stores import Store, StoreConfigError, build_store, redis_password
+from proxy.stores.base import redacted_url
 
 log = logging.getLogger("opgate")
 
@@ -378,7 +379,7 @@ class RedisCheck:
         self.problem: str | None = None
 
     async def run(self) -> None:
-        from proxy.stores.redis import probe, redacted
+        from proxy.stores.redis import probe
 
         assert self.url is not None
         password = redis_password(None, self.password_file)
@@ -386,11 +387,11 @@ class RedisCheck:
         if self.problem is None:
             return
         log.error("Redis %s: %s; opgate goes on without it (the policies' failure modes "
-                  "apply) and keeps trying", redacted(self.url), self.problem)
+                  "apply) and keeps trying", redacted_url(self.url), self.problem)
         while self.problem is not None:
             await asyncio.sleep(self.retry_every)
             self.problem = await probe(self.url, password=password)
-        log.info("Redis %s answers now", redacted(self.url))
+        log.info("Redis %s answers now", redacted_url(self.url))
 
     def describe(self, store: Store) -> str:
         health = store.health()

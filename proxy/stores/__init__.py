@@ -14,7 +14,14 @@ import os
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
-from proxy.stores.base import BucketRequest, KeyVerdict, Store, StoreUnavailable, Verdict
+from proxy.stores.base import (
+    BucketRequest,
+    KeyVerdict,
+    Store,
+    StoreUnavailable,
+    Verdict,
+    redacted_url,
+)
 from proxy.stores.memory import MemoryStore
 
 __all__ = [
@@ -48,36 +55,37 @@ def redis_url_problem(url: str) -> str | None:
         return f"{url!r} is not a URL: {exc}"
     scheme = parts.scheme.lower()
     if scheme not in REDIS_SCHEMES:
-        return (f"{_redacted(url)!r}: the scheme must be one of "
+        return (f"{redacted_url(url)!r}: the scheme must be one of "
                 f"{', '.join(s + '://' for s in REDIS_SCHEMES)}")
     if scheme == "unix":
-        return None if parts.path else f"{_redacted(url)!r}: unix:// needs a socket path"
+        return None if parts.path else f"{redacted_url(url)!r}: unix:// needs a socket path"
     netloc = parts.netloc.rpartition("@")[2]
     if scheme.endswith("+sentinel"):
         nodes = [n for n in netloc.split(",") if n]
         if not nodes:
-            return f"{_redacted(url)!r}: a redis+sentinel URL needs sentinel host:port pairs"
+            return f"{redacted_url(url)!r}: a redis+sentinel URL needs sentinel host:port pairs"
         for node in nodes:
             host, colon, port = node.rpartition(":")
             if colon and host and not port.isdigit() and not node.endswith("]"):
-                return f"{_redacted(url)!r}: sentinel port {port!r} is not a number"
+                return f"{redacted_url(url)!r}: sentinel port {port!r} is not a number"
         pieces = [p for p in parts.path.split("/") if p]
         if not pieces:
-            return f"{_redacted(url)!r}: a redis+sentinel URL needs the master name: …/mastername"
+            return (f"{redacted_url(url)!r}: a redis+sentinel URL needs the master name: "
+                    "…/mastername")
         if len(pieces) > 1 and not pieces[1].isdigit():
-            return f"{_redacted(url)!r}: the database {pieces[1]!r} is not a number"
+            return f"{redacted_url(url)!r}: the database {pieces[1]!r} is not a number"
         return None
     if not netloc or not parts.hostname:
-        return f"{_redacted(url)!r}: no host (expected {scheme}://HOST:PORT/DB)"
+        return f"{redacted_url(url)!r}: no host (expected {scheme}://HOST:PORT/DB)"
     try:
         port = parts.port
     except ValueError:
         port = -1
     if port is not None and not 0 < port < 65536:
-        return f"{_redacted(url)!r}: the port is not a number from 1 to 65535"
+        return f"{redacted_url(url)!r}: the port is not a number from 1 to 65535"
     db = parts.path.strip("/")
     if db and not scheme.endswith("+cluster") and not db.isdigit():
-        return f"{_redacted(url)!r}: the database {db!r} is not a number (…/0)"
+        return f"{redacted_url(url)!r}: the database {db!r} is not a number (…/0)"
     return None
 
 
@@ -90,15 +98,6 @@ def redis_tls_files(url: str) -> list[tuple[str, str]]:
         if name in _TLS_FILES:
             found.append((name, unquote(value)))
     return found
-
-
-def _redacted(url: str) -> str:
-    """The URL without its password."""
-    scheme, sep, rest = url.partition("://")
-    userinfo, at, hostpart = rest.rpartition("@")
-    if not sep or not at or ":" not in userinfo:
-        return url
-    return f"{scheme}://{userinfo.partition(':')[0]}:***@{hostpart}"
 
 
 def redis_password(password: str | None = None, password_file: str | None = None) -> str | None:

@@ -34,6 +34,7 @@ __all__ = [
     "decide",
     "gcra_step",
     "interval_us",
+    "redacted_url",
     "reserve_step",
     "settle_step",
 ]
@@ -279,3 +280,12 @@ def settle_step(members: dict[str, float], now: float, member: str, ttl: float |
     else:
         members[member] = min(expiry, now + float(round(ttl * US)))
     return True
+
+
+def redacted_url(url: str) -> str:
+    """A Redis URL without its password (``redis://user:***@host``), for logs and messages."""
+    scheme, sep, rest = url.partition("://")
+    userinfo, at, hostpart = rest.rpartition("@")
+    if not sep or not at or ":" not in userinfo:
+        return url
+    return f"{scheme}://{userinfo.partition(':')[0]}:***@{hostpart}"

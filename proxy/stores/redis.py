@@ -47,10 +47,11 @@ from proxy.stores.base import (
     StoreUnavailable,
     Verdict,
     interval_us,
+    redacted_url,
     verdict_from,
 )
 
-__all__ = ["QUOTA_SCRIPT", "SCRIPT", "RedisStore", "connect", "probe", "redacted"]
+__all__ = ["QUOTA_SCRIPT", "SCRIPT", "RedisStore", "connect", "probe"]
 
 log = logging.getLogger("opgate.ratelimit.store")
 SCRIPT = importlib.resources.files("proxy.stores").joinpath("gcra.lua").read_text("utf-8")
@@ -171,7 +172,7 @@ class RedisStore:
         self.timeout = timeout
         self.prefix = prefix
         self.quota_prefix = quota_prefix
-        self.url = _redacted(url)
+        self.url = redacted_url(url)
         self.calls = 0  # script calls made (the benchmark reads it)
         self._script = client.register_script(SCRIPT)
         self._quota_script = client.register_script(QUOTA_SCRIPT)
@@ -375,18 +376,3 @@ def describe_failure(exc: BaseException, *, timeout: float = PROBE_TIMEOUT) -> s
     if isinstance(exc, ResponseError):
         return f"answered with an error: {text}"
     return f"unreachable: {text}"
-
-
-def redacted(url: str) -> str:
-    """The URL without its password, for logs and /readyz."""
-    return _redacted(url)
-
-
-def _redacted(url: str) -> str:
-    """The URL without its password, for logs and /readyz."""
-    scheme, sep, rest = url.partition("://")
-    userinfo, at, hostpart = rest.rpartition("@")
-    if not sep or not at:
-        return url
-    user = userinfo.partition(":")[0]
-    return f"{scheme}://{user}:***@{hostpart}" if user else f"{scheme}://:***@{hostpart}"
