@@ -103,25 +103,21 @@ def redis_url(text: str) -> str:
     return text
 
 
-def log_level(text: str) -> str:
-    name = text.strip().lower()
-    if name not in LOG_LEVELS:
-        raise argparse.ArgumentTypeError(f"expected one of {', '.join(LOG_LEVELS)}, got {text!r}")
-    return name
+def _choice(choices: tuple[str, ...]) -> Callable[[str], str]:
+    """A flag's parser of one of ``choices``, in any case."""
+    def parse(text: str) -> str:
+        name = text.strip().lower()
+        if name not in choices:
+            raise argparse.ArgumentTypeError(
+                f"expected one of {', '.join(choices)}, got {text!r}")
+        return name
+
+    return parse
 
 
-def loop_name(text: str) -> str:
-    name = text.strip().lower()
-    if name not in LOOPS:
-        raise argparse.ArgumentTypeError(f"expected one of {', '.join(LOOPS)}, got {text!r}")
-    return name
-
-
-def relay_name(text: str) -> str:
-    name = text.strip().lower()
-    if name not in RELAYS:
-        raise argparse.ArgumentTypeError(f"expected one of {', '.join(RELAYS)}, got {text!r}")
-    return name
+log_level = _choice(LOG_LEVELS)
+loop_name = _choice(LOOPS)
+relay_name = _choice(RELAYS)
 
 
 def _var(flag: str) -> str:
