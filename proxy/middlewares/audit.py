@@ -17,7 +17,7 @@ the tools that read its ``--audit-log-path`` files read opgate's too:
 * ``responseStatus`` has the code; for an answer opgate gave itself (a denial, throttling, a
   fault, a quota, the relay's own 4xx/5xx) also ``status``, ``message``, ``reason``, ``details``
   of the Status it sent. The apiserver's own error bodies are not read (only their code).
-* ``annotations``: ``opgate.dev/decision`` (allowed, denied, throttled, quota, fault,
+* ``annotations``: ``opgate.dev/decision`` (allowed, denied, throttled, quota, fault, unavailable,
   unauthorized, error), ``opgate.dev/reason`` (the message of opgate's own answer: it names the
   rule and the policy file), ``opgate.dev/audit-rule`` (``file:line`` of the audit rule that set
   the level), ``opgate.dev/error`` when the relay recorded one.

@@ -11,6 +11,7 @@ import pytest
 from proxy.engine import telemetry
 from proxy.engine.chain import settle
 from proxy.engine.context import Identity
+from proxy.engine.status import forbidden
 from proxy.middlewares import metrics as metrics_mod
 from proxy.middlewares.accesslog import AccessLog
 from proxy.middlewares.metrics import Metrics
@@ -39,15 +40,42 @@ def test_non_resource_paths_do_not_become_labels() -> None:
     assert _count(verb="get", group="", resource="", code="404", decision="allowed") == before + 1
 
 
-def test_invented_resources_collapse_to_other(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_invented_resources_never_become_labels() -> None:
+    """A resource is a label value once the apiserver served a call to it: paths a client
+    invents get 404 (or 403 from RBAC, which checks before routing, or opgate's own answer)."""
+    m = Metrics()
+    before = _count(verb="list", group="other", resource="other", code="404",
+                    decision="allowed")
+    for i in range(10):
+        for code in (404, 403):
+            ctx = make_ctx("GET", f"/apis/g{i}.example/v1/things{i}")
+            ctx.status_code = code
+            asyncio.run(settle(m.exit(ctx)))
+    denied = make_ctx("GET", "/apis/g.example/v1/invented")
+    denied.status_code, denied.answer, denied.decision = 200, forbidden("no"), "denied"
+    asyncio.run(settle(m.exit(denied)))
+    assert m._resources == set()
+    assert _count(verb="list", group="other", resource="other", code="404",
+                  decision="allowed") == before + 10
+    # served once: a label from then on, for its 404s too (a missing object)
+    for code in (404, 200, 404):
+        ctx = make_ctx("GET", "/apis/real.example/v1/things")
+        ctx.status_code = code
+        asyncio.run(settle(m.exit(ctx)))
+    assert m._resources == {("real.example", "things")}
+    assert _count(verb="list", group="real.example", resource="things", code="404",
+                  decision="allowed") == 1
+
+
+def test_served_resources_past_the_cap_are_other(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(metrics_mod, "MAX_RESOURCES", 3)
     m = Metrics()
     for i in range(10):
-        ctx = make_ctx("GET", f"/apis/g{i}.example/v1/things{i}")
-        ctx.status_code = 404
+        ctx = make_ctx("GET", f"/apis/c{i}.example/v1/things{i}")
+        ctx.status_code = 200
         asyncio.run(settle(m.exit(ctx)))
     assert len(m._resources) == 3
-    assert _count(verb="list", group="other", resource="other", code="404",
+    assert _count(verb="list", group="other", resource="other", code="200",
                   decision="allowed") >= 7
 
 
