@@ -4,11 +4,12 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
 from proxy.relay.fast.request import Request
-from proxy.relay.fast.server import ClientConnection
+from proxy.relay.fast.server import ClientConnection, FastServer
 
 
 class Transport:
@@ -194,3 +195,38 @@ def test_a_connection_not_kept_alive_closes_after_its_call() -> None:
         assert peer.out == b"answer" and peer.closed
 
     asyncio.run(go())
+
+
+def test_close_waits_for_answers_still_in_the_transports_buffer() -> None:
+    """A call that ended while its answer still sits in the transport's buffer (a slow reader):
+    the server waits (up to its grace) until it is written out, instead of letting the process
+    exit with the answer cut short."""
+
+    class Flushing:
+        current = None
+        busy = False
+
+        def __init__(self, until: float) -> None:
+            self.until = until
+            self.closes = 0
+
+        def holds_writes(self) -> bool:
+            return time.monotonic() < self.until
+
+        def close(self) -> None:
+            self.closes += 1
+
+        def abort(self) -> None:
+            pass
+
+    async def go() -> float:
+        server = FastServer(lambda req: asyncio.sleep(0))  # type: ignore[arg-type,return-value]
+        conn = Flushing(time.monotonic() + 0.3)
+        server.connections.add(conn)  # type: ignore[arg-type]
+        started = time.monotonic()
+        await server.close(grace=3.0)
+        assert conn.closes >= 1  # closed (after what was written is flushed) at once
+        return time.monotonic() - started
+
+    took = asyncio.run(go())
+    assert 0.25 < took < 2.0

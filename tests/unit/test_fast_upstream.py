@@ -328,3 +328,45 @@ def test_a_long_body_with_bytes_past_its_end_closes_the_connection() -> None:
         assert transport.closed and conn.closed and pool.take() is None
 
     asyncio.run(go())
+
+
+class PausableTransport(Transport):
+    def __init__(self) -> None:
+        self.reading = True
+
+    def pause_reading(self) -> None:
+        self.reading = False
+
+    def resume_reading(self) -> None:
+        self.reading = True
+
+
+def test_a_connection_paused_when_its_response_ends_reads_again_in_the_pool() -> None:
+    """The client's write buffer filled up (its pause_writing paused this connection) in the
+    same read that ended the response: the call is over, the client's resume_writing no longer
+    reaches this connection, so the pool must resume it, or the next call on it never reads
+    its answer."""
+    async def go() -> None:
+        pool = UpstreamPool(host="127.0.0.1", port=1, tls=None, server_hostname=None,
+                            connect_timeout=1.0)
+        conn = UpstreamConnection(pool, asyncio.get_running_loop())
+        transport = PausableTransport()
+        conn.transport = transport  # type: ignore[assignment]
+
+        class FullClient(Recorder):
+            def on_body(self, chunk: bytes) -> None:
+                super().on_body(chunk)
+                conn.pause_reading()  # what the client's pause_writing does (flow)
+
+        first = FullClient()
+        conn.send(first, b"GET / HTTP/1.1\r\n\r\n")  # type: ignore[arg-type]
+        conn.data_received(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhello")
+        assert first.complete and first.body == b"hello"
+        assert pool.take() is conn
+        assert transport.reading and not conn.paused
+        second = Recorder()
+        conn.send(second, b"GET / HTTP/1.1\r\n\r\n")  # type: ignore[arg-type]
+        conn.data_received(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+        assert second.complete and second.body == b"ok"
+
+    asyncio.run(go())

@@ -359,7 +359,8 @@ class FastServer:
 
     async def close(self, grace: float) -> None:
         """Stop accepting, close idle connections and long-running calls, give the others
-        ``grace`` seconds to finish, then cut what is left."""
+        ``grace`` seconds to finish (their answers written out to the client, too), then cut
+        what is left."""
         self.closing = True
         if self._server is not None:
             self._server.close()
@@ -372,7 +373,9 @@ class FastServer:
                     conn.close()
                 elif current.long_running:
                     conn.abort()
-            busy = [c for c in self.connections if c.busy]
+            # a connection closed with its answer still in the transport's buffer is busy
+            # too: the process must not exit before that reaches the client (slow readers)
+            busy = [c for c in self.connections if c.busy or c.holds_writes()]
             if not busy or loop.time() >= deadline:
                 break
             await asyncio.sleep(0.05)

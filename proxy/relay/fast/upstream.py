@@ -120,6 +120,7 @@ class UpstreamConnection(FlowForwarding, asyncio.Protocol):
         self._in_body = False  # the final head of the current response is in
         self._before = b""  # meanwhile: the response's reads so far (its head may span reads)
         self._heads = 0  # heads of the current response so far (interim ones too)
+        self.paused = False  # reading paused: the client's write buffer was full (backpressure)
 
     def send(
         self,
@@ -154,10 +155,12 @@ class UpstreamConnection(FlowForwarding, asyncio.Protocol):
 
     def pause_reading(self) -> None:
         if self.transport is not None and not self.closed:
+            self.paused = True
             self.transport.pause_reading()
 
     def resume_reading(self) -> None:
         if self.transport is not None and not self.closed:
+            self.paused = False
             self.transport.resume_reading()
 
     # --- asyncio.Protocol ----------------------------------------------------------
@@ -492,6 +495,12 @@ class UpstreamPool:
         if len(self._idle) >= self._max_idle:
             conn.close()
             return
+        if conn.paused:
+            # its response ended while the client's write buffer was full: the client's
+            # resume_writing no longer reaches it (the call is over), so resume here, or the
+            # next call on this connection would never read its answer (a 504 after the
+            # header timeout)
+            conn.resume_reading()
         conn.idle_since = time.monotonic()
         self._idle.append(conn)
 
