@@ -87,6 +87,8 @@ class Relay:
         )
         self._header_timeout = settings.header_timeout or None
         self._after = Aftercare(chain)
+        # the client transports of watches etc. in flight (ended at shutdown)
+        self._long_running: set[asyncio.BaseTransport] = set()
 
     async def start(self) -> None:
         publish_levels()  # with --workers: the in-flight and watch gauges' levels
@@ -94,6 +96,13 @@ class Relay:
             self._session = make_session(
                 self._endpoint, connect_timeout=self.settings.connect_timeout
             )
+
+    def end_long_running(self) -> None:
+        """At shutdown: cut the long-running calls in flight (watches, exec, logs) at once, as
+        the fast relay does; their clients resume them (a watch from its last resourceVersion)
+        while ordinary calls get the listener's grace to finish."""
+        for transport in list(self._long_running):
+            transport.close()
 
     async def close(self) -> None:
         await self._after.drain()
@@ -135,7 +144,14 @@ class Relay:
         sent = raw if cut < 0 else raw[:cut]
         if "%" in sent:  # the records keep the path as sent
             ctx.raw_path = sent
-        if bad is None:
+        transport = request.transport
+        if bad is None and ctx.info.is_long_running and transport is not None:
+            self._long_running.add(transport)
+            try:
+                resp = await self._after.track(ctx, self._serve(request, ctx))
+            finally:
+                self._long_running.discard(transport)
+        elif bad is None:
             resp = await self._after.track(ctx, self._serve(request, ctx))
         else:
             resp = await self._after.track(

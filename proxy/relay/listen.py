@@ -171,8 +171,8 @@ async def serve_api(
     """Start serving ``relay.handle``; the relay must be started (``await relay.start()``).
 
     On close, the server stops accepting, and calls in flight get ``shutdown_timeout`` seconds
-    to finish (the fast relay ends long-running calls such as watches at once: clients resume
-    them from their last resourceVersion)."""
+    to finish (long-running calls such as watches are ended at once, by both relays: clients
+    resume them from their last resourceVersion)."""
     where = parse_listen(listen)
     if bool(tls_cert) != bool(tls_key):
         raise ValueError("TLS needs both a certificate and a key file")
@@ -235,4 +235,14 @@ async def _serve_aiohttp(
         address = f"unix:{where}"
     else:
         address = _address(*runner.addresses[0][:2])
-    return runner.cleanup, address
+
+    async def stop() -> None:
+        # aiohttp gives every handler the grace, then cancels and waits the grace again: a
+        # watch would hold the shutdown twice that long; end such calls first, as the fast
+        # relay does
+        for running in list(runner.sites):  # stop accepting
+            await running.stop()
+        relay.end_long_running()
+        await runner.cleanup()
+
+    return stop, address

@@ -536,3 +536,42 @@ async def test_head_304_and_expect_continue() -> None:
     finally:
         await up.close()
     assert "Expect" not in up.seen[2].headers
+
+
+@pytest.mark.asyncio
+async def test_shutdown_ends_watches_at_once_and_lets_calls_finish() -> None:
+    """On both relays: a watch open at shutdown is cut at once (its client resumes it), an
+    ordinary call in flight still completes, and the listener stops within its grace (the
+    aiohttp relay held a watch until its grace passed twice)."""
+    release = asyncio.Event()
+
+    async def handler(request: web.BaseRequest) -> web.StreamResponse:
+        if request.query.get("watch"):
+            resp = web.StreamResponse()
+            await resp.prepare(request)
+            await resp.write(b'{"type":"ADDED"}\n')
+            await asyncio.sleep(30)
+            return resp
+        await release.wait()
+        return web.Response(text="ok")
+
+    up = await AiohttpUpstream(handler).start()
+    try:
+        async with running_proxy(up.url) as proxy, aiohttp.ClientSession() as c:
+            watch = await c.get(proxy.url + "/api/v1/pods?watch=true")
+            assert await watch.content.readline() == b'{"type":"ADDED"}\n'
+            slow = asyncio.create_task(c.get(proxy.url + "/api/v1/pods"))
+            await asyncio.sleep(0.2)
+            loop = asyncio.get_running_loop()
+            started = loop.time()
+            closing = asyncio.create_task(proxy.listener.close())
+            with pytest.raises(aiohttp.ClientPayloadError):
+                await asyncio.wait_for(watch.content.read(), 3)
+            assert loop.time() - started < 2
+            release.set()
+            r = await asyncio.wait_for(slow, 5)
+            assert r.status == 200 and await r.read() == b"ok"
+            await asyncio.wait_for(closing, 5)
+            assert loop.time() - started < 4
+    finally:
+        await up.close()
