@@ -334,6 +334,25 @@ QUOTA_USAGE = Gauge(
     "opgate_quota_usage", "Objects counted against opgate quotas.", ["namespace", "resource"],
     registry=REGISTRY, multiprocess_mode="livemax",  # every worker counts the same objects
 )
+_QUOTA_USAGE_SET: set[tuple[str, str]] = set()  # the label sets this process has set
+
+
+def set_quota_usage(namespace: str, resource: str, count: int) -> None:
+    QUOTA_USAGE.labels(namespace, resource).set(count)
+    _QUOTA_USAGE_SET.add((namespace, resource))
+
+
+def clear_quota_usage() -> None:
+    """Forget the quota usage series (the entries they were for are gone). prometheus_client
+    cannot remove a series in multiprocess mode (``--workers``): there they are set to 0."""
+    if _MULTIPROCESS:
+        for labels in _QUOTA_USAGE_SET:
+            QUOTA_USAGE.labels(*labels).set(0)
+    else:
+        QUOTA_USAGE.clear()
+    _QUOTA_USAGE_SET.clear()
+
+
 IDENTITY_DENIALS = Counter(
     "opgate_identity_denials_total", "Calls refused by the identity middleware.", ["reason"],
     registry=REGISTRY,

@@ -295,7 +295,7 @@ class Quota:
             crq = any(CLUSTER_RESOURCE_QUOTA in b.rule.align_with
                       for bs in plan.values() for b in bs)
             interest = {pair: _namespace_filter(bound) for pair, bound in plan.items()}
-            telemetry.QUOTA_USAGE.clear()  # namespaces of the old set's entries
+            telemetry.clear_quota_usage()  # namespaces of the old set's entries
             self.counts.track(interest, resource_quotas=rq, cluster_quotas=crq,
                               on_usage=_report_usage)
             self._plan = plan
@@ -440,7 +440,7 @@ def _namespace_filter(bound: list[BoundQuota]) -> Callable[[str], bool]:
 
 
 def _report_usage(group: str, resource: str, namespace: str, count: int) -> None:
-    telemetry.QUOTA_USAGE.labels(namespace, qualified(group, resource)).set(count)
+    telemetry.set_quota_usage(namespace, qualified(group, resource), count)
 
 
 class MemoryQuotaCounts:

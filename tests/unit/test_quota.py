@@ -617,3 +617,22 @@ def test_counter_answers_none_until_synced_and_settles_reservations() -> None:
     assert counts.aligned("a", resource_quotas=True, cluster_quotas=False) is None
     assert counts.expect("", "secrets", "a", "x", "", "t") is None  # not tracked
     assert "configmaps=syncing" in counts.describe()
+
+
+def test_quota_usage_series_are_zeroed_not_cleared_under_workers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """prometheus_client cannot remove a series in multiprocess mode (it warns and keeps it):
+    with --workers the old set's usage series go to 0 instead of staying at their last value."""
+    from proxy.engine import telemetry
+
+    telemetry.set_quota_usage("gone-ns", "configmaps", 7)
+    monkeypatch.setattr(telemetry, "_MULTIPROCESS", True)
+
+    def refuse() -> None:
+        raise AssertionError("clear() is a no-op in multiprocess mode")
+
+    monkeypatch.setattr(telemetry.QUOTA_USAGE, "clear", refuse)
+    telemetry.clear_quota_usage()
+    assert telemetry.REGISTRY.get_sample_value(
+        "opgate_quota_usage", {"namespace": "gone-ns", "resource": "configmaps"}) == 0
