@@ -116,8 +116,10 @@ def _bearer(headers: Mapping[str, str]) -> str | None:
     has an empty token there, so none (the apiserver runs such a call as anonymous), and
     ``Bearer a b`` is token ``a``."""
     value = headers.get("Authorization") or headers.get("authorization") or ""
-    parts = value.strip().split(" ", 2)
-    return (parts[1] or None) if len(parts) > 1 and parts[0].lower() == "bearer" else None
+    scheme, space, rest = value.strip().partition(" ")  # (partition: memchr, split: a loop)
+    if not space or scheme.lower() != "bearer":
+        return None
+    return rest.partition(" ")[0] or None
 
 
 # what str.strip() strips from text decoded as latin-1 (as the fast relay decodes header values)
@@ -142,8 +144,10 @@ def _bearer_bytes(headers: Mapping[str, str]) -> bytes | None:
         token = _bearer(headers)
         return None if token is None else token.encode()
     value: bytes = raw("Authorization") or b""
-    parts = value.strip(_STRIP).split(b" ", 2)
-    return (parts[1] or None) if len(parts) > 1 and parts[0].lower() == b"bearer" else None
+    scheme, space, rest = value.strip(_STRIP).partition(b" ")
+    if not space or scheme.lower() != b"bearer":
+        return None
+    return rest.partition(b" ")[0] or None
 
 
 def _action(info: RequestInfo, verb: str) -> str:
