@@ -164,6 +164,7 @@ async def running_proxy(
     tls_cert: str | None = None,
     tls_key: str | None = None,
     relay_kind: str | None = None,
+    shutdown_timeout: float = 1.0,
     **upstream: Any,
 ) -> AsyncIterator[Proxy]:
     relay_class = FastRelay if (relay_kind or default_relay) == "fast" else Relay
@@ -175,7 +176,8 @@ async def running_proxy(
     )
     await relay.start()
     listener = await serve_api(
-        relay, listen=listen, tls_cert=tls_cert, tls_key=tls_key, shutdown_timeout=1.0
+        relay, listen=listen, tls_cert=tls_cert, tls_key=tls_key,
+        shutdown_timeout=shutdown_timeout,
     )
     scheme = "https" if tls_cert else "http"
     url = "" if listener.address.startswith("unix:") else f"{scheme}://{listener.address}"
