@@ -232,7 +232,8 @@ def test_metrics_series_per_code_and_decision_and_no_duration_for_watches() -> N
     assert _count(**labels, code="404") == before["404"] + 1
     watch = tr.ctx_for(EMPTY, path=CM, query="watch=1")
     watch.status_code = 200
-    assert m._lookup(watch)[1] is None
+    (_counter, duration), _final = m._lookup(watch)
+    assert duration is None
 
 
 def test_access_log_lines_per_call_with_fields_escaped_once(
