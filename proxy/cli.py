@@ -60,26 +60,25 @@ def worker_count(text: str) -> int:
     return _worker_number(text)
 
 
-def seconds(text: str) -> float:
-    """A timeout flag where 0 means none: a finite number of seconds, 0 or more."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not math.isfinite(value) or value < 0:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds >= 0, got {text!r}")
-    return value
+def _seconds(*, zero: bool) -> Callable[[str], float]:
+    """A flag's parser of a finite number of seconds, 0 allowed (``zero``: it means none)
+    or not."""
+    bound = ">= 0" if zero else "> 0"
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not math.isfinite(value) or value < 0 or (value == 0 and not zero):
+            raise argparse.ArgumentTypeError(f"expected a number of seconds {bound}, got {text!r}")
+        return value
+
+    return parse
 
 
-def positive_seconds(text: str) -> float:
-    """``--redis-timeout``: a finite number of seconds, more than 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text!r}")
-    return value
+seconds = _seconds(zero=True)  # a timeout flag where 0 means none
+positive_seconds = _seconds(zero=False)  # --redis-timeout
 
 
 def listen_address(text: str) -> str:

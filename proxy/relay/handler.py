@@ -124,12 +124,14 @@ class Relay:
                 raw = request.raw_path
         cut = raw.find("?")
         query = raw[cut + 1 :] if cut >= 0 else ""
+        sent = raw if cut < 0 else raw[:cut]  # the path as sent (escapes kept)
+        escaped = "%" in sent
         method = request.method
         if bad is not None:
             path = raw
         else:
             path = request.path
-            if "%" in raw and malformed_escape(raw if cut < 0 else raw[:cut]):
+            if escaped and malformed_escape(sent):
                 bad = "malformed percent-encoding in the path"
         ctx = RequestContext(
             info=parse_request_info(method, path, query),
@@ -141,8 +143,7 @@ class Relay:
             trace_id=_next_trace_id(),
             remote=request.remote or "",
         )
-        sent = raw if cut < 0 else raw[:cut]
-        if "%" in sent:  # the records keep the path as sent
+        if escaped:  # the records keep the path as sent
             ctx.raw_path = sent
         transport = request.transport
         if bad is None and ctx.info.is_long_running and transport is not None:
