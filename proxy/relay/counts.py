@@ -163,7 +163,8 @@ class Tally:
     :meth:`added` / :meth:`deleted` per event. The count of a namespace is the size of its set
     of names (one short string per object: what knowing whether an apply creates costs).
     ``recent`` is what the quota store's check is told not to count twice: names that appeared
-    in the last ``recent_seconds`` (at most ``recent_max`` per namespace, the newest), and
+    in the last ``recent_seconds`` and still exist (at most ``recent_max`` per namespace, the
+    newest), and
     ``|<token>`` for this replica's generateName creates whose object appeared.
     """
 
@@ -283,6 +284,7 @@ class Tally:
         self._seen(namespace, name, generate_name)
 
     def deleted(self, namespace: str, name: str) -> None:
+        self._forget(namespace, name)
         names = self.names.get(namespace)
         if names is None:
             return
@@ -290,13 +292,24 @@ class Tally:
         if not names:
             del self.names[namespace]
 
+    def _forget(self, namespace: str, name: str) -> None:
+        """A name whose object is gone is not "seen" any more: the watch no longer counts it,
+        so a reservation of that name (the object deleted and created again) must count."""
+        recent = self.recent.get(namespace)
+        if recent is not None and recent.pop(name, None) is not None and not recent:
+            del self.recent[namespace]
+
     def replace(self, objects: Iterable[tuple[str, str]]) -> set[str]:
         """A full list of ``(namespace, name)``; returns the namespaces whose count changed.
         Named creates whose object is listed are fulfilled; prefix ones wait for their expiry.
-        After the first list, names that were not known before count as seen lately."""
+        After the first list, names that were not known before count as seen lately, and
+        names no longer listed are not seen any more."""
         names: dict[str, set[str]] = {}
         for namespace, name in objects:
             names.setdefault(namespace, set()).add(name)
+        for namespace, before in self.names.items():
+            for name in before - names.get(namespace, set()):
+                self._forget(namespace, name)
         for namespace, listed in names.items():
             before = self.names.get(namespace, set())
             if self.synced:

@@ -517,8 +517,31 @@ def test_tally_counts_names_from_list_and_events() -> None:
     assert (tally.observed("a"), tally.observed("b")) == (3, 0)
     assert tally.seen("a") == ("w",)
     assert tally.replace([("a", "x"), ("a", "v")]) == {"a"}
-    assert tally.seen("a") == ("w", "v")  # appeared while the watch was down
+    assert tally.seen("a") == ("v",)  # appeared while the watch was down; w is gone
     assert not tally.exists("a", "w")
+
+
+def test_a_name_deleted_and_created_again_counts_until_the_watch_shows_it() -> None:
+    """A name that appeared lately is "seen" (its reservation already counted as an object)
+    only while its object exists: once deleted, a create of the same name again must count,
+    or a burst recreating deleted names overshoots the limit."""
+    counts = QuotaCounts(UpstreamConfig(url="https://127.0.0.1:1"))  # not started: no watch
+    mw = Quota(counts=counts)
+    pset = policies(SIMPLE)
+    mw.prepare(pset)
+    tally = counts._counted[("", "configmaps")].tally
+    tally.replace([])
+    for name in ("a", "b", "c"):
+        tally.added("team-a", name)
+    assert tally.seen("team-a") == ("a", "b", "c")
+    for name in ("a", "b"):
+        tally.deleted("team-a", name)
+    tally.replace([])  # c deleted while the watch was down
+    assert tally.seen("team-a") == () and tally.observed("team-a") == 0
+    results = [decide(mw, ctx_for(pset, body={"metadata": {"name": n}})) for n in "abcde"]
+    assert [r is None for r in results] == [True, True, True, False, False]
+    assert isinstance(results[3], Deny) and results[3].status.message.endswith(
+        "used: count/configmaps=3, limited: count/configmaps=3")
 
 
 def test_seen_names_are_forgotten_after_a_while_and_bounded() -> None:
