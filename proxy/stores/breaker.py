@@ -5,9 +5,11 @@ call counts; after ``failures`` in a row the circuit opens and no request waits 
 more. While it is open every bucket request follows its rule's ``failure`` setting: ``open``
 rules are decided by an in-process bucket at ``qps / replicas`` (``burst / replicas``), ``closed``
 rules get an "unavailable" verdict (the middleware answers 503). Every ``reset_after`` seconds a
-background ping probes the store (half-open); the first success closes the circuit, with no
-restart of anything. Transitions are logged and counted (``opgate_redis_errors_total``,
-``opgate_ratelimit_backend{backend}``), and :meth:`ResilientStore.health` reports them.
+background probe (the store's ``ping``: for Redis a script call that writes, as decisions do, so
+a Redis that answers but refuses writes stays "down") tries the store (half-open); the first
+success closes the circuit, with no restart of anything. Transitions are logged and counted
+(``opgate_redis_errors_total``, ``opgate_ratelimit_backend{backend}``), and
+:meth:`ResilientStore.health` reports them.
 
 Quota reservations share the breaker: while it is open (or when a call fails), a reservation
 whose entries all have ``failure: open`` is admitted and reserved in-process (this replica's

@@ -314,9 +314,16 @@ class RedisStore:
                       self.timeout)
 
     async def ping(self) -> bool:
+        """Whether a decision would succeed now: the breaker's probe. Not a ``PING``, which a
+        Redis answers while it refuses every write (``maxmemory`` with ``noeviction``, a
+        read-only replica after a failover), so the circuit would close and trip again every
+        probe; one ``gcra.lua`` call that writes (cost 0 on a key of its own, expiring at
+        once), as decisions do, and also reloads the script if Redis lost it."""
+        key = f"{self.prefix}{{probe}}:probe"
         try:
             async with asyncio.timeout(self.timeout):
-                return bool(await self.client.ping())
+                await self._script(keys=[key], args=["", US, 1, 0, 0])
+            return True
         except (RedisError, OSError, TimeoutError):
             return False
 

@@ -174,6 +174,44 @@ def test_redis_outage_and_recovery(server: RedisServer, caplog: pytest.LogCaptur
     asyncio.run(go())
 
 
+def test_a_redis_that_refuses_writes_keeps_the_circuit_open(server: RedisServer) -> None:
+    """A full Redis (``maxmemory`` with ``noeviction``) still answers PING but refuses every
+    decision that takes a token: the probe must not close the circuit only for the next calls
+    to trip it again (a WARNING pair per probe, /readyz and the backend gauge flapping)."""
+    pset = policies("- {name: strict, match: {verbs: [list]}, qps: 1000, burst: 1000, "
+                    "failure: closed}")
+    list_path = "/api/v1/namespaces/a/pods"
+
+    async def go() -> None:
+        store: Any = build_store(redis_url=server.url, timeout=0.5, breaker_failures=3,
+                                 breaker_reset=0.1)
+        mw = RateLimit(store=store)
+        admin = store.primary.inner.client
+        assert await settle(mw.entry(ctx_for(pset, path=list_path))) is None
+        await admin.config_set("maxmemory-policy", "noeviction")
+        await admin.config_set("maxmemory", "1")
+        try:
+            calls, end = 0, time.monotonic() + 1.5  # many probe intervals, calls in each
+            while calls < 40 or time.monotonic() < end:
+                got = await settle(mw.entry(ctx_for(pset, path=list_path)))
+                assert isinstance(got, Deny) and got.status.code == 503
+                calls += 1
+                await asyncio.sleep(0.03)
+            health = store.health()
+            assert health["trips"] == 1, health
+            assert health["backend"] == "fallback" and "maxmemory" in health["last_error"]
+        finally:
+            await admin.config_set("maxmemory", "0")
+        deadline = time.monotonic() + 10  # writable again: the next probe closes the circuit
+        while await settle(mw.entry(ctx_for(pset, path=list_path))) is not None:
+            assert time.monotonic() < deadline, store.health()
+            await asyncio.sleep(0.05)
+        assert store.health()["breaker"] == "closed"
+        await store.close()
+
+    asyncio.run(go())
+
+
 TWO_RULES = """\
 apiVersion: opgate.dev/v1alpha1
 kind: Policy
