@@ -6,9 +6,9 @@ more. While it is open every bucket request follows its rule's ``failure`` setti
 rules are decided by an in-process bucket at ``qps / replicas`` (``burst / replicas``), ``closed``
 rules get an "unavailable" verdict (the middleware answers 503). Every ``reset_after`` seconds a
 background probe (the store's ``ping``: for Redis a script call that writes, as decisions do, so
-a Redis that answers but refuses writes stays "down") tries the store (half-open); the first
-success closes the circuit, with no restart of anything. Transitions are logged and counted
-(``opgate_redis_errors_total``, ``opgate_ratelimit_backend{backend}``), and
+a Redis that answers but refuses writes stays "down") tries the store (half-open), whether calls
+come or not; the first success closes the circuit, with no restart of anything. Transitions are
+logged and counted (``opgate_redis_errors_total``, ``opgate_ratelimit_backend{backend}``), and
 :meth:`ResilientStore.health` reports them.
 
 Quota reservations share the breaker: while it is open (or when a call fails), a reservation
@@ -128,6 +128,7 @@ class ResilientStore:
         self._take_primary: Callable[[BucketRequest], Held | None] | None = getattr(
             primary, "take_local", None)
         self._probe: asyncio.Task[None] | None = None
+        self._recovery: asyncio.Task[None] | None = None  # probes while open, calls or not
         set_backend_gauge("redis")
 
     @property
@@ -213,6 +214,8 @@ class ResilientStore:
 
     def _opened(self) -> None:
         set_backend_gauge("fallback")
+        if self._recovery is None or self._recovery.done():
+            self._recovery = asyncio.get_running_loop().create_task(self._recover())
         log.warning(
             "rate-limit store unavailable after %d failures (%s): failure=open rules use "
             "in-process buckets at qps/%d (and quotas in-process reservations), failure=closed "
@@ -220,6 +223,16 @@ class ResilientStore:
             self.breaker.consecutive, self.breaker.last_error, self.replicas,
             self.breaker.reset_after,
         )
+
+    async def _recover(self) -> None:
+        """Probe every ``reset_after`` while the circuit is open, also when no call comes (a
+        controller that only watches): else ``/readyz`` and the backend gauge would say
+        "fallback" long after Redis is back. A call that finds a probe due runs one too; one
+        probe at a time (half-open)."""
+        while not self.breaker.closed:
+            await asyncio.sleep(self.breaker.reset_after)
+            if self.breaker.probe_due():
+                await self._run_probe()
 
     def health(self) -> dict[str, object]:
         b = self.breaker
@@ -238,6 +251,7 @@ class ResilientStore:
         return info
 
     async def close(self) -> None:
-        if self._probe is not None and not self._probe.done():
-            self._probe.cancel()
+        for task in (self._probe, self._recovery):
+            if task is not None and not task.done():
+                task.cancel()
         await self.primary.close()

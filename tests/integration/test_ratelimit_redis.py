@@ -174,6 +174,35 @@ def test_redis_outage_and_recovery(server: RedisServer, caplog: pytest.LogCaptur
     asyncio.run(go())
 
 
+def test_the_circuit_closes_when_redis_is_back_without_any_call(server: RedisServer) -> None:
+    """After an outage, the probe runs also when no call comes (a controller that only
+    watches): /readyz and opgate_ratelimit_backend must not say "fallback" until the next
+    rate-limited call."""
+    pset = policies("- {name: lenient, match: {verbs: [get]}, qps: 10, burst: 5}")
+
+    async def go() -> None:
+        store: Any = build_store(redis_url=server.url, timeout=0.05, breaker_failures=3,
+                                 breaker_reset=0.2)
+        mw = RateLimit(store=store)
+        assert await settle(mw.entry(ctx_for(pset))) is None
+        server.stop()
+        deadline = time.monotonic() + 10
+        while store.health()["breaker"] != "open":
+            assert time.monotonic() < deadline, store.health()
+            await settle(mw.entry(ctx_for(pset)))
+        server.start()  # and no call from here on
+        deadline = time.monotonic() + 10
+        while store.health()["breaker"] != "closed":
+            assert time.monotonic() < deadline, store.health()
+            await asyncio.sleep(0.05)
+        assert store.health()["backend"] == "redis"
+        assert telemetry.REGISTRY.get_sample_value(
+            "opgate_ratelimit_backend", {"backend": "redis"}) == 1
+        await store.close()
+
+    asyncio.run(go())
+
+
 def test_a_redis_that_refuses_writes_keeps_the_circuit_open(server: RedisServer) -> None:
     """A full Redis (``maxmemory`` with ``noeviction``) still answers PING but refuses every
     decision that takes a token: the probe must not close the circuit only for the next calls
