@@ -390,6 +390,10 @@ class RedisCheck:
                   "apply) and keeps trying", redacted_url(self.url), self.problem)
         while self.problem is not None:
             await asyncio.sleep(self.retry_every)
+            try:  # the store reads a password file again for each connection: so does this
+                password = redis_password(None, self.password_file)
+            except StoreConfigError as exc:
+                log.debug("%s (the last password read is used)", exc)
             self.problem = await probe(self.url, password=password)
         log.info("Redis %s answers now", redacted_url(self.url))
 

@@ -4,8 +4,8 @@
 view); with one, GCRA in Redis behind token leasing (:mod:`.lease`, used by rules with
 ``lease: true`` or by every rule with ``lease=True``) and a circuit breaker with an in-process
 fallback (:mod:`.breaker`). The Redis password comes from the URL, else ``password``, else the
-file named by ``password_file`` / ``$OPGATE_REDIS_PASSWORD_FILE`` (a mounted Secret), else
-``$OPGATE_REDIS_PASSWORD``.
+file named by ``password_file`` / ``$OPGATE_REDIS_PASSWORD_FILE`` (a mounted Secret; read again
+for every new connection, so a rotated Secret needs no restart), else ``$OPGATE_REDIS_PASSWORD``.
 """
 
 from __future__ import annotations
@@ -153,9 +153,11 @@ def build_store(
     from proxy.stores.lease import LeasingStore
     from proxy.stores.redis import RedisStore
 
+    secret = redis_password(password, password_file)  # a file that cannot be read: raises
+    secret_file = None if password else (
+        password_file or os.environ.get("OPGATE_REDIS_PASSWORD_FILE"))
     shared = RedisStore.from_url(
-        redis_url, password=redis_password(password, password_file), timeout=timeout,
-        prefix=prefix,
+        redis_url, password=secret, password_file=secret_file, timeout=timeout, prefix=prefix,
     )
     leased = LeasingStore(shared, replicas=replicas, lease_all=lease)
     return ResilientStore(leased, replicas=replicas, failures=breaker_failures,

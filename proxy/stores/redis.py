@@ -28,6 +28,7 @@ import importlib.resources
 import logging
 import ssl
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
@@ -36,6 +37,7 @@ from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel
 from redis.backoff import NoBackoff
+from redis.credentials import CredentialProvider
 from redis.exceptions import AuthenticationError, RedisError, ResponseError
 
 from proxy.engine import telemetry
@@ -84,11 +86,38 @@ def _tls_options(url: str) -> tuple[str, dict[str, str]]:
     return parts._replace(query="&".join(kept)).geturl(), tls
 
 
-def connect(url: str, *, password: str | None = None, timeout: float = 0.05) -> tuple[Any, bool]:
+class FilePassword(CredentialProvider):
+    """The password in a file (``--redis-password-file``, a mounted Secret), read again for
+    every new connection: after the Secret is rotated (the kubelet swaps the file) and Redis
+    asks for the new password, reconnecting works without a restart. A file that cannot be
+    read then keeps the last password read."""
+
+    def __init__(self, path: str, *, username: str = "", password: str | None = None) -> None:
+        self.path = path
+        self.username = username
+        self.password = password or ""
+
+    def get_credentials(self) -> tuple[str] | tuple[str, str]:
+        try:
+            self.password = Path(self.path).read_text("utf-8").strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            log.debug("reading the Redis password file %s: %s (the last one read is used)",
+                      self.path, exc)
+        if not self.password:
+            return ()  # type: ignore[return-value]  # no AUTH, as without a password
+        return (self.username, self.password) if self.username else (self.password,)
+
+    async def get_credentials_async(self) -> tuple[str] | tuple[str, str]:
+        return self.get_credentials()
+
+
+def connect(url: str, *, password: str | None = None, password_file: str | None = None,
+            timeout: float = 0.05) -> tuple[Any, bool]:
     """A redis-py asyncio client for ``url`` and whether it is a Cluster client.
 
-    ``password`` is used when the URL carries none. Clients never retry by themselves (the
-    breaker does), and every socket operation is bounded by ``timeout``.
+    ``password`` is used when the URL carries none; read from ``password_file``, it is read
+    again for each new connection (:class:`FilePassword`). Clients never retry by themselves
+    (the breaker does), and every socket operation is bounded by ``timeout``.
     """
     url, tls = _tls_options(url)
     parts = urlsplit(url)
@@ -99,7 +128,10 @@ def connect(url: str, *, password: str | None = None, timeout: float = 0.05) -> 
         "socket_connect_timeout": timeout,
         "retry": Retry(NoBackoff(), 0),
     }
-    if password:
+    if password_file and parts.password is None:
+        common["credential_provider"] = FilePassword(
+            password_file, username=unquote(parts.username or ""), password=password)
+    elif password:
         common["password"] = password
     if scheme in ("redis+cluster", "rediss+cluster"):
         plain = scheme.split("+", 1)[0] + url[len(parts.scheme):]
@@ -180,10 +212,12 @@ class RedisStore:
 
     @classmethod
     def from_url(
-        cls, url: str, *, password: str | None = None, timeout: float = 0.05,
-        prefix: str = DEFAULT_PREFIX, quota_prefix: str = DEFAULT_QUOTA_PREFIX,
+        cls, url: str, *, password: str | None = None, password_file: str | None = None,
+        timeout: float = 0.05, prefix: str = DEFAULT_PREFIX,
+        quota_prefix: str = DEFAULT_QUOTA_PREFIX,
     ) -> RedisStore:
-        client, cluster = connect(url, password=password, timeout=timeout)
+        client, cluster = connect(url, password=password, password_file=password_file,
+                                  timeout=timeout)
         return cls(client, cluster=cluster, timeout=timeout, prefix=prefix, url=url,
                    quota_prefix=quota_prefix)
 

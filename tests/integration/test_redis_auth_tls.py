@@ -11,6 +11,7 @@ import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -128,3 +129,39 @@ def test_tls_with_the_ca_named_in_the_url(tls_redis: tuple[int, Path]) -> None:
             await store.close()
 
     assert asyncio.run(main()) == [True, True, True, False]
+
+
+def test_a_rotated_password_file_is_read_again(password_redis: int, tmp_path: Path) -> None:
+    """The Secret behind --redis-password-file is rotated: Redis asks for the new password,
+    drops its clients, and the kubelet swaps the file. opgate's reconnects must use the file
+    as it is now, not the password read at start (stuck in its failure modes until a
+    restart)."""
+    import redis
+
+    secret = tmp_path / "password"
+    secret.write_text(PASSWORD + "\n")
+    rotated = "rotated-" + PASSWORD
+
+    async def main() -> None:
+        store: Any = build_store(redis_url=f"redis://127.0.0.1:{password_redis}/0",
+                                 password_file=str(secret), timeout=1.0, breaker_reset=0.2)
+        request = BucketRequest(key="rotate", rate=1000.0, burst=1000, fail_open=False)
+        try:
+            assert (await store.acquire([request])).backend == "redis"
+            admin = redis.Redis(port=password_redis, password=PASSWORD)
+            admin.config_set("requirepass", rotated)
+            secret.write_text(rotated + "\n")
+            admin.client_kill_filter(_type="normal")  # every client but this one
+            admin.close()
+            deadline = time.monotonic() + 15
+            while True:
+                verdict = await store.acquire([request])
+                if verdict.allowed and verdict.backend == "redis":
+                    break
+                assert time.monotonic() < deadline, store.health()
+                await asyncio.sleep(0.05)
+            assert store.health()["breaker"] == "closed"
+        finally:
+            await store.close()
+
+    asyncio.run(main())
