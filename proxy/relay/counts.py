@@ -175,6 +175,10 @@ class Tally:
         self.synced = False
         self.names: dict[str, set[str]] = {}
         self.recent: dict[str, dict[str, float]] = {}
+        # namespace -> name -> token of this replica's named creates whose object appeared (at
+        # most recent_max per namespace, the newest): when the object is deleted, "|<token>"
+        # keeps its own reservation from counting again (see _forget)
+        self.made: dict[str, dict[str, str]] = {}
         self.expected: dict[str, list[Expected]] = {}
         self.expect_seconds = expect_seconds
         self.settle_seconds = settle_seconds
@@ -254,6 +258,12 @@ class Tally:
         self._drop(e)
         if not e.name:
             self._note(e.namespace, "|" + e.token)
+        else:
+            made = self.made.setdefault(e.namespace, {})
+            made.pop(e.name, None)
+            made[e.name] = e.token
+            if len(made) > self.recent_max:
+                del made[next(iter(made))]
         if e.on_seen is not None:
             try:
                 e.on_seen()
@@ -294,9 +304,17 @@ class Tally:
 
     def _forget(self, namespace: str, name: str) -> None:
         """A name whose object is gone is not "seen" any more: the watch no longer counts it,
-        so a reservation of that name (the object deleted and created again) must count."""
+        so a reservation of that name (the object deleted and created again) must count. The
+        reservation of this replica's own create of it, which may still linger, stays seen by
+        its token."""
         recent = self.recent.get(namespace)
-        if recent is not None and recent.pop(name, None) is not None and not recent:
+        if recent is None or recent.pop(name, None) is None:
+            return
+        made = self.made.get(namespace)
+        token = made.pop(name, None) if made else None
+        if token:
+            self._note(namespace, "|" + token)
+        elif not recent:
             del self.recent[namespace]
 
     def replace(self, objects: Iterable[tuple[str, str]]) -> set[str]:

@@ -544,6 +544,31 @@ def test_a_name_deleted_and_created_again_counts_until_the_watch_shows_it() -> N
         "used: count/configmaps=3, limited: count/configmaps=3")
 
 
+def test_deleting_what_this_replica_created_frees_its_room_at_once() -> None:
+    """The other side of the test above: a create's reservation lingers a few seconds after
+    the watch showed its object; deleting the object then must free the room, not count the
+    lingering reservation again (it stays seen by its token)."""
+    counts = QuotaCounts(UpstreamConfig(url="https://127.0.0.1:1"))  # not started: no watch
+    mw = Quota(counts=counts)
+    pset = policies(SIMPLE)
+    mw.prepare(pset)
+    tally = counts._counted[("", "configmaps")].tally
+    tally.replace([])
+    for name in ("a", "b", "c"):
+        ctx = ctx_for(pset, body={"metadata": {"name": name}})
+        assert decide(mw, ctx) is None
+        run(_exit(mw, ctx, 201))
+        tally.added("team-a", name)  # the watch shows it: its reservation lingers
+    assert len(reservations(mw)) == 3
+    assert isinstance(decide(mw, ctx_for(pset, body={"metadata": {"name": "d"}})), Deny)
+    for name in ("a", "b"):
+        tally.deleted("team-a", name)
+    tally.replace([])  # c deleted while the watch was down
+    assert len(reservations(mw)) == 3  # still lingering, but not counted
+    results = [decide(mw, ctx_for(pset, body={"metadata": {"name": n}})) for n in "wxyz"]
+    assert [r is None for r in results] == [True, True, True, False]
+
+
 def test_seen_names_are_forgotten_after_a_while_and_bounded() -> None:
     clock = Clock()
     tally = Tally(clock=clock, recent_seconds=60, recent_max=3)
