@@ -78,7 +78,7 @@ from proxy.middlewares.quota_spec import (
     parse_section,
     qualified,
 )
-from proxy.stores.base import Reservation, Store
+from proxy.stores.base import SHOWN, Reservation, Store
 from proxy.stores.memory import MemoryStore
 
 __all__ = ["SECTION", "MemoryQuotaCounts", "Quota", "QuotaCounts", "denial_message",
@@ -404,8 +404,9 @@ class Quota:
             telemetry.QUOTA_RESERVATIONS.labels(reserved.backend).inc()
             store = self.store
 
-            def seen() -> None:  # its object is in our watch: let its reservation go soon
-                self._spawn(store.settle(scope, member, self.linger_seconds))
+            def seen() -> None:  # its object is in our watch: let its reservation go soon,
+                # marked shown (not counted once the object is deleted: see quota.lua)
+                self._spawn(store.settle(scope, member + SHOWN, self.linger_seconds))
 
             expected = self.counts.expect(group, resource, namespace, names[0], names[1],
                                           token, seen)

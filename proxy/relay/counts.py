@@ -60,6 +60,7 @@ INFLIGHT_SECONDS = 60.0  # an admitted create is waited for this long, at most
 SETTLE_SECONDS = 30.0  # and, once answered 2xx (or unknown), this long more
 RECENT_SECONDS = 60.0  # names that appeared this recently are "seen" (>= INFLIGHT_SECONDS)
 RECENT_MAX = 512  # per namespace and resource, the newest
+GONE = "/"  # "/<name>" in seen(): appeared lately, then deleted (proxy.stores.base.GONE)
 
 UsageCallback = Callable[[str, str, str, int], None]
 AlignedQuota = tuple[str, str, Mapping[str, int]]
@@ -163,9 +164,9 @@ class Tally:
     :meth:`added` / :meth:`deleted` per event. The count of a namespace is the size of its set
     of names (one short string per object: what knowing whether an apply creates costs).
     ``recent`` is what the quota store's check is told not to count twice: names that appeared
-    in the last ``recent_seconds`` and still exist (at most ``recent_max`` per namespace, the
-    newest), and
-    ``|<token>`` for this replica's generateName creates whose object appeared.
+    in the last ``recent_seconds`` and still exist, ``/<name>`` for those deleted since (at
+    most ``recent_max`` per namespace, the newest), and ``|<token>`` for this replica's
+    generateName creates whose object appeared.
     """
 
     def __init__(self, *, expect_seconds: float = INFLIGHT_SECONDS,
@@ -175,10 +176,6 @@ class Tally:
         self.synced = False
         self.names: dict[str, set[str]] = {}
         self.recent: dict[str, dict[str, float]] = {}
-        # namespace -> name -> token of this replica's named creates whose object appeared (at
-        # most recent_max per namespace, the newest): when the object is deleted, "|<token>"
-        # keeps its own reservation from counting again (see _forget)
-        self.made: dict[str, dict[str, str]] = {}
         self.expected: dict[str, list[Expected]] = {}
         self.expect_seconds = expect_seconds
         self.settle_seconds = settle_seconds
@@ -258,12 +255,6 @@ class Tally:
         self._drop(e)
         if not e.name:
             self._note(e.namespace, "|" + e.token)
-        else:
-            made = self.made.setdefault(e.namespace, {})
-            made.pop(e.name, None)
-            made[e.name] = e.token
-            if len(made) > self.recent_max:
-                del made[next(iter(made))]
         if e.on_seen is not None:
             try:
                 e.on_seen()
@@ -304,18 +295,12 @@ class Tally:
 
     def _forget(self, namespace: str, name: str) -> None:
         """A name whose object is gone is not "seen" any more: the watch no longer counts it,
-        so a reservation of that name (the object deleted and created again) must count. The
-        reservation of this replica's own create of it, which may still linger, stays seen by
-        its token."""
+        so a reservation of that name (the object deleted and created again) must count. It
+        is "/<name>" instead: the reservation of the deleted object itself, which may linger
+        a few seconds, is not counted once its creator marked it shown (see ``quota.lua``)."""
         recent = self.recent.get(namespace)
-        if recent is None or recent.pop(name, None) is None:
-            return
-        made = self.made.get(namespace)
-        token = made.pop(name, None) if made else None
-        if token:
-            self._note(namespace, "|" + token)
-        elif not recent:
-            del self.recent[namespace]
+        if recent is not None and recent.pop(name, None) is not None:
+            self._note(namespace, GONE + name)
 
     def replace(self, objects: Iterable[tuple[str, str]]) -> set[str]:
         """A full list of ``(namespace, name)``; returns the namespaces whose count changed.

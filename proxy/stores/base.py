@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 __all__ = [
+    "GONE",
+    "SHOWN",
     "BucketRequest",
     "Held",
     "KeyVerdict",
@@ -113,9 +115,11 @@ class Reservation:
     ``member`` is ``<name>|<token>`` (name ``""`` when the apiserver will generate it; the
     token is unique per create). ``observed`` is how many objects the caller's own watch shows;
     ``seen`` lists the names (and ``|<token>`` entries) whose objects that watch already shows,
-    so their reservations are not counted twice. ``used`` = ``observed`` + the live reservations
-    not in ``seen``; the create is allowed when ``limit < 0`` (none) or ``used + 1 <= limit``,
-    and then ``member`` lives ``ttl`` seconds (unless ``check_only``: a dry-run create).
+    so their reservations are not counted twice, and ``/<name>`` for names whose object it
+    showed and then saw deleted (a reservation its creator marked shown is not counted).
+    ``used`` = ``observed`` + the live reservations not in ``seen``; the create is allowed
+    when ``limit < 0`` (none) or ``used + 1 <= limit``, and then ``member`` lives ``ttl``
+    seconds (unless ``check_only``: a dry-run create).
     ``fail_open`` says what happens while the shared store is down: reserve in-process (True)
     or "unavailable" (False).
     """
@@ -239,9 +243,17 @@ def verdict_from(
 
 # --- quota reservations ------------------------------------------------------------------------
 
+SHOWN = "~"  # a member ending so: its creator's watch showed its object (see settle_step)
+GONE = "/"  # "/<name>" in ``seen``: an object of that name was shown, then deleted
+
+
 def _counted(member: str, seen: frozenset[str] | set[str]) -> bool:
     name, _, token = member.partition("|")
-    return not ((name and name in seen) or ("|" + token) in seen)
+    shown = token.endswith(SHOWN)
+    if shown:
+        token = token[:-1]
+    return not ((name and name in seen) or ("|" + token) in seen
+                or (shown and GONE + name in seen))
 
 
 def reserve_step(
@@ -270,15 +282,24 @@ def reserve_step(
 
 def settle_step(members: dict[str, float], now: float, member: str, ttl: float | None) -> bool:
     """Drop ``member`` (``ttl`` None) or let it expire within ``ttl`` s, never later than it
-    would; ``False`` when it is not (or no longer) there. Mirrors ``quota.lua``."""
-    expiry = members.get(member)
+    would; ``False`` when it is not (or no longer) there. ``member`` + :data:`SHOWN` also marks
+    it shown (renamed so): once its name is :data:`GONE` it is not counted, while a new
+    reservation of the name is. A member is found marked or not. Mirrors ``quota.lua``."""
+    shown = member.endswith(SHOWN)
+    base = member[:-1] if shown else member
+    found = base if base in members else base + SHOWN
+    expiry = members.get(found)
     if expiry is None or expiry <= now:
-        members.pop(member, None)
+        members.pop(found, None)
         return False
     if ttl is None:
-        del members[member]
-    else:
-        members[member] = min(expiry, now + float(round(ttl * US)))
+        del members[found]
+        return True
+    expiry = min(expiry, now + float(round(ttl * US)))
+    if shown and found != member:
+        del members[found]
+        found = member
+    members[found] = expiry
     return True
 
 

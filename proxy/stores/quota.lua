@@ -8,13 +8,17 @@
 --
 -- reserve: ARGV[3] member, ARGV[4] observed, ARGV[5] limit (< 0: none), ARGV[6] ttl_us,
 --          ARGV[7] "1" = check only (a dry-run create), ARGV[8..] seen: names, and
---          "|<token>" entries, whose objects the caller's watch already counts.
+--          "|<token>" entries, whose objects the caller's watch already counts, and
+--          "/<name>" for names whose object it showed and saw deleted: a member marked
+--          shown ("<name>|<token>~") of such a name is the deleted object's, not counted.
 --          Returns {allowed, used}: used = observed + live members not seen; allowed when
 --          limit < 0 or used + 1 <= limit, and then the member is added (unless check only).
 --          A member whose name a counted live member has already is the same object: allowed
 --          when used <= limit, and nothing is added.
 -- settle:  ARGV[3] member, ARGV[4] ttl_us (< 0: drop the member). Otherwise the member now
---          expires within ttl_us, never later than it already would. Returns {found}.
+--          expires within ttl_us, never later than it already would. A member is found marked
+--          shown or not; ARGV[3] ending "~" marks it (its creator's watch showed the object).
+--          Returns {found}.
 --
 -- Same operations as proxy.stores.base.reserve_step / settle_step. Expired members (expiry <=
 -- now) are removed first; the key itself expires with its last member.
@@ -55,16 +59,30 @@ local member = ARGV[3]
 
 if op == "settle" then
   local ttl = tonumber(ARGV[4])
-  local expiry = redis.call("ZSCORE", key, member)
+  local shown = string.sub(member, -1) == "~"
+  local base = shown and string.sub(member, 1, -2) or member
+  local found = base
+  local expiry = redis.call("ZSCORE", key, base)
+  if not expiry then
+    found = base .. "~"
+    expiry = redis.call("ZSCORE", key, found)
+  end
   if not expiry then
     return {0}
   end
   if ttl < 0 then
-    redis.call("ZREM", key, member)
+    redis.call("ZREM", key, found)
   else
+    local score = tonumber(expiry)
     local until_ = now + ttl
-    if until_ < tonumber(expiry) then
-      redis.call("ZADD", key, string.format("%.0f", until_), member)
+    if until_ < score then
+      score = until_
+    end
+    if shown and found ~= member then
+      redis.call("ZREM", key, found)
+      redis.call("ZADD", key, string.format("%.0f", score), member)
+    elseif score < tonumber(expiry) then
+      redis.call("ZADD", key, string.format("%.0f", score), found)
     end
   end
   expire_key()
@@ -94,7 +112,11 @@ for _, m in ipairs(redis.call("ZRANGE", key, 0, -1)) do
     name = m
     token = "|"
   end
-  if not ((name ~= "" and seen[name]) or seen[token]) then
+  local shown = string.sub(token, -1) == "~"
+  if shown then
+    token = string.sub(token, 1, -2)
+  end
+  if not ((name ~= "" and seen[name]) or seen[token] or (shown and seen["/" .. name])) then
     used = used + 1
     if own ~= "" and name == own then
       same = true

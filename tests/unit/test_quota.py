@@ -517,7 +517,7 @@ def test_tally_counts_names_from_list_and_events() -> None:
     assert (tally.observed("a"), tally.observed("b")) == (3, 0)
     assert tally.seen("a") == ("w",)
     assert tally.replace([("a", "x"), ("a", "v")]) == {"a"}
-    assert tally.seen("a") == ("v",)  # appeared while the watch was down; w is gone
+    assert tally.seen("a") == ("/w", "v")  # w is gone; v appeared while the watch was down
     assert not tally.exists("a", "w")
 
 
@@ -537,7 +537,7 @@ def test_a_name_deleted_and_created_again_counts_until_the_watch_shows_it() -> N
     for name in ("a", "b"):
         tally.deleted("team-a", name)
     tally.replace([])  # c deleted while the watch was down
-    assert tally.seen("team-a") == () and tally.observed("team-a") == 0
+    assert tally.seen("team-a") == ("/a", "/b", "/c") and tally.observed("team-a") == 0
     results = [decide(mw, ctx_for(pset, body={"metadata": {"name": n}})) for n in "abcde"]
     assert [r is None for r in results] == [True, True, True, False, False]
     assert isinstance(results[3], Deny) and results[3].status.message.endswith(
@@ -547,25 +547,40 @@ def test_a_name_deleted_and_created_again_counts_until_the_watch_shows_it() -> N
 def test_deleting_what_this_replica_created_frees_its_room_at_once() -> None:
     """The other side of the test above: a create's reservation lingers a few seconds after
     the watch showed its object; deleting the object then must free the room, not count the
-    lingering reservation again (it stays seen by its token)."""
+    lingering reservation again (its creator marked it shown: the name's "/<name>" says its
+    object is gone). Also on a second replica, whose watch saw the object come and go."""
     counts = QuotaCounts(UpstreamConfig(url="https://127.0.0.1:1"))  # not started: no watch
     mw = Quota(counts=counts)
     pset = policies(SIMPLE)
     mw.prepare(pset)
     tally = counts._counted[("", "configmaps")].tally
     tally.replace([])
+    other = QuotaCounts(UpstreamConfig(url="https://127.0.0.1:1"))  # a second replica
+    mw2 = Quota(counts=other, store=mw.store)
+    mw2.prepare(pset)
+    tally2 = other._counted[("", "configmaps")].tally
+    tally2.replace([])
+
+    async def shown(name: str) -> None:  # both watches show it; the creator marks it (a task)
+        tally.added("team-a", name)
+        tally2.added("team-a", name)
+        await asyncio.sleep(0.01)
+
     for name in ("a", "b", "c"):
         ctx = ctx_for(pset, body={"metadata": {"name": name}})
         assert decide(mw, ctx) is None
         run(_exit(mw, ctx, 201))
-        tally.added("team-a", name)  # the watch shows it: its reservation lingers
-    assert len(reservations(mw)) == 3
+        run(shown(name))  # its reservation lingers
+    assert sorted(m.rsplit("|")[0] for m in reservations(mw)) == ["a", "b", "c"]
+    assert all(m.endswith("~") for m in reservations(mw))
     assert isinstance(decide(mw, ctx_for(pset, body={"metadata": {"name": "d"}})), Deny)
     for name in ("a", "b"):
         tally.deleted("team-a", name)
-    tally.replace([])  # c deleted while the watch was down
+        tally2.deleted("team-a", name)
+    tally.replace([])  # c deleted while the watches were down
+    tally2.replace([])
     assert len(reservations(mw)) == 3  # still lingering, but not counted
-    results = [decide(mw, ctx_for(pset, body={"metadata": {"name": n}})) for n in "wxyz"]
+    results = [decide(mw2, ctx_for(pset, body={"metadata": {"name": n}})) for n in "wxyz"]
     assert [r is None for r in results] == [True, True, True, False]
 
 

@@ -82,6 +82,27 @@ QUOTA_TABLE: list[tuple[int, str, Any, Any, tuple[str, ...]]] = [
     (30 * S, "reserve", res("h|t14", 1, 1, seen=("h",)), (False, 1), ("h|t10",)),
     (30 * S, "reserve", res("|t15", 0, 2), (True, 1), ("h|t10", "|t15")),
     (30 * S, "reserve", res("|t16", 0, 2), (False, 2), ("h|t10", "|t15")),  # no name: apart
+    # its creator's watch shows h: "~" marks it shown, renamed, never lengthened; found
+    # marked or not by later settles
+    (31 * S, "settle", (SCOPE, "h|t10~", 60.0), True, ("h|t10~", "|t15")),
+    (31 * S, "settle", (SCOPE, "h|t10~", 5.0), True, ("h|t10~", "|t15")),
+    (31 * S, "settle", (SCOPE, "h|t10", 30.0), True, ("h|t10~", "|t15")),
+    (31 * S, "settle", (SCOPE, "|t15~", 5.0), True, ("h|t10~", "|t15~")),
+    (31 * S, "settle", (SCOPE, "x|t0~", 5.0), False, ("h|t10~", "|t15~")),
+    # h deleted ("/h" seen): its marked reservation is not counted; a new one of h is, and
+    # an unmarked one of a deleted name is (a create of it again, on its way)
+    (32 * S, "reserve", res("h|t17", 0, 2, seen=("/h",)), (True, 1),
+     ("h|t10~", "|t15~", "h|t17")),
+    (32 * S, "reserve", res("k|t18", 0, 3, seen=("/h",)), (True, 2),
+     ("h|t10~", "|t15~", "h|t17", "k|t18")),
+    (32 * S, "reserve", res("m|t19", 0, 3, seen=("/h", "/k")), (False, 3),
+     ("h|t10~", "|t15~", "h|t17", "k|t18")),
+    (32 * S, "reserve", res("m|t19", 0, 3, seen=("/h", "h")), (True, 2),  # h shown again
+     ("h|t10~", "|t15~", "h|t17", "k|t18", "m|t19")),
+    (32 * S, "settle", (SCOPE, "h|t10", None), True,  # a marked member dropped by its name
+     ("|t15~", "h|t17", "k|t18", "m|t19")),
+    (36 * S, "reserve", res("n|t20", 0, -1, check_only=True), (True, 3),  # |t15~ expired
+     ("h|t17", "k|t18", "m|t19")),
 ]
 
 
