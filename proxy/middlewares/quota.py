@@ -13,10 +13,10 @@ the call gets the 403 the apiserver's ResourceQuota admission would send, word f
     used: count/configmaps=5, limited: count/configmaps=5
 
 naming the policy entry's quota (its ``name``, else the policy's ``metadata.name``) or the
-aligned quota whose limit is smaller. The object's name is the JSON body's ``metadata.name``
-(the body is read only for such creates: :meth:`Quota.wants_body`); with ``generateName`` the
-name is generated as the apiserver does (the prefix and five random characters); a body that is
-not JSON leaves it out (``configmaps is forbidden: …``).
+aligned quota whose limit is smaller. The object's name is the body's ``metadata.name``, JSON
+or protobuf (the body is read only for such creates: :meth:`Quota.wants_body`); with
+``generateName`` the name is generated as the apiserver does (the prefix and five random
+characters); a body in another encoding (CBOR) leaves it out (``configmaps is forbidden: …``).
 
 "Used" is the objects the apiserver holds plus the creates on their way. The objects come from
 the apiserver, not from opgate's own bookkeeping: the :class:`QuotaCounts`
@@ -189,10 +189,13 @@ def exceeded_limit(
 
 
 def _body_name(ctx: RequestContext) -> tuple[str, str]:
-    """``(name, generateName)`` from a JSON create body (``("", "")`` when there is none)."""
+    """``(name, generateName)`` from a JSON or protobuf create body (``("", "")`` when there is
+    none)."""
     body = ctx.body
     if not body:
         return "", ""
+    if body.startswith(_PROTOBUF_MAGIC):
+        return _protobuf_name(body)
     try:
         meta = json.loads(body).get("metadata") or {}
         name, prefix = meta.get("name") or "", meta.get("generateName") or ""
@@ -201,9 +204,66 @@ def _body_name(ctx: RequestContext) -> tuple[str, str]:
     return (name if isinstance(name, str) else ""), (prefix if isinstance(prefix, str) else "")
 
 
-def _is_json(ctx: RequestContext) -> bool:
+_NAMED_TYPES = frozenset({"application/json", "application/vnd.kubernetes.protobuf"})
+_PROTOBUF_MAGIC = b"k8s\x00"
+
+
+def _names_in_body(ctx: RequestContext) -> bool:
+    """Whether the create's body is one whose name :func:`_body_name` reads: JSON, or the
+    protobuf that client-go's typed clients send by default."""
     ctype = ctx.headers.get("Content-Type")
-    return ctype is not None and ctype.partition(";")[0].strip().lower() == "application/json"
+    return ctype is not None and ctype.partition(";")[0].strip().lower() in _NAMED_TYPES
+
+
+def _varint(buf: bytes, pos: int) -> tuple[int, int]:
+    value = shift = 0
+    while pos < len(buf) and shift < 64:
+        byte = buf[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, pos
+        shift += 7
+    raise ValueError("truncated varint")
+
+
+def _pb_strings(buf: bytes, wanted: tuple[int, ...]) -> dict[int, bytes]:
+    """The first length-delimited field of each number in ``wanted`` of one protobuf message
+    (the others skipped by their wire type); ``ValueError`` when it is malformed."""
+    found: dict[int, bytes] = {}
+    pos, end = 0, len(buf)
+    while pos < end:
+        key, pos = _varint(buf, pos)
+        number, wire = key >> 3, key & 7
+        if wire == 2:
+            size, pos = _varint(buf, pos)
+            if pos + size > end:
+                raise ValueError("truncated field")
+            if number in wanted and number not in found:
+                found[number] = buf[pos:pos + size]
+            pos += size
+        elif wire == 0:
+            _, pos = _varint(buf, pos)
+        elif wire in (1, 5):
+            pos += 8 if wire == 1 else 4
+        else:
+            raise ValueError(f"wire type {wire}")
+    return found
+
+
+def _protobuf_name(body: bytes) -> tuple[str, str]:
+    """``(name, generateName)`` of a Kubernetes protobuf body: ``k8s\0`` + runtime.Unknown,
+    whose ``raw`` (2) is the object, whose ``metadata`` (1) is an ObjectMeta with ``name`` (1)
+    and ``generateName`` (2), as in every API type."""
+    try:
+        raw = _pb_strings(body[len(_PROTOBUF_MAGIC):], (2,)).get(2)
+        meta = _pb_strings(raw, (1,)).get(1) if raw else None
+        if not meta:
+            return "", ""
+        fields = _pb_strings(meta, (1, 2))
+        return fields.get(1, b"").decode(), fields.get(2, b"").decode()
+    except (ValueError, UnicodeDecodeError):
+        return "", ""
 
 
 _APPLY_TYPES = frozenset({"application/apply-patch+yaml", "application/apply-patch+json",
@@ -315,8 +375,9 @@ class Quota:
         return [b for b in bound if b.applies(info.namespace)] or None
 
     def wants_body(self, ctx: RequestContext) -> bool:
-        """The body of a JSON create that an entry matches (for the object's name)."""
-        return ctx.method == "POST" and _is_json(ctx) and self._matched(ctx) is not None
+        """The body of a JSON or protobuf create that an entry matches (for the object's
+        name)."""
+        return ctx.method == "POST" and _names_in_body(ctx) and self._matched(ctx) is not None
 
     # --- hooks ------------------------------------------------------------------------------
 

@@ -173,11 +173,12 @@ def test_other_namespaces_resources_and_verbs_pass() -> None:
                               body={"metadata": {"name": "p"}})) is None
 
 
-def test_wants_body_only_for_matching_json_creates() -> None:
+def test_wants_body_only_for_matching_json_and_protobuf_creates() -> None:
     mw = Quota(counts=MemoryQuotaCounts())
     pset = policies(SIMPLE)
     assert mw.wants_body(ctx_for(pset))
-    assert not mw.wants_body(ctx_for(pset, ctype="application/vnd.kubernetes.protobuf"))
+    assert mw.wants_body(ctx_for(pset, ctype="application/vnd.kubernetes.protobuf"))
+    assert not mw.wants_body(ctx_for(pset, ctype="application/cbor"))
     assert not mw.wants_body(ctx_for(pset, "/api/v1/namespaces/default/configmaps"))
     assert not mw.wants_body(ctx_for(pset, CM + "/x", method="PUT"))
     assert not mw.wants_body(ctx_for(pset, "/api/v1/namespaces/team-a/secrets"))
@@ -241,6 +242,45 @@ def test_cluster_resource_quota_and_custom_resources() -> None:
         "count/widgets.demo.opgate.dev=1")
     assert decision.status.details == {"name": "w", "group": "demo.opgate.dev", "kind": "widgets"}
     assert counts.interest["cluster_quotas"] and not counts.interest["resource_quotas"]
+
+
+def _pb(number: int, payload: bytes) -> bytes:
+    assert len(payload) < 128 and number < 16  # one-byte varints
+    return bytes([number << 3 | 2, len(payload)]) + payload
+
+
+def configmap_protobuf(name: str = "", generate_name: str = "") -> bytes:
+    """What client-go's typed clients send: ``k8s\0`` + runtime.Unknown{typeMeta, raw}, raw
+    a ConfigMap whose metadata (1) has name (1), generateName (2), namespace (3), then data."""
+    meta = _pb(1, name.encode()) + _pb(2, generate_name.encode()) + _pb(3, b"team-a")
+    meta += bytes([0x40, 0x96, 0x01])  # a varint field (generation = 150): skipped
+    raw = _pb(1, meta) + _pb(2, _pb(1, b"k") + _pb(2, b"v"))
+    return b"k8s\x00" + _pb(1, _pb(1, b"v1") + _pb(2, b"ConfigMap")) + _pb(2, raw)
+
+
+def test_protobuf_creates_are_named_and_counted_once() -> None:
+    """client-go sends protobuf by default: the name is read from it, so the 403 names the
+    object as the apiserver's does, and the reservation ends when the watch shows the object
+    (unnamed, it was counted a second time, next to the object, until it expired)."""
+    counts = MemoryQuotaCounts()
+    counts.set("", "configmaps", "team-a", 1)
+    mw = Quota(counts=counts)
+    pset = policies(SIMPLE)
+    proto = "application/vnd.kubernetes.protobuf"
+    ctx = ctx_for(pset, body=configmap_protobuf("pb-1"), ctype=proto)
+    assert decide(mw, ctx) is None
+    (member,) = reservations(mw)
+    assert member.startswith("pb-1|")
+    run(_exit(mw, ctx, 201))
+    counts.add("", "configmaps", "team-a", "pb-1")  # the watch shows it: counted once
+    assert used(mw, counts) == 2
+    assert decide(mw, ctx_for(pset, body=configmap_protobuf("pb-2"), ctype=proto)) is None
+    denied = decide(mw, ctx_for(pset, body=configmap_protobuf("pb-3"), ctype=proto))
+    assert isinstance(denied, Deny) and denied.status.message.startswith(
+        'configmaps "pb-3" is forbidden: exceeded quota: team-quota, ')
+    gen = decide(mw, ctx_for(pset, body=configmap_protobuf(generate_name="pb-"), ctype=proto))
+    assert isinstance(gen, Deny) and re.match(r'configmaps "pb-[a-z0-9]{5}" is forbidden',
+                                              gen.status.message)
 
 
 def test_generate_name_and_unknown_names() -> None:
