@@ -47,6 +47,7 @@ T = TypeVar("T")
 log = logging.getLogger("opgate.ratelimit.store")
 
 BACKENDS = ("redis", "local", "fallback")
+MIN_PROBE_INTERVAL = 0.05  # seconds: the recovery loop never spins, whatever reset_after is
 
 
 def set_backend_gauge(active: str) -> None:
@@ -230,7 +231,7 @@ class ResilientStore:
         "fallback" long after Redis is back. A call that finds a probe due runs one too; one
         probe at a time (half-open)."""
         while not self.breaker.closed:
-            await asyncio.sleep(self.breaker.reset_after)
+            await asyncio.sleep(max(self.breaker.reset_after, MIN_PROBE_INTERVAL))
             if self.breaker.probe_due():
                 await self._run_probe()
 
