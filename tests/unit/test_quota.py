@@ -253,7 +253,7 @@ def configmap_protobuf(name: str = "", generate_name: str = "") -> bytes:
     """What client-go's typed clients send: ``k8s\0`` + runtime.Unknown{typeMeta, raw}, raw
     a ConfigMap whose metadata (1) has name (1), generateName (2), namespace (3), then data."""
     meta = _pb(1, name.encode()) + _pb(2, generate_name.encode()) + _pb(3, b"team-a")
-    meta += bytes([0x40, 0x96, 0x01])  # a varint field (generation = 150): skipped
+    meta += bytes([0x38, 0x96, 0x01])  # generation (7) = 150, a varint field: skipped
     raw = _pb(1, meta) + _pb(2, _pb(1, b"k") + _pb(2, b"v"))
     return b"k8s\x00" + _pb(1, _pb(1, b"v1") + _pb(2, b"ConfigMap")) + _pb(2, raw)
 
