@@ -27,6 +27,7 @@ from proxy.engine.status import StatusError, gateway_timeout, service_unavailabl
 __all__ = [
     "Answer",
     "ConnectTimeout",
+    "ShuttingDown",
     "body_within",
     "describe",
     "stream_broke",
@@ -48,6 +49,10 @@ class Answer(Exception):
         super().__init__(status.message)
         self.status = status
         self.close = close
+
+
+class ShuttingDown(Exception):
+    """opgate is stopping: a long-running response ends here (cleanly, between two chunks)."""
 
 
 class ConnectTimeout(TimeoutError):

@@ -87,8 +87,9 @@ class Relay:
         )
         self._header_timeout = settings.header_timeout or None
         self._after = Aftercare(chain)
-        # the client transports of watches etc. in flight (ended at shutdown)
-        self._long_running: set[asyncio.BaseTransport] = set()
+        # the client transports of watches etc. in flight, each with its upstream response
+        # once there is one (ended at shutdown)
+        self._long_running: dict[asyncio.BaseTransport, aiohttp.ClientResponse | None] = {}
 
     async def start(self) -> None:
         publish_levels()  # with --workers: the in-flight and watch gauges' levels
@@ -98,11 +99,16 @@ class Relay:
             )
 
     def end_long_running(self) -> None:
-        """At shutdown: cut the long-running calls in flight (watches, exec, logs) at once, as
-        the fast relay does; their clients resume them (a watch from its last resourceVersion)
-        while ordinary calls get the listener's grace to finish."""
-        for transport in list(self._long_running):
-            transport.close()
+        """At shutdown: end the long-running calls in flight (watches, logs) at once, as the
+        fast relay does: a relayed body ends cleanly after the chunk being written (the last
+        chunk, as the watch idle timeout ends it), the others (no upstream head yet, exec and
+        port-forward tunnels) are cut. Their clients resume them (a watch from its last
+        resourceVersion) while ordinary calls get the listener's grace to finish."""
+        for transport, upstream in list(self._long_running.items()):
+            if upstream is None:
+                transport.close()
+            else:
+                upstream.content.set_exception(errors.ShuttingDown())
 
     async def close(self) -> None:
         await self._after.drain()
@@ -147,11 +153,11 @@ class Relay:
             ctx.raw_path = sent
         transport = request.transport
         if bad is None and ctx.info.is_long_running and transport is not None:
-            self._long_running.add(transport)
+            self._long_running[transport] = None
             try:
                 resp = await self._after.track(ctx, self._serve(request, ctx))
             finally:
-                self._long_running.discard(transport)
+                self._long_running.pop(transport, None)
         elif bad is None:
             resp = await self._after.track(ctx, self._serve(request, ctx))
         else:
@@ -272,6 +278,8 @@ class Relay:
             raise errors.upstream_failed(e, ctx, self._endpoint.base) from e
         ctx.upstream_seconds = time.monotonic() - started
         self.observe_upstream(ctx.info.verb, ctx.upstream_seconds)
+        if long_running and request.transport in self._long_running:  # to end at shutdown
+            self._long_running[request.transport] = upstream
         if ctx.tap is not None:
             ctx.tap.response_head(upstream.status, upstream.reason or "", upstream.raw_headers)
         try:  # from here on the upstream response must be closed or released

@@ -98,8 +98,8 @@ async def pump(
     """Copy the upstream body to the client as it arrives; True if it ended cleanly.
 
     The last chunk goes out with the end of the response (one segment for small bodies). A
-    watch idle timeout ends the response cleanly, as the apiserver's own timeout would; any other
-    upstream failure aborts it, so the client sees it incomplete.
+    watch idle timeout, or opgate's shutdown, ends the response cleanly, as the apiserver's own
+    timeout would; any other upstream failure aborts it, so the client sees it incomplete.
     """
     content = upstream.content
     read = content.readany if ctx.tap is None else tee_read(content.readany, ctx.tap)
@@ -109,6 +109,8 @@ async def pump(
         while True:
             try:
                 chunk = await read()
+            except errors.ShuttingDown:  # opgate stops: end the body here, cleanly
+                return True
             except (aiohttp.ClientError, TimeoutError, OSError) as e:
                 idle = isinstance(e, aiohttp.SocketTimeoutError) and (
                     ctx.info.is_long_running and upstream.content_length is None

@@ -270,6 +270,22 @@ class Exchange:
             self.client.write(tail)
         self.done.set_result(True)
 
+    def end(self) -> bool:
+        """At shutdown: end a long-running response now if its client can read it as complete
+        (chunked and between two chunks, or close-delimited), as the watch idle timeout does;
+        whether it has ended (``False``: no head yet, a tunnel, or inside a chunk)."""
+        if self.done.done():
+            return True
+        if not self.head.done() or self.switched or not (self._chunked or self.close_client):
+            return False
+        framing = self._framing
+        if framing is not None and not framing.ended and framing.closing() is None:
+            return False
+        self.cancel_timer()
+        self.expired = True  # the upstream is still sending: its connection is not reusable
+        self.on_complete()
+        return True
+
     def on_lost(self, exc: BaseException) -> None:
         self.cancel_timer()
         if not self.head.done():

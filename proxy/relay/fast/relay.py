@@ -44,7 +44,7 @@ from proxy.relay.endpoint import Endpoint, TokenSource, make_ssl_context
 from proxy.relay.fast.client import UpstreamClient
 from proxy.relay.fast.exchange import Exchange
 from proxy.relay.fast.request import Request
-from proxy.relay.fast.server import FastServer
+from proxy.relay.fast.server import ClientConnection, FastServer
 from proxy.relay.fast.tapped import TappedExchange
 from proxy.relay.fast.upstream import UpstreamConnection, UpstreamPool
 from proxy.relay.fast.wire import (
@@ -107,7 +107,7 @@ class FastRelay:
 
     def server(self) -> FastServer:
         """A server for this relay's calls (:func:`proxy.relay.listen.serve_api` listens)."""
-        return FastServer(self.handle)
+        return FastServer(self.handle, end=_end_cleanly)
 
     async def close(self) -> None:
         await self._after.drain()
@@ -390,6 +390,16 @@ class FastRelay:
         if not complete and exchange.error is not None:
             errors.stream_broke(exchange.error, ctx, idle=False)
             client.abort()
+
+
+def _end_cleanly(client: ClientConnection) -> bool:
+    """At shutdown: end the long-running response ``client`` receives, if it can end cleanly
+    now (:meth:`Exchange.end`); found through the upstream connection that feeds it."""
+    upstream = client.flow
+    if not isinstance(upstream, UpstreamConnection):
+        return False
+    exchange = upstream.exchange
+    return isinstance(exchange, Exchange) and exchange.client is client and exchange.end()
 
 
 def _write_chunk(conn: UpstreamConnection, chunk: bytes) -> None:

@@ -42,6 +42,9 @@ MAX_QUEUED = 4
 MAX_LINE = 64 * 1024  # long label selectors, big OIDC tokens (as the aiohttp listener)
 MAX_HEADERS = 512
 KEEPALIVE = 75.0  # seconds an idle keep-alive connection stays open (aiohttp's default)
+# at shutdown: how long a long-running call inside a chunk (or before its head) may take to
+# reach a point where it can end cleanly before it is cut
+LONG_RUNNING_END = 1.0
 
 
 class _TooLarge(Exception):
@@ -332,10 +335,16 @@ class ClientConnection(FlowForwarding, asyncio.Protocol):
 
 
 class FastServer:
-    """The listening socket and its connections; stops the way the aiohttp listener does."""
+    """The listening socket and its connections; stops the way the aiohttp listener does.
 
-    def __init__(self, handler: Handler) -> None:
+    ``end``: at shutdown, asked to end a connection's long-running call cleanly (a watch
+    between two chunks gets its last chunk); whether it did (else the call is cut)."""
+
+    def __init__(
+        self, handler: Handler, end: Callable[[ClientConnection], bool] | None = None
+    ) -> None:
         self._handler = handler
+        self._end = end
         self.connections: set[ClientConnection] = set()
         self.closing = False
         self._server: asyncio.AbstractServer | None = None
@@ -358,20 +367,24 @@ class FastServer:
         self._server = await loop.create_unix_server(self._protocol, path, ssl=tls, backlog=1024)
 
     async def close(self, grace: float) -> None:
-        """Stop accepting, close idle connections and long-running calls, give the others
-        ``grace`` seconds to finish (their answers written out to the client, too), then cut
-        what is left."""
+        """Stop accepting, close idle connections, end long-running calls (cleanly where
+        ``end`` can, else cut, within ``LONG_RUNNING_END`` seconds), give the others ``grace``
+        seconds to finish (their answers written out to the client, too), then cut what is
+        left."""
         self.closing = True
         if self._server is not None:
             self._server.close()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + grace
+        cut_by = loop.time() + min(grace, LONG_RUNNING_END)
+        end = self._end
         while True:
             for conn in list(self.connections):
                 current = conn.current
                 if current is None:
                     conn.close()
-                elif current.long_running:
+                elif current.long_running and not (end is not None and end(conn)) \
+                        and loop.time() >= cut_by:
                     conn.abort()
             # a connection closed with its answer still in the transport's buffer is busy
             # too: the process must not exit before that reaches the client (slow readers)
