@@ -149,12 +149,19 @@ class AdminApp:
         render_metrics: MetricsRenderer,
     ) -> None:
         self._checks = checks
+        self._stopping = False
         self._describe = describe_policies
         self._render = render_metrics
         self._routes: dict[str, Callable[[dict[str, list[str]]], Awaitable[Answer]]] = {
             "/metrics": self._metrics, "/healthz": self._healthz, "/livez": self._healthz,
             "/readyz": self._readyz, "/debug/policies": self._policies,
         }
+
+    def shutting_down(self) -> None:
+        """From now on ``/readyz`` fails (``shutdown``, as the apiserver's does while it
+        drains): kubelet takes the pod out of its Services' endpoints while the calls in flight
+        finish."""
+        self._stopping = True
 
     async def handle(self, req: Request) -> None:
         url = req.url.decode("latin-1")
@@ -187,6 +194,9 @@ class AdminApp:
 
     async def _readyz(self, query: dict[str, list[str]]) -> Answer:
         results = await asyncio.gather(*(self._run(named) for named in self._checks))
+        results.append(("shutdown", not self._stopping,
+                        "shutting down: calls in flight finish, new connections are refused"
+                        if self._stopping else ""))
         ready = all(ok for _, ok, _ in results)
         if "verbose" in query or not ready:
             lines = [f"[{'+' if ok else '-'}]{name} {'ok' if ok else 'failed'}"
@@ -211,9 +221,14 @@ def build_admin_app(
 class AdminListener:
     """A running admin listener; :meth:`cleanup` stops it."""
 
-    def __init__(self, server: FastServer, address: str) -> None:
+    def __init__(self, server: FastServer, address: str, app: AdminApp) -> None:
         self.server = server
         self.address = address
+        self.app = app
+
+    def shutting_down(self) -> None:
+        """``/readyz`` fails from now on (:meth:`AdminApp.shutting_down`)."""
+        self.app.shutting_down()
 
     async def cleanup(self) -> None:
         await self.server.close(1.0)
@@ -224,11 +239,11 @@ async def serve_admin(app: AdminApp, *, listen: str) -> AdminListener:
     server = FastServer(app.handle)
     if listen.startswith("unix:"):
         await server.listen_unix(listen[5:], tls=None)
-        return AdminListener(server, listen)
+        return AdminListener(server, listen, app)
     host, _, port = listen.rpartition(":")
     bound = await server.listen_tcp(host.strip("[]") or "127.0.0.1", int(port), tls=None,
                                     reuse_port=False)
-    return AdminListener(server, ":".join(str(part) for part in bound[0]))
+    return AdminListener(server, ":".join(str(part) for part in bound[0]), app)
 
 
 def bound_address(listener: AdminListener) -> str:

@@ -335,6 +335,8 @@ async def _serve(settings: Settings, *, reuse_port: bool, parent_fd: int | None,
         await _until_signalled(parent_fd)
         log.info("shutting down")
     finally:
+        if admin is not None:  # unready first: no new calls are sent here while these finish
+            admin.shutting_down()
         for task in tasks:
             task.cancel()
         for task in tasks:

@@ -215,6 +215,8 @@ class Supervisor:
             await self._stop.wait()
             log.info("shutting down %d workers", len(self.workers))
         finally:
+            if admin is not None:  # unready while the workers finish their calls
+                admin.shutting_down()
             for task in keepers:
                 task.cancel()
             await self._stop_workers()

@@ -51,7 +51,7 @@ def redis_server() -> Iterator[RedisServer]:
 async def upstream() -> AsyncIterator[str]:
     async def handle(request: web.Request) -> web.Response:
         if request.path == SLOW:
-            await asyncio.sleep(1.5)
+            await asyncio.sleep(3.0)
         return web.json_response({"kind": "ConfigMapList", "apiVersion": "v1", "items": []})
 
     runner = web.ServerRunner(web.Server(handle))
@@ -233,6 +233,11 @@ async def test_sigterm_finishes_inflight_calls_and_leaves_no_process(
     slow = asyncio.create_task(slow_call())
     await asyncio.sleep(0.5)  # the call is in flight in a worker
     opgate.proc.send_signal(signal.SIGTERM)
+    # unready at once, while the call is still in flight (kubelet stops sending calls here)
+    ready = await _until(lambda: _get(opgate.admin_url + "/readyz?verbose"),
+                         lambda r: r[0] != 200, within=10)
+    assert ready is not None and ready[0] == 503 and "[-]shutdown failed" in ready[1], ready
+    assert not slow.done()
     status, body = await slow
     assert status == 200
     assert body["kind"] == "ConfigMapList"
