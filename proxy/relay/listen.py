@@ -34,6 +34,7 @@ __all__ = ["Listener", "TLSFilesError", "listen_failure", "parse_listen", "serve
 log = logging.getLogger("opgate.listen")
 
 TLS_RELOAD_INTERVAL = 5.0
+AIOHTTP_LEFTOVER = 1.0  # seconds aiohttp's shutdown gives the calls still running after the grace
 
 
 def parse_listen(listen: str) -> tuple[str, int] | str:
@@ -216,7 +217,8 @@ async def _serve_aiohttp(
         max_field_size=MAX_HEADER_LINE,
         max_headers=512,
     )
-    runner = web.ServerRunner(server, shutdown_timeout=shutdown_timeout)
+    # the grace is given in stop() below; aiohttp's own is only for what is left after it
+    runner = web.ServerRunner(server, shutdown_timeout=min(shutdown_timeout, AIOHTTP_LEFTOVER))
     await runner.setup()
     site: web.BaseSite
     try:
@@ -237,12 +239,27 @@ async def _serve_aiohttp(
         address = _address(*runner.addresses[0][:2])
 
     async def stop() -> None:
-        # aiohttp gives every handler the grace, then cancels and waits the grace again: a
-        # watch would hold the shutdown twice that long; end such calls first, as the fast
-        # relay does
-        for running in list(runner.sites):  # stop accepting
+        # aiohttp's own shutdown (runner.cleanup) stops reading every connection at once, so a
+        # call whose request body is still arriving can only time out, and it gives every
+        # handler the grace, then cancels and waits the grace again (a watch would hold the
+        # shutdown twice that long). So, as the fast relay does: stop accepting, end the
+        # long-running calls, close each connection once it is idle, and give the calls in
+        # flight the grace; aiohttp's cleanup then ends what is left.
+        for running in list(runner.sites):
             await running.stop()
         relay.end_long_running()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + shutdown_timeout
+        while True:
+            busy = False
+            for conn in server.connections:
+                if getattr(conn, "_request_in_progress", True):  # (aiohttp's, no public one)
+                    busy = True
+                else:
+                    conn.close()
+            if not busy or loop.time() >= deadline:
+                break
+            await asyncio.sleep(0.05)
         await runner.cleanup()
 
     return stop, address

@@ -579,3 +579,45 @@ async def test_shutdown_ends_watches_at_once_and_lets_calls_finish() -> None:
     finally:
         await up.close()
 
+
+@pytest.mark.asyncio
+async def test_shutdown_lets_a_call_still_uploading_its_body_finish() -> None:
+    """A create whose body is still arriving when the listener closes gets its grace: the rest
+    of the body is relayed and the upstream's answer reaches the client. (The aiohttp relay
+    left that to aiohttp's shutdown, which stops reading every connection at once: the body
+    stalled and the call ended with the grace, a 503.)"""
+    received: list[bytes] = []
+
+    async def sink(request: web.BaseRequest) -> web.StreamResponse:
+        body = await request.read()
+        received.append(body)
+        return web.Response(status=201, text=f"got {len(body)}")
+
+    up = await AiohttpUpstream(sink, read_body=False).start()
+    try:
+        async with running_proxy(up.url, shutdown_timeout=10.0) as proxy:
+            host, port = proxy.listener.address.rsplit(":", 1)
+            reader, writer = await asyncio.open_connection(host, int(port))
+            writer.write(b"POST /api/v1/namespaces/a/configmaps HTTP/1.1\r\nHost: x\r\n"
+                         b"Transfer-Encoding: chunked\r\n\r\n5\r\nfirst\r\n")
+            await writer.drain()
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + 10
+            while telemetry.INFLIGHT.now < 1:  # the call is in flight
+                assert loop.time() < deadline
+                await asyncio.sleep(0.02)
+            started = loop.time()
+            closing = asyncio.create_task(proxy.listener.close())
+            await asyncio.sleep(0.3)  # the listener is closing, the call waits for its body
+            assert not closing.done()
+            writer.write(b"4\r\nrest\r\n0\r\n\r\n")
+            await writer.drain()
+            answer = await asyncio.wait_for(reader.read(), 8)
+            writer.close()
+            await asyncio.wait_for(closing, 8)
+            assert loop.time() - started < 5  # not after the 10 s grace
+    finally:
+        await up.close()
+    assert answer.startswith(b"HTTP/1.1 201 "), answer
+    assert answer.endswith(b"got 9"), answer
+    assert received == [b"firstrest"]
