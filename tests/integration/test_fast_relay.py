@@ -276,6 +276,50 @@ async def test_a_watch_ended_by_opgate_inside_a_chunk_is_cut_short() -> None:
 
 
 @pytest.mark.asyncio
+@pytest.mark.parametrize("rest_comes", [True, False], ids=["chunk-completes", "chunk-stalls"])
+async def test_shutdown_inside_a_chunk_waits_for_its_end_then_cuts(rest_comes: bool) -> None:
+    """At shutdown a passed-through watch inside a chunk is not cut at once: when the rest of
+    the chunk comes (the apiserver writes an event's chunks back to back) the watch ends
+    cleanly after it, whole events only; a chunk that never completes is cut within
+    server.LONG_RUNNING_END, not after the listener's whole grace."""
+    go_on = asyncio.Event()
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_head(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                     b"Transfer-Encoding: chunked\r\n\r\n6\r\nfirst\n\r\n7\r\nsec")
+        await writer.drain()
+        await go_on.wait()
+        if rest_comes:
+            writer.write(b"ond\n\r\n")
+            await writer.drain()
+        await wait_closed(reader)
+
+    up = await RawUpstream(serve).start()
+    loop = asyncio.get_running_loop()
+    try:
+        async with running_proxy(up.url, relay_kind="fast", shutdown_timeout=10.0) as proxy, \
+                client() as c:
+            async with c.get(proxy.url + "/api/v1/pods?watch=true") as r:
+                assert await r.content.readline() == b"first\n"
+                started = loop.time()
+                closing = asyncio.create_task(proxy.listener.close())
+                await asyncio.sleep(0.3)  # inside the chunk: neither ended nor cut yet
+                assert not closing.done()
+                go_on.set()
+                if rest_comes:
+                    assert await asyncio.wait_for(r.content.read(), 5) == b"second\n"
+                else:
+                    with pytest.raises(aiohttp.ClientPayloadError):
+                        await asyncio.wait_for(r.content.read(), 5)
+                await asyncio.wait_for(closing, 5)
+            assert loop.time() - started < server.LONG_RUNNING_END + 3  # not the 10 s grace
+            await asyncio.wait_for(up.closed.get(), 5)  # the upstream stream is closed too
+    finally:
+        await up.close()
+
+
+@pytest.mark.asyncio
 async def test_client_disconnect_closes_upstream_within_a_second() -> None:
     sent: list[float] = []
     up = await watch_upstream(1000, 0.2, sent)
