@@ -305,6 +305,7 @@ async def _serve(settings: Settings, *, reuse_port: bool, parent_fd: int | None,
     tasks: list[asyncio.Task[None]] = []
     admin = None
     listener = None
+    signals = _Signals(parent_fd)  # from here on: a SIGTERM during startup stops it cleanly
     try:
         try:
             listener = await serve_api(relay, listen=settings.listen.listen,
@@ -332,8 +333,9 @@ async def _serve(settings: Settings, *, reuse_port: bool, parent_fd: int | None,
                  ", ".join(settings.policies.paths) or "(none)",
                  type(asyncio.get_running_loop()).__module__.split(".")[0],
                  settings.runtime.relay)
-        await _until_signalled(parent_fd)
+        await signals.stop.wait()
         log.info("shutting down")
+        signals.again = listener.hurry
     finally:
         if admin is not None:  # unready first: no new calls are sent here while these finish
             admin.shutting_down()
@@ -360,6 +362,7 @@ async def _serve(settings: Settings, *, reuse_port: bool, parent_fd: int | None,
             audit_log[0].close()
             if audit_log[1] is not None:
                 audit_log[1].close()
+        signals.close()
     return 0
 
 
@@ -412,24 +415,41 @@ class RedisCheck:
         return ", ".join(f"{k}={v}" for k, v in health.items())
 
 
-async def _until_signalled(parent_fd: int | None = None) -> None:
-    """Until SIGTERM or SIGINT; in a worker also until the supervisor's pipe closes (it died)."""
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+class _Signals:
+    """SIGTERM and SIGINT while serving: the first stops it (the calls in flight get their
+    grace), a second one during that cuts the grace short (``again``), and the shutdown goes
+    on as usual (logs flushed, exit 0) rather than dying of the signal. In a worker, the
+    supervisor's pipe closing (it died) stops it too."""
 
-    def parent_gone() -> None:
-        if not stop.is_set():
-            log.warning("the supervisor is gone; shutting down")
-        stop.set()
-
-    if parent_fd is not None:
-        loop.add_reader(parent_fd, parent_gone)  # readable only at EOF: nobody writes to it
-    try:
-        await stop.wait()
-    finally:
+    def __init__(self, parent_fd: int | None) -> None:
+        self.stop = asyncio.Event()
+        self.again: Callable[[], None] | None = None
+        self._parent_fd = parent_fd
+        self._loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.remove_signal_handler(sig)
-        if parent_fd is not None:
-            loop.remove_reader(parent_fd)
+            self._loop.add_signal_handler(sig, self._signalled, sig)
+        if parent_fd is not None:  # readable only at EOF: nobody writes to it
+            self._loop.add_reader(parent_fd, self._parent_gone)
+
+    def _signalled(self, sig: signal.Signals) -> None:
+        if not self.stop.is_set():
+            self.stop.set()
+        elif self.again is not None:
+            log.warning("%s again: the calls still in flight are cut now", sig.name)
+            self.again()
+            self.again = None
+
+    def _parent_gone(self) -> None:
+        if not self.stop.is_set():
+            log.warning("the supervisor is gone; shutting down")
+        self.stop.set()
+        if self._parent_fd is not None:
+            self._loop.remove_reader(self._parent_fd)
+            self._parent_fd = None
+
+    def close(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._loop.remove_signal_handler(sig)
+        if self._parent_fd is not None:
+            self._loop.remove_reader(self._parent_fd)
+            self._parent_fd = None

@@ -17,8 +17,9 @@ relay), all listening on the API address with ``SO_REUSEPORT`` so the kernel spr
   that stops everything with its status (a configuration error would only repeat). Later a dead
   worker is restarted after a backoff (0.5 s, doubling to 30 s while it dies within 10 s).
   ``/readyz`` asks each worker's, ``/metrics`` adds all up (:mod:`proxy.admin`).
-* SIGTERM/SIGINT go on to the workers as SIGTERM; each finishes its in-flight calls; the
-  supervisor exits when all have stopped. Workers also stop when the pipe whose write end only
+* SIGTERM/SIGINT go on to the workers as SIGTERM; each finishes its in-flight calls (a second
+  signal is passed on too: each cuts what still runs); the supervisor exits when all have
+  stopped. Workers also stop when the pipe whose write end only
   the supervisor holds reads EOF, so even a SIGKILLed supervisor leaves no orphan.
 """
 
@@ -187,7 +188,7 @@ class Supervisor:
 
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self._stop.set)
+            loop.add_signal_handler(sig, self._signalled)
         keepers: list[asyncio.Task[None]] = []
         admin = None
         try:
@@ -227,6 +228,17 @@ class Supervisor:
             for fd in self._pipe:
                 os.close(fd)
         return 0
+
+    def _signalled(self) -> None:
+        """The first SIGTERM/SIGINT stops the workers (each drains); a second one is passed on
+        (each cuts its calls still in flight, then exits)."""
+        if not self._stop.is_set():
+            self._stop.set()
+            return
+        for worker in self.workers:
+            if worker.pid is not None and worker.proc is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    worker.proc.send_signal(signal.SIGTERM)
 
     def _pids(self) -> list[str]:
         return [str(w.proc.pid) for w in self.workers if w.proc is not None]

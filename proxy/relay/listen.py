@@ -81,9 +81,11 @@ class Listener:
         *,
         unix_path: str | None,
         reloader: _CertReloader | None,
+        hurry: Callable[[], None],
     ) -> None:
         self.address = address
         self._stop = stop
+        self.hurry = hurry  # during close(): cut what still runs now, not after the grace
         self._unix_path = unix_path
         self._reloader = reloader
 
@@ -191,12 +193,15 @@ async def serve_api(
             await fast.close(shutdown_timeout)
 
         stop: Callable[[], Awaitable[None]] = stop_fast
+        hurry = fast.hurry
     else:
-        stop, address = await _serve_aiohttp(relay, where, ctx, reuse_port, shutdown_timeout)
+        stop, hurry, address = await _serve_aiohttp(relay, where, ctx, reuse_port,
+                                                    shutdown_timeout)
     reloader = _CertReloader(ctx, tls_cert, tls_key) if ctx and tls_cert and tls_key else None
     log.info("API listener on %s%s", address, " (TLS)" if ctx else "")
     return Listener(
-        stop, address, unix_path=where if isinstance(where, str) else None, reloader=reloader
+        stop, address, unix_path=where if isinstance(where, str) else None, reloader=reloader,
+        hurry=hurry,
     )
 
 
@@ -206,7 +211,7 @@ async def _serve_aiohttp(
     ctx: ssl.SSLContext | None,
     reuse_port: bool,
     shutdown_timeout: float,
-) -> tuple[Callable[[], Awaitable[None]], str]:
+) -> tuple[Callable[[], Awaitable[None]], Callable[[], None], str]:
     from aiohttp import web  # here: only the aiohttp relay loads aiohttp's server
 
     server = web.Server(
@@ -250,7 +255,7 @@ async def _serve_aiohttp(
         relay.end_long_running()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + shutdown_timeout
-        while True:
+        while not hurried.is_set():
             busy = False
             for conn in server.connections:
                 if getattr(conn, "_request_in_progress", True):  # (aiohttp's, no public one)
@@ -262,4 +267,5 @@ async def _serve_aiohttp(
             await asyncio.sleep(0.05)
         await runner.cleanup()
 
-    return stop, address
+    hurried = asyncio.Event()
+    return stop, hurried.set, address

@@ -39,6 +39,7 @@ spec:
 """
 LIST = "/api/v1/namespaces/a/configmaps"
 SLOW = "/api/v1/namespaces/slow/configmaps"
+STUCK = "/api/v1/namespaces/stuck/configmaps"
 
 
 @pytest.fixture(scope="module")
@@ -52,9 +53,11 @@ async def upstream() -> AsyncIterator[str]:
     async def handle(request: web.Request) -> web.Response:
         if request.path == SLOW:
             await asyncio.sleep(3.0)
+        elif request.path == STUCK:
+            await asyncio.sleep(60.0)
         return web.json_response({"kind": "ConfigMapList", "apiVersion": "v1", "items": []})
 
-    runner = web.ServerRunner(web.Server(handle))
+    runner = web.ServerRunner(web.Server(handle), shutdown_timeout=0.5)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
@@ -246,6 +249,34 @@ async def test_sigterm_finishes_inflight_calls_and_leaves_no_process(
     assert not [pid for pid in workers if alive(pid)]
     assert not any(map(os.path.exists, run_dirs))
     assert "shutting down 2 workers" in opgate.stderr()
+
+
+@pytest.mark.asyncio
+async def test_a_second_sigterm_reaches_the_workers_and_cuts_their_drain(
+    opgate: OpgateProcess,
+) -> None:
+    workers = children(opgate.proc.pid)
+
+    async def stuck_call() -> int | str:
+        try:
+            async with aiohttp.ClientSession() as s, s.get(opgate.url + STUCK) as resp:
+                return resp.status
+        except aiohttp.ClientError as exc:
+            return type(exc).__name__
+
+    stuck = asyncio.create_task(stuck_call())
+    await _until(lambda: _get(opgate.admin_url + "/metrics"),
+                 lambda r: "opgate_inflight_requests 1.0" in r[1])
+    opgate.proc.send_signal(signal.SIGTERM)
+    await _until(lambda: _get(opgate.admin_url + "/readyz"), lambda r: r[0] == 503)
+    await asyncio.sleep(0.3)
+    assert not stuck.done()  # a worker drains: the call has its 10 s grace
+    opgate.proc.send_signal(signal.SIGTERM)
+    assert await asyncio.wait_for(stuck, 5) != 200  # cut now, not after the grace
+    code = await asyncio.to_thread(opgate.proc.wait, 20)
+    assert code == 0
+    assert not [pid for pid in workers if alive(pid)]
+    assert "SIGTERM again: the calls still in flight are cut now" in opgate.stderr()
 
 
 @pytest.mark.asyncio

@@ -347,6 +347,7 @@ class FastServer:
         self._end = end
         self.connections: set[ClientConnection] = set()
         self.closing = False
+        self._hurried = False
         self._server: asyncio.AbstractServer | None = None
 
     def _protocol(self) -> ClientConnection:
@@ -366,6 +367,10 @@ class FastServer:
         loop = asyncio.get_running_loop()  # (it replaces a stale socket file of an earlier run)
         self._server = await loop.create_unix_server(self._protocol, path, ssl=tls, backlog=1024)
 
+    def hurry(self) -> None:
+        """Cut the grace of a :meth:`close` under way short: what is still running is cut now."""
+        self._hurried = True
+
     async def close(self, grace: float) -> None:
         """Stop accepting, close idle connections, end long-running calls (cleanly where
         ``end`` can, else cut, within ``LONG_RUNNING_END`` seconds), give the others ``grace``
@@ -384,12 +389,12 @@ class FastServer:
                 if current is None:
                     conn.close()
                 elif current.long_running and not (end is not None and end(conn)) \
-                        and loop.time() >= cut_by:
+                        and (loop.time() >= cut_by or self._hurried):
                     conn.abort()
             # a connection closed with its answer still in the transport's buffer is busy
             # too: the process must not exit before that reaches the client (slow readers)
             busy = [c for c in self.connections if c.busy or c.holds_writes()]
-            if not busy or loop.time() >= deadline:
+            if not busy or loop.time() >= deadline or self._hurried:
                 break
             await asyncio.sleep(0.05)
         for conn in list(self.connections):

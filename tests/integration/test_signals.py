@@ -1,0 +1,103 @@
+"""Signals to a real ``opgate serve`` process, on both relays: SIGTERM and SIGINT drain (calls
+in flight finish, exit 0); a second one during the drain cuts the calls still running and the
+shutdown goes on as usual (exit 0, the access log written, no traceback) instead of the process
+dying of the signal (exit 143, the last access and audit records lost)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from tests.integration.opgate_proc import OpgateProcess
+
+SLOW = "/api/v1/namespaces/slow/configmaps"
+
+
+@pytest.fixture
+async def upstream() -> AsyncIterator[str]:
+    async def handle(request: web.BaseRequest) -> web.StreamResponse:
+        await asyncio.sleep(float(request.query.get("sleep", "0")))
+        return web.json_response({"kind": "ConfigMapList", "apiVersion": "v1", "items": []})
+
+    runner = web.ServerRunner(web.Server(handle), shutdown_timeout=0.5)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    yield f"http://127.0.0.1:{runner.addresses[0][1]}"
+    await runner.cleanup()
+
+
+async def _call(url: str) -> int | str:
+    try:
+        async with aiohttp.ClientSession() as s, s.get(url) as resp:
+            await resp.read()
+            return resp.status
+    except aiohttp.ClientError as exc:
+        return type(exc).__name__
+
+
+async def _until_in_flight(opgate: OpgateProcess, calls: int) -> None:
+    async with aiohttp.ClientSession() as s:
+        for _ in range(200):
+            async with s.get(opgate.admin_url + "/metrics") as resp:
+                if f"opgate_inflight_requests {calls}.0" in await resp.text():
+                    return
+            await asyncio.sleep(0.05)
+    raise AssertionError("the call is not in flight")
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("relay", ["fast", "aiohttp"])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+async def test_a_second_signal_cuts_the_drain_short_and_exits_cleanly(
+    upstream: str, tmp_path: Path, relay: str, sig: signal.Signals
+) -> None:
+    opgate = OpgateProcess("--upstream", upstream, "--relay", relay, log_dir=tmp_path)
+    try:
+        await asyncio.to_thread(opgate.wait_ready)
+        slow = asyncio.create_task(_call(opgate.url + SLOW + "?sleep=60"))
+        await _until_in_flight(opgate, 1)
+        opgate.proc.send_signal(sig)
+        deadline = time.monotonic() + 20
+        while "shutting down" not in opgate.stderr():
+            assert time.monotonic() < deadline, opgate.stderr()
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.3)
+        assert opgate.proc.poll() is None  # draining: the call has its grace
+        opgate.proc.send_signal(sig)
+        code = await asyncio.to_thread(opgate.proc.wait, 20)
+        outcome = await asyncio.wait_for(slow, 10)
+    finally:
+        opgate.stop()
+    assert code == 0, opgate.stderr()
+    assert outcome != 200, outcome  # cut, not waited for
+    err = opgate.stderr()
+    assert f"{sig.name} again: the calls still in flight are cut now" in err, err
+    assert "Traceback" not in err, err
+    records = [json.loads(line) for line in opgate.stdout().splitlines() if line.startswith("{")]
+    assert [r["verb"] for r in records] == ["list"], records  # the cut call is recorded
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("relay", ["fast", "aiohttp"])
+async def test_sigint_drains_like_sigterm(upstream: str, tmp_path: Path, relay: str) -> None:
+    opgate = OpgateProcess("--upstream", upstream, "--relay", relay, log_dir=tmp_path)
+    try:
+        await asyncio.to_thread(opgate.wait_ready)
+        slow = asyncio.create_task(_call(opgate.url + SLOW + "?sleep=1.5"))
+        await _until_in_flight(opgate, 1)
+        opgate.proc.send_signal(signal.SIGINT)
+        assert await asyncio.wait_for(slow, 20) == 200
+        code = await asyncio.to_thread(opgate.proc.wait, 20)
+    finally:
+        opgate.stop()
+    assert code == 0
+    assert "Traceback" not in opgate.stderr()
