@@ -86,6 +86,18 @@ def test_sidecar_flags_are_opgates_own(helm: Path) -> None:
     assert sidecar["securityContext"]["readOnlyRootFilesystem"] is True
 
 
+def test_sidecar_sigterm_waits_for_the_operator_to_stop(helm: Path) -> None:
+    """kubelet signals every container at once: a preStop sleep keeps opgate serving while the
+    operator makes its last calls (lease release), within the pod's grace period."""
+    docs = _render(helm)
+    sidecar = _sidecar(docs)
+    assert sidecar["lifecycle"]["preStop"]["exec"]["command"] == ["sleep", "5"]
+    grace = _one(docs, "Deployment")["spec"]["template"]["spec"].get(
+        "terminationGracePeriodSeconds", 30)
+    assert grace >= 5 + 10 + 5  # the delay, opgate's drain (10 s), slack for the operator
+    assert "lifecycle" not in _sidecar(_render(helm, "sidecar.shutdownDelaySeconds=0"))
+
+
 def test_redis_and_password_secret(helm: Path) -> None:
     docs = _render(helm, "redis.url=redis://redis:6379/0", "redis.replicas=3",
                    "redis.passwordSecret.name=redis-auth")

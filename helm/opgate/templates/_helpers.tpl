@@ -148,6 +148,12 @@ chart's root context, they use the opgate subchart's (.Subcharts.opgate: the val
     httpGet: {path: /healthz, port: admin}
     periodSeconds: 1
     failureThreshold: 30
+  {{- if .Values.sidecar.shutdownDelaySeconds }}
+  # the operator stops first: its last calls still go through (see sidecar.shutdownDelaySeconds)
+  lifecycle:
+    preStop:
+      exec: {command: [sleep, {{ .Values.sidecar.shutdownDelaySeconds | quote }}]}
+  {{- end }}
   resources:
     {{- toYaml .Values.sidecar.resources | nindent 4 }}
   securityContext:
