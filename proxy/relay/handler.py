@@ -107,8 +107,8 @@ class Relay:
         for transport, upstream in list(self._long_running.items()):
             if upstream is None:
                 transport.close()
-            else:
-                upstream.content.set_exception(errors.ShuttingDown())
+            elif upstream.content_length is None:  # a stream (a length-framed answer, an
+                upstream.content.set_exception(errors.ShuttingDown())  # error, ends by itself)
 
     async def close(self) -> None:
         await self._after.drain()

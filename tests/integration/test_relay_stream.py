@@ -621,3 +621,35 @@ async def test_shutdown_lets_a_call_still_uploading_its_body_finish() -> None:
     assert answer.startswith(b"HTTP/1.1 201 "), answer
     assert answer.endswith(b"got 9"), answer
     assert received == [b"firstrest"]
+
+
+@pytest.mark.asyncio
+async def test_shutdown_lets_a_length_framed_watch_answer_finish() -> None:
+    """A watch answered with a length-framed body (an error Status) has no clean early end:
+    at shutdown it is left to finish (the aiohttp relay ended it after the bytes read so far,
+    short of its Content-Length)."""
+    go_on = asyncio.Event()
+    body = b'{"kind":"Status","code":410,"reason":"Expired","message":"too old"}'
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_head(reader)
+        writer.write(b"HTTP/1.1 410 Gone\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%b" % (len(body), body[:20]))
+        await writer.drain()
+        await go_on.wait()
+        writer.write(body[20:])
+        await writer.drain()
+        await wait_closed(reader)
+
+    up = await RawUpstream(serve).start()
+    try:
+        async with running_proxy(up.url, shutdown_timeout=10.0) as proxy, client() as c:
+            async with c.get(proxy.url + "/api/v1/pods?watch=1&resourceVersion=1") as r:
+                assert r.status == 410
+                closing = asyncio.create_task(proxy.listener.close())
+                await asyncio.sleep(0.3)
+                go_on.set()
+                assert await asyncio.wait_for(r.read(), 5) == body
+                await asyncio.wait_for(closing, 8)
+    finally:
+        await up.close()
