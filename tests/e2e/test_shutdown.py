@@ -61,6 +61,13 @@ def _python_client_watch(api: client.CoreV1Api, opened: Callable[[], None],
         return f"cut: {type(exc).__name__}: {exc}"
 
 
+def _in_flight(gate: Opgate) -> float:
+    for line in gate.admin_get("/metrics")[1].splitlines():
+        if line.startswith("opgate_inflight_requests "):
+            return float(line.split()[1])
+    return 0.0
+
+
 def _readyz(gate: Opgate) -> int:
     try:
         return gate.admin_get("/readyz?verbose", timeout=3)[0]
@@ -121,7 +128,10 @@ def test_sigterm_ends_watches_cleanly_fails_readyz_and_lets_calls_finish(
                 assert loop.time() < deadline, f"no ADDED event through opgate: {events}"
                 await asyncio.sleep(0.1)
             reader, writer, rest = await _upload_start(gate, cluster, f"during-{relay}")
-            await asyncio.sleep(0.5)  # the create reached the apiserver, which waits for its body
+            deadline = loop.time() + 30  # the create is in flight too (the watches, 1 each)
+            while await asyncio.to_thread(_in_flight, gate) < WATCHES + 2:
+                assert loop.time() < deadline, gate.admin_get("/metrics")[1][-2000:]
+                await asyncio.sleep(0.1)
 
             os.kill(gate.pid, signal.SIGTERM)
             signalled = loop.time()

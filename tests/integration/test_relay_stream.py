@@ -21,6 +21,7 @@ from aiohttp import web
 
 from proxy.engine import telemetry
 from proxy.relay.calls import IMPERSONATION_DROPPED
+from proxy.relay.fast import server as fast_server
 from tests.integration.fakes import (
     AiohttpUpstream,
     Policies,
@@ -624,10 +625,14 @@ async def test_shutdown_lets_a_call_still_uploading_its_body_finish() -> None:
 
 
 @pytest.mark.asyncio
-async def test_shutdown_lets_a_length_framed_watch_answer_finish() -> None:
+async def test_shutdown_lets_a_length_framed_watch_answer_finish(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """A watch answered with a length-framed body (an error Status) has no clean early end:
     at shutdown it is left to finish (the aiohttp relay ended it after the bytes read so far,
-    short of its Content-Length)."""
+    short of its Content-Length; the fast relay gives it LONG_RUNNING_END, raised here so that
+    a slow machine cannot make the test depend on it)."""
+    monkeypatch.setattr(fast_server, "LONG_RUNNING_END", 30.0)
     go_on = asyncio.Event()
     body = b'{"kind":"Status","code":410,"reason":"Expired","message":"too old"}'
 
