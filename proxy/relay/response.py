@@ -109,7 +109,8 @@ async def pump(
         while True:
             try:
                 chunk = await read()
-            except errors.ShuttingDown:  # opgate stops: end the body here, cleanly
+            except errors.ShuttingDown:  # opgate stops: end the body here, cleanly, and the
+                resp.force_close()  # connection after it (no further call on it)
                 return True
             except (aiohttp.ClientError, TimeoutError, OSError) as e:
                 idle = isinstance(e, aiohttp.SocketTimeoutError) and (

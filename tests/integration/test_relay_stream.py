@@ -658,3 +658,34 @@ async def test_shutdown_lets_a_length_framed_watch_answer_finish(
                 await asyncio.wait_for(closing, 8)
     finally:
         await up.close()
+
+
+@pytest.mark.asyncio
+async def test_a_watch_ended_at_shutdown_takes_no_further_call_on_its_connection() -> None:
+    """The watch ends complete, and its connection with it: a call the client sends on the
+    same connection right after the last chunk is not served while opgate drains."""
+    async def handler(request: web.BaseRequest) -> web.StreamResponse:
+        if request.query.get("watch"):
+            resp = web.StreamResponse()
+            await resp.prepare(request)
+            await resp.write(b'{"type":"ADDED"}\n')
+            await asyncio.sleep(30)
+            return resp
+        return web.Response(text="served")
+
+    up = await AiohttpUpstream(handler).start()
+    try:
+        async with running_proxy(up.url, shutdown_timeout=5.0) as proxy:
+            host, port = proxy.listener.address.rsplit(":", 1)
+            reader, writer = await asyncio.open_connection(host, int(port))
+            writer.write(b"GET /api/v1/pods?watch=1 HTTP/1.1\r\nHost: x\r\n\r\n")
+            await reader.readuntil(b'{"type":"ADDED"}\n')
+            closing = asyncio.create_task(proxy.listener.close())
+            await asyncio.wait_for(reader.readuntil(b"\r\n0\r\n\r\n"), 5)  # the last chunk
+            writer.write(b"GET /api/v1/pods HTTP/1.1\r\nHost: x\r\n\r\n")
+            rest = await asyncio.wait_for(reader.read(), 5)  # then the end of the connection
+            writer.close()
+            await asyncio.wait_for(closing, 8)
+    finally:
+        await up.close()
+    assert b"HTTP/1.1" not in rest, rest
