@@ -252,10 +252,10 @@ async def _serve_aiohttp(
         # flight the grace; aiohttp's cleanup then ends what is left.
         for running in list(runner.sites):
             await running.stop()
-        relay.end_long_running()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + shutdown_timeout
         while not hurried.is_set():
+            relay.end_long_running()  # (again: one may have started on a kept-alive connection)
             busy = False
             for conn in server.connections:
                 if getattr(conn, "_request_in_progress", True):  # (aiohttp's, no public one)
