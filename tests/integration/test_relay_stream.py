@@ -689,3 +689,45 @@ async def test_a_watch_ended_at_shutdown_takes_no_further_call_on_its_connection
     finally:
         await up.close()
     assert b"HTTP/1.1" not in rest, rest
+
+
+@pytest.mark.asyncio
+async def test_a_watch_pipelined_behind_a_call_in_flight_does_not_hold_the_drain() -> None:
+    """A watch that the client pipelined behind an ordinary call still running at shutdown is
+    ended (or never started) as the drain goes on, not left open until the grace runs out."""
+    release = asyncio.Event()
+
+    async def handler(request: web.BaseRequest) -> web.StreamResponse:
+        if request.query.get("watch"):
+            resp = web.StreamResponse()
+            await resp.prepare(request)
+            await resp.write(b'{"type":"ADDED"}\n')
+            await asyncio.sleep(30)
+            return resp
+        await release.wait()
+        return web.Response(text="ok")
+
+    up = await AiohttpUpstream(handler).start()
+    loop = asyncio.get_running_loop()
+    try:
+        async with running_proxy(up.url, shutdown_timeout=6.0) as proxy:
+            host, port = proxy.listener.address.rsplit(":", 1)
+            reader, writer = await asyncio.open_connection(host, int(port))
+            writer.write(b"GET /api/v1/pods HTTP/1.1\r\nHost: x\r\n\r\n"
+                         b"GET /api/v1/pods?watch=1 HTTP/1.1\r\nHost: x\r\n\r\n")
+            deadline = loop.time() + 10
+            while telemetry.INFLIGHT.now < 1:  # the first call is in flight
+                assert loop.time() < deadline
+                await asyncio.sleep(0.02)
+            started = loop.time()
+            closing = asyncio.create_task(proxy.listener.close())
+            await asyncio.sleep(0.2)
+            release.set()
+            rest = await asyncio.wait_for(reader.read(), 8)
+            writer.close()
+            await asyncio.wait_for(closing, 8)
+            took = loop.time() - started
+    finally:
+        await up.close()
+    assert rest.startswith(b"HTTP/1.1 200 ") and b"ok" in rest, rest
+    assert took < 4, took  # not the 6 s grace
