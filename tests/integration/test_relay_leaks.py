@@ -28,7 +28,8 @@ def open_fds() -> int:
 
 async def _upstream(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
     """By path: ``/list`` a LIST that never ends, ``/watch`` events, ``/stall`` no head,
-    ``/upload`` reads a body, ``/exec`` an upgrade that echoes, ``/die`` a body cut short."""
+    ``/upload`` reads a body, ``/exec`` an upgrade that echoes, ``/attach`` one that dies after
+    one echo, ``/die`` a body cut short."""
     line, _ = await read_head(reader)
     path = line.split(" ")[1]
     chunked = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n" \
@@ -47,6 +48,12 @@ async def _upstream(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) 
         await wait_closed(reader)  # no response head, ever
     elif path.startswith("/api/v1/namespaces/upload"):
         await wait_closed(reader)  # reads the body as it comes, answers never
+    elif path.endswith("/attach"):  # an upgrade whose upstream dies once it answered
+        writer.write(b"HTTP/1.1 101 Switching Protocols\r\nConnection: Upgrade\r\n"
+                     b"Upgrade: SPDY/3.1\r\n\r\n")
+        writer.write(await reader.read(65536))
+        await writer.drain()
+        writer.transport.abort()
     elif path.endswith("/exec"):
         writer.write(b"HTTP/1.1 101 Switching Protocols\r\nConnection: Upgrade\r\n"
                      b"Upgrade: SPDY/3.1\r\n\r\n")
@@ -114,9 +121,21 @@ async def upstream_dies(host: str, port: int) -> None:
     writer.close()
 
 
+async def upstream_dies_mid_tunnel(host: str, port: int) -> None:
+    reader, writer = await _connect(
+        host, port, b"POST /api/v1/namespaces/a/pods/p/attach HTTP/1.1\r\nHost: x\r\n"
+        b"Connection: Upgrade\r\nUpgrade: SPDY/3.1\r\n\r\n")
+    await reader.readuntil(b"\r\n\r\n")
+    writer.write(b"ping")
+    rest = await asyncio.wait_for(reader.read(-1), 5)  # then the relay closes the client
+    assert rest == b"ping", rest
+    writer.close()
+
+
 SCENARIOS: dict[str, Scenario] = {
     "mid-list": mid_list, "mid-watch": mid_watch, "waiting-for-head": waiting_for_head,
     "mid-upload": mid_upload, "mid-tunnel": mid_tunnel, "upstream-dies": upstream_dies,
+    "upstream-dies-mid-tunnel": upstream_dies_mid_tunnel,
 }
 
 
