@@ -174,8 +174,9 @@ async def serve_api(
     """Start serving ``relay.handle``; the relay must be started (``await relay.start()``).
 
     On close, the server stops accepting, and calls in flight get ``shutdown_timeout`` seconds
-    to finish (long-running calls such as watches are ended at once, by both relays: clients
-    resume them from their last resourceVersion)."""
+    to finish (long-running calls such as watches are ended at once by both relays, a watch
+    cleanly, with its last chunk, between two chunks: clients resume them from their last
+    resourceVersion). ``Listener.hurry`` during the close cuts what still runs."""
     where = parse_listen(listen)
     if bool(tls_cert) != bool(tls_key):
         raise ValueError("TLS needs both a certificate and a key file")
