@@ -14,9 +14,10 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 
-from tests.integration.fakes import RawUpstream, read_head, running_proxy, wait_closed
+from tests.integration.fakes import RawUpstream, read_head, run_on, running_proxy, wait_closed
 
 pytestmark = pytest.mark.usefixtures("each_relay")  # every test on both relay cores
+
 
 RUNS = 25
 Scenario = Callable[[str, int], Awaitable[None]]
@@ -139,10 +140,13 @@ SCENARIOS: dict[str, Scenario] = {
 }
 
 
-@pytest.mark.asyncio
+@pytest.mark.parametrize("loop", ["uvloop", "asyncio"])  # opgate's default loop, and asyncio's
 @pytest.mark.parametrize("scenario", SCENARIOS)
-async def test_the_other_side_is_released_every_time(scenario: str) -> None:
-    run = SCENARIOS[scenario]
+def test_the_other_side_is_released_every_time(scenario: str, loop: str) -> None:
+    run_on(loop, lambda: _released_every_time(SCENARIOS[scenario]))
+
+
+async def _released_every_time(run: Scenario) -> None:
     up = await RawUpstream(_upstream).start()
     try:
         async with running_proxy(up.url) as proxy:
