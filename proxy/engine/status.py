@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import quote
 
 _REASONS: dict[int, str] = {
     400: "BadRequest",
@@ -96,7 +98,22 @@ def gateway_timeout(message: str) -> StatusError:
     return StatusError(504, message, "Timeout")
 
 
+# what may not go into a header value as it is: control characters (a CR LF would end the header
+# and start one of the request's choosing) and anything beyond ASCII (the fast relay writes
+# latin-1, aiohttp UTF-8, client-go takes UTF-8 only)
+_UNSAFE = re.compile(r"[^\x20-\x7e]+")
+
+
+def _escaped(found: re.Match[str]) -> str:
+    return quote(found.group(), safe="")
+
+
 def warning_header(text: str) -> tuple[str, str]:
-    """A ``Warning: 299`` header that kubectl and client-go print (RFC 7234 warn-text quoting)."""
+    """A ``Warning: 299`` header that kubectl and client-go print (RFC 7234 warn-text quoting).
+
+    The text may hold what a request sent (a percent-decoded path, a namespace, a token's user
+    name): characters other than printable ASCII go percent-encoded (UTF-8), as in a URL."""
     escaped = text.replace("\\", "\\\\").replace('"', '\\"')
+    if not (escaped.isascii() and escaped.isprintable()):
+        escaped = _UNSAFE.sub(_escaped, escaped)
     return ("Warning", f'299 - "opgate: {escaped}"')

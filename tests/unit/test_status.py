@@ -44,3 +44,10 @@ def test_warning_header_quotes_like_rfc7234() -> None:
     name, value = status.warning_header('rule "w" would deny')
     assert name == "Warning"
     assert value == '299 - "opgate: rule \\"w\\" would deny"'
+
+
+def test_warning_header_percent_encodes_what_would_break_a_head() -> None:
+    # request text (a percent-decoded path, a user name) may hold CR LF or non-latin-1 text
+    _, value = status.warning_header('path "/a\r\nX-Evil: 1" of Jos\xe9 \u20ac\tend')
+    assert value == '299 - "opgate: path \\"/a%0D%0AX-Evil: 1\\" of Jos%C3%A9 %E2%82%AC%09end"'
+    value.encode("ascii")

@@ -1,0 +1,83 @@
+"""HTTP/1.1 robustness at the edges, on both relay cores, over raw sockets: what a request may
+put into a response head, odd framings from clients and upstreams, and malformed requests.
+
+Each test asserts the bytes the client (or the upstream) received, so that both relays give the
+same answer and neither lets one side's framing differ from the other's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from tests.integration.fakes import (
+    AiohttpUpstream,
+    Policies,
+    ok_handler,
+    running_proxy,
+)
+from tests.unit.test_identity import FakeAuth, policy, policy_set, sa_token
+
+pytestmark = pytest.mark.usefixtures("each_relay")  # every test on both relay cores
+
+
+async def raw_call(url: str, request: bytes, *, within: float = 5.0) -> bytes:
+    """Send ``request`` as is and read until the proxy closes the connection."""
+    host, port = url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        writer.write(request)
+        return await asyncio.wait_for(reader.read(-1), within)
+    finally:
+        writer.close()
+
+
+def split(raw: bytes) -> tuple[bytes, list[tuple[bytes, bytes]], bytes]:
+    """The status line, the header lines (name, value) and the body of one response."""
+    head, _, body = raw.partition(b"\r\n\r\n")
+    status, *lines = head.split(b"\r\n")
+    pairs = []
+    for line in lines:
+        name, sep, value = line.partition(b":")
+        assert sep, f"not a header line: {line!r}"
+        pairs.append((name.strip().lower(), value.strip()))
+    return status, pairs, body
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(("namespace", "shown"), [
+    ("a%0D%0AX-Injected:%20yes", "a%0D%0AX-Injected: yes"),  # a CR LF from the path
+    ("caf%C3%A9%E2%82%AC", "caf%C3%A9%E2%82%AC"),  # beyond latin-1
+])
+async def test_a_dryrun_warning_holds_no_request_text_that_breaks_the_head(
+    tmp_path: Path, namespace: str, shown: str
+) -> None:
+    """A dryrun identity policy's Warning names the namespace of the path, percent-decoded:
+    its CR LF must not end the header (a header of the request's choosing after it), nor may
+    a character beyond latin-1 fail the call; the call is relayed, with one Warning."""
+    from proxy.middlewares.identity import IdentityCheck
+
+    up = await AiohttpUpstream(ok_handler).start()
+    middleware = IdentityCheck(authenticator=FakeAuth())
+    policies = Policies(policy_set(tmp_path, policy(mode="dryrun")))
+    request = (f"POST /api/v1/namespaces/{namespace}/secrets HTTP/1.1\r\nHost: x\r\n"
+               f"Authorization: Bearer {sa_token()}\r\nContent-Type: application/json\r\n"
+               "Content-Length: 2\r\nConnection: close\r\n\r\n{}").encode()
+    try:
+        async with running_proxy(up.url, middlewares=(middleware,),
+                                 policies=policies) as proxy:
+            raw = await raw_call(proxy.url, request)
+    finally:
+        await up.close()
+    status, headers, body = split(raw)
+    assert status.startswith(b"HTTP/1.1 200 "), raw
+    assert body == b'{"kind":"Fine"}'
+    assert b"x-injected" not in dict(headers)
+    warnings = [v for n, v in headers if n == b"warning"]
+    assert len(warnings) == 1
+    assert warnings[0].isascii()
+    assert b'rule \\"no-secrets\\"' in warnings[0]
+    assert f'the namespace \\"{shown}\\"'.encode() in warnings[0]
+    assert len(up.seen) == 1
