@@ -15,7 +15,9 @@ import pytest
 from tests.integration.fakes import (
     AiohttpUpstream,
     Policies,
+    RawUpstream,
     ok_handler,
+    read_head,
     running_proxy,
 )
 from tests.unit.test_identity import FakeAuth, policy, policy_set, sa_token
@@ -81,3 +83,41 @@ async def test_a_dryrun_warning_holds_no_request_text_that_breaks_the_head(
     assert b'rule \\"no-secrets\\"' in warnings[0]
     assert f'the namespace \\"{shown}\\"'.encode() in warnings[0]
     assert len(up.seen) == 1
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("coding", [b"chunked, identity", b"xchunked"])
+async def test_an_upstream_body_not_chunked_last_is_read_until_the_upstream_closes(
+    coding: bytes,
+) -> None:
+    """``Transfer-Encoding`` whose last coding is not ``chunked`` frames a response by the
+    connection's end (RFC 9112 6.3, and llhttp): the relay must follow that framing, not read
+    the body's bytes as chunk sizes."""
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_head(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\n"
+                     b"Transfer-Encoding: %b\r\n\r\nhello, " % coding)
+        await writer.drain()
+        await asyncio.sleep(0.05)
+        writer.write(b"world")
+
+    up = await RawUpstream(serve).start()
+    try:
+        async with running_proxy(up.url) as proxy:
+            raw = await raw_call(proxy.url, b"GET /api/v1/pods HTTP/1.1\r\nHost: x\r\n"
+                                            b"Connection: close\r\n\r\n")
+    finally:
+        await up.close()
+    status, headers, body = split(raw)
+    assert status.startswith(b"HTTP/1.1 200 "), raw
+    assert (b"transfer-encoding", b"chunked") in headers  # re-framed for the client
+    data, rest = b"", body
+    while True:  # the client's chunked body, strictly
+        size_line, _, rest = rest.partition(b"\r\n")
+        size = int(size_line, 16)
+        data, rest = data + rest[:size], rest[size:]
+        assert rest[:2] == b"\r\n"
+        rest = rest[2:]
+        if not size:
+            break
+    assert data == b"hello, world" and rest == b""
