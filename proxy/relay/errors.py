@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator
 
 from proxy.engine import telemetry
 from proxy.engine.context import RequestContext
-from proxy.engine.status import StatusError, gateway_timeout, service_unavailable
+from proxy.engine.status import StatusError, bad_request, gateway_timeout, service_unavailable
 
 __all__ = [
     "Answer",
@@ -30,6 +30,8 @@ __all__ = [
     "ShuttingDown",
     "body_within",
     "describe",
+    "head_too_large",
+    "malformed_request",
     "stream_broke",
     "too_large",
     "upstream_failed",
@@ -74,6 +76,18 @@ async def body_within(seconds: float) -> AsyncIterator[None]:
 
 def too_large(limit: int) -> StatusError:
     return StatusError(413, f"Request entity too large: limit is {limit}", "RequestEntityTooLarge")
+
+
+def malformed_request() -> StatusError:
+    """A request that is not HTTP/1.1 as the listener parses it (both listeners)."""
+    return bad_request("opgate: malformed HTTP request")
+
+
+def head_too_large(max_line: int, max_headers: int) -> StatusError:
+    """A request head past the listener's limits (both listeners)."""
+    return StatusError(
+        431, f"opgate: request line or header longer than {max_line} bytes or more than "
+        f"{max_headers} headers", "RequestHeaderFieldsTooLarge")
 
 
 def describe(exc: BaseException) -> str:

@@ -22,10 +22,14 @@ import ssl
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
+from proxy.relay import errors
 from proxy.relay.endpoint import MAX_HEADER_LINE
 from proxy.relay.fast import FastRelay
+from proxy.relay.fast.server import MAX_HEADERS
 
 if TYPE_CHECKING:
+    from aiohttp import web
+
     from proxy.relay.handler import Relay
 
 __all__ = ["Listener", "TLSFilesError", "listen_failure", "parse_listen", "serve_api",
@@ -206,6 +210,36 @@ async def serve_api(
     )
 
 
+def _status_server() -> type[web.Server]:
+    """aiohttp's ``web.Server`` whose answer to a request it cannot parse is a Status, as the
+    fast relay's (aiohttp's own is a text/plain 400, which client-go cannot show): 431 for a
+    request head past the limits, else 400."""
+    from aiohttp import web
+    from aiohttp.http_exceptions import LineTooLong
+    from aiohttp.web_protocol import RequestHandler
+
+    class Handler(RequestHandler):
+        def handle_error(
+            self, request: web.BaseRequest, status: int = 500, exc: BaseException | None = None,
+            message: str | None = None,
+        ) -> web.StreamResponse:
+            if status != 400:  # (the relay's handler answers its own errors)
+                return super().handle_error(request, status, exc, message)
+            too_large = isinstance(exc, LineTooLong) or "Too many headers" in (message or "")
+            answer = (errors.head_too_large(MAX_HEADER_LINE, MAX_HEADERS) if too_large
+                      else errors.malformed_request())
+            resp = web.Response(status=answer.code, body=answer.body(),
+                                content_type="application/json")
+            resp.force_close()
+            return resp
+
+    class Server(web.Server):
+        def __call__(self) -> RequestHandler:
+            return Handler(self, loop=self._loop, **self._kwargs)
+
+    return Server
+
+
 async def _serve_aiohttp(
     relay: Relay,
     where: tuple[str, int] | str,
@@ -215,13 +249,13 @@ async def _serve_aiohttp(
 ) -> tuple[Callable[[], Awaitable[None]], Callable[[], None], str]:
     from aiohttp import web  # here: only the aiohttp relay loads aiohttp's server
 
-    server = web.Server(
+    server = _status_server()(
         relay.handle,
         handler_cancellation=True,
         access_log=None,
         max_line_size=MAX_HEADER_LINE,
         max_field_size=MAX_HEADER_LINE,
-        max_headers=512,
+        max_headers=MAX_HEADERS,
     )
     # the grace is given in stop() below; aiohttp's own is only for what is left after it
     runner = web.ServerRunner(server, shutdown_timeout=min(shutdown_timeout, AIOHTTP_LEFTOVER))

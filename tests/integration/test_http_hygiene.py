@@ -8,6 +8,7 @@ same answer and neither lets one side's framing differ from the other's.
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 
 import pytest
@@ -121,3 +122,47 @@ async def test_an_upstream_body_not_chunked_last_is_read_until_the_upstream_clos
         if not size:
             break
     assert data == b"hello, world" and rest == b""
+
+
+_SMUGGLED = b"GET /api/v1/secrets HTTP/1.1\r\nHost: x\r\n\r\n"
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(("head", "code"), [
+    (b"GET /api/v1/pods?labelSelector=" + b"a" * (70 * 1024) + b" HTTP/1.1\r\nHost: x\r\n\r\n",
+     431),
+    (b"GET /api/v1/pods HTTP/1.1\r\nHost: x\r\nX-Big: " + b"b" * (70 * 1024) + b"\r\n\r\n",
+     431),
+    (b"GET /api/v1/pods HTTP/1.1\r\nHost: x\r\n" + b"X-N: 1\r\n" * 600 + b"\r\n", 431),
+    (b"GET /api/v1/pods HTTP/1.1\r\nHost x\r\n\r\n", 400),
+    # the framings a smuggler tries: refused whole, nothing of them relayed
+    (b"POST /api/v1/namespaces/a/configmaps HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n"
+     b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n" + _SMUGGLED, 400),
+    (b"POST /api/v1/namespaces/a/configmaps HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n"
+     b"Content-Length: %d\r\n\r\n%b" % (len(_SMUGGLED), _SMUGGLED), 400),
+    (b"POST /api/v1/namespaces/a/configmaps HTTP/1.1\r\nHost: x\r\n"
+     b"Transfer-Encoding: chunked, identity\r\n\r\n0\r\n\r\n" + _SMUGGLED, 400),
+    (b"POST /api/v1/namespaces/a/configmaps HTTP/1.1\r\nHost: x\r\n"
+     b"Transfer-Encoding: chunked\r\n\r\n0\n\n" + _SMUGGLED, 400),
+    (b"GET /api/v1/pods HTTP/1.1\nHost: x\n\n", 400),
+])
+async def test_malformed_or_oversized_heads_get_a_status_and_nothing_is_relayed(
+    head: bytes, code: int
+) -> None:
+    """Both listeners answer a request they cannot parse with a Kubernetes Status (431 past
+    the head's limits, else 400), close, and relay none of it."""
+    up = await AiohttpUpstream(ok_handler).start()
+    try:
+        async with running_proxy(up.url) as proxy:
+            raw = await raw_call(proxy.url, head)
+    finally:
+        await up.close()
+    status, headers, body = split(raw)
+    assert status.split(b" ")[:2] in ([b"HTTP/1.1", b"%d" % code], [b"HTTP/1.0", b"%d" % code]), (
+        raw[:200])  # (aiohttp answers a request it could not parse in HTTP/1.0)
+    assert (b"content-type", b"application/json") in headers
+    got = json.loads(body)
+    assert got["kind"] == "Status" and got["code"] == code
+    assert got["reason"] == ("BadRequest" if code == 400 else "RequestHeaderFieldsTooLarge")
+    assert got["message"].startswith("opgate: ")
+    assert up.seen == []

@@ -32,6 +32,8 @@ from typing import Any, cast
 
 import httptools
 
+from proxy.engine.status import StatusError
+from proxy.relay.errors import head_too_large, malformed_request
 from proxy.relay.fast.request import BODY_HIGH_WATER, Flow, FlowForwarding, Request
 from proxy.relay.fast.wire import Headers
 
@@ -51,23 +53,16 @@ class _TooLarge(Exception):
     pass
 
 
-def _status(code: int, phrase: str, reason: str, message: str) -> bytes:
-    body = (
-        '{"kind":"Status","apiVersion":"v1","metadata":{},"status":"Failure",'
-        f'"message":"{message}","reason":"{reason}","code":{code}}}\n'
-    ).encode()
+def _refusal(status: StatusError, phrase: str) -> bytes:
+    body = status.body()
     return (
-        f"HTTP/1.1 {code} {phrase}\r\nContent-Type: application/json\r\n"
+        f"HTTP/1.1 {status.code} {phrase}\r\nContent-Type: application/json\r\n"
         f"Connection: close\r\nContent-Length: {len(body)}\r\n\r\n"
     ).encode() + body
 
 
-_BAD_REQUEST = _status(400, "Bad Request", "BadRequest", "opgate: malformed HTTP request")
-_TOO_LARGE = _status(
-    431, "Request Header Fields Too Large", "RequestHeaderFieldsTooLarge",
-    f"opgate: request line or header longer than {MAX_LINE} bytes or more than "
-    f"{MAX_HEADERS} headers",
-)
+_BAD_REQUEST = _refusal(malformed_request(), "Bad Request")
+_TOO_LARGE = _refusal(head_too_large(MAX_LINE, MAX_HEADERS), "Request Header Fields Too Large")
 
 
 Handler = Callable[[Request], Coroutine[Any, Any, None]]
