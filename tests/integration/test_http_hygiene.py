@@ -166,3 +166,24 @@ async def test_malformed_or_oversized_heads_get_a_status_and_nothing_is_relayed(
     assert got["reason"] == ("BadRequest" if code == 400 else "RequestHeaderFieldsTooLarge")
     assert got["message"].startswith("opgate: ")
     assert up.seen == []
+
+
+@pytest.mark.asyncio
+async def test_credentials_named_in_connection_are_never_replaced_by_opgates() -> None:
+    """A client may list ``Authorization`` in ``Connection`` (so it is hop-by-hop and dropped):
+    the call then goes upstream without credentials, never with opgate's ``--token-file``
+    token instead (the middlewares judged the client's token, not opgate's)."""
+    up = await AiohttpUpstream(ok_handler).start()
+    try:
+        async with running_proxy(up.url, token="opgate-own-token") as proxy:
+            raw = await raw_call(proxy.url, b"GET /api/v1/pods HTTP/1.1\r\nHost: x\r\n"
+                                            b"Connection: Authorization, close\r\n"
+                                            b"Authorization: Bearer client-token\r\n\r\n")
+            # and without credentials of its own, the call gets opgate's
+            plain = await raw_call(proxy.url, b"GET /api/v1/pods HTTP/1.1\r\nHost: x\r\n"
+                                              b"Connection: close\r\n\r\n")
+    finally:
+        await up.close()
+    assert raw.startswith(b"HTTP/1.1 200 ") and plain.startswith(b"HTTP/1.1 200 ")
+    assert [s.headers.getall("Authorization", []) for s in up.seen] == [
+        [], ["Bearer opgate-own-token"]]

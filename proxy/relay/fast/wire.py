@@ -197,10 +197,10 @@ def request_head(
             impersonating = True
             if not allow_impersonation:
                 continue
+        if low == b"authorization":  # the client's own credentials go upstream, not opgate's,
+            authorization = None  # and never opgate's instead of them (Connection: Authorization)
         if (named and low in named) or (dropped and low in dropped):
             continue
-        if low == b"authorization":
-            authorization = None  # the client's own credentials go upstream, not opgate's
         parts += (name, b": ", value, b"\r\n")
     if authorization is not None:
         parts += (b"Authorization: ", authorization, b"\r\n")
