@@ -289,6 +289,10 @@ class Relay:
                 reason=upstream.reason,
                 headers=response_headers(upstream.headers, extra=ctx.response_headers),
             )
+            if upstream.content_length is None and request.version < aiohttp.HttpVersion11:
+                # an HTTP/1.0 client's body ends with the connection: aiohttp would keep a
+                # "Connection: keep-alive" one open, and the client wait for an end
+                resp.force_close()
             await resp.prepare(request)
             ctx.status_code = upstream.status
             complete = await pump(request, ctx, upstream, resp)

@@ -187,3 +187,27 @@ async def test_credentials_named_in_connection_are_never_replaced_by_opgates() -
     assert raw.startswith(b"HTTP/1.1 200 ") and plain.startswith(b"HTTP/1.1 200 ")
     assert [s.headers.getall("Authorization", []) for s in up.seen] == [
         [], ["Bearer opgate-own-token"]]
+
+
+@pytest.mark.asyncio
+async def test_an_http10_keep_alive_client_gets_a_body_it_can_see_the_end_of() -> None:
+    """An HTTP/1.0 client cannot read chunks: an upstream body without a length reaches it
+    framed by the connection's end, so the connection must then close even when the client
+    asked for keep-alive, or it waits for the end until the idle timeout."""
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_head(reader)  # (a kube-apiserver sends every LIST chunked)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                     b"Transfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\n\r\n")
+        await reader.read()
+
+    up = await RawUpstream(serve).start()
+    try:
+        async with running_proxy(up.url) as proxy:
+            raw = await raw_call(proxy.url, b"GET /api/v1/pods HTTP/1.0\r\nHost: x\r\n"
+                                            b"Connection: keep-alive\r\n\r\n", within=3.0)
+    finally:
+        await up.close()
+    status, headers, body = split(raw)
+    assert status.split(b" ")[1] == b"200"
+    assert b"transfer-encoding" not in dict(headers) and b"content-length" not in dict(headers)
+    assert body == b"{}"
