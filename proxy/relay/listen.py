@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 from proxy.relay import errors
 from proxy.relay.endpoint import MAX_HEADER_LINE
 from proxy.relay.fast import FastRelay
+from proxy.relay.fast import server as fast_server
 from proxy.relay.fast.server import MAX_HEADERS
 
 if TYPE_CHECKING:
@@ -256,6 +257,9 @@ async def _serve_aiohttp(
         max_line_size=MAX_HEADER_LINE,
         max_field_size=MAX_HEADER_LINE,
         max_headers=MAX_HEADERS,
+        # as the fast listener: aiohttp's own default (3630 s) kept an idle connection, or one
+        # whose request head never ends, open for an hour
+        keepalive_timeout=fast_server.KEEPALIVE,
     )
     # the grace is given in stop() below; aiohttp's own is only for what is left after it
     runner = web.ServerRunner(server, shutdown_timeout=min(shutdown_timeout, AIOHTTP_LEFTOVER))

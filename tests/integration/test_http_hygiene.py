@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from proxy.relay.fast import server as fast_server
 from tests.integration.fakes import (
     AiohttpUpstream,
     Policies,
@@ -211,3 +212,29 @@ async def test_an_http10_keep_alive_client_gets_a_body_it_can_see_the_end_of() -
     assert status.split(b" ")[1] == b"200"
     assert b"transfer-encoding" not in dict(headers) and b"content-length" not in dict(headers)
     assert body == b"{}"
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("sent", [
+    b"",  # a connection that never sends a request
+    b"GET /api/v1/pods HTTP/1.1\r\nHost: x\r\nX-Slow: a",  # a head that never ends
+    b"GET /api/v1/pods HTTP/1.1\r\nHost: x\r\n\r\n",  # idle after an answer
+], ids=["nothing", "unfinished-head", "idle"])
+async def test_idle_connections_and_unfinished_heads_are_closed(
+    monkeypatch: pytest.MonkeyPatch, sent: bytes
+) -> None:
+    monkeypatch.setattr(fast_server, "KEEPALIVE", 0.5)
+    up = await AiohttpUpstream(ok_handler).start()
+    loop = asyncio.get_running_loop()
+    try:
+        async with running_proxy(up.url) as proxy:
+            host, port = proxy.url.removeprefix("http://").split(":")
+            reader, writer = await asyncio.open_connection(host, int(port))
+            started = loop.time()
+            writer.write(sent)
+            got = await asyncio.wait_for(reader.read(-1), 10)  # until the listener closes
+            writer.close()
+    finally:
+        await up.close()
+    assert loop.time() - started < 3
+    assert got.startswith(b"HTTP/1.1 200 ") if sent.endswith(b"\r\n\r\n") else got == b""

@@ -43,7 +43,7 @@ WRITE_HIGH_WATER = 512 * 1024  # client write buffer above which upstream readin
 MAX_QUEUED = 4
 MAX_LINE = 64 * 1024  # long label selectors, big OIDC tokens (as the aiohttp listener)
 MAX_HEADERS = 512
-KEEPALIVE = 75.0  # seconds an idle keep-alive connection stays open (aiohttp's default)
+KEEPALIVE = 75.0  # seconds an idle keep-alive connection stays open (both listeners)
 # at shutdown: how long a long-running call inside a chunk (or before its head) may take to
 # reach a point where it can end cleanly before it is cut
 LONG_RUNNING_END = 1.0
