@@ -10,8 +10,10 @@ Upgrades (exec, attach, port-forward) get an upstream connection of their own; a
 upstream's ``101`` both connections are spliced into a raw byte tunnel (any other answer is
 relayed as a normal response and the client connection closed after it). A stale pooled
 connection that fails before any response byte is retried once on a fresh one when the request
-body can be sent again. Timeouts as :class:`~proxy.relay.handler.RelaySettings` describes them:
-connect, response head, the whole call (not for long-running calls), a watch's silence.
+is idempotent and its body can be sent again (the upstream may have acted on a POST or PATCH it
+dropped unanswered: as Go's and aiohttp's clients, never send one twice). Timeouts as
+:class:`~proxy.relay.handler.RelaySettings` describes them: connect, response head, the whole
+call (not for long-running calls), a watch's silence.
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ log = logging.getLogger("opgate.relay")
 PROBE_TIMEOUT = 3.0
 PROBE_LIMIT = 1 << 20  # a readyz or version answer is a few hundred bytes
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+_IDEMPOTENT = frozenset({b"GET", b"HEAD", b"OPTIONS", b"TRACE", b"PUT", b"DELETE"})  # RFC 9110
 _LAST_CHUNK = b"0\r\n\r\n"
 _next_trace_id = trace_ids("-f")
 
@@ -322,7 +325,7 @@ class FastRelay:
                 except (OSError, TimeoutError, httptools.HttpParserError) as e:
                     conn.close()
                     if attempt == 0 and reused and not streaming and not conn.received \
-                            and not isinstance(e, TimeoutError):
+                            and not isinstance(e, TimeoutError) and req.method in _IDEMPOTENT:
                         continue  # a stale keep-alive connection: once more on a fresh one
                     raise errors.upstream_failed(e, ctx, self._base) from e
                 ctx.status_code = exchange.status
