@@ -297,3 +297,35 @@ async def test_a_call_the_upstream_dropped_unanswered_is_sent_again_only_if_idem
         await up.close()
     assert answers == ["200", answer, "200"]
     assert seen == [body] * sent
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(("version", "interim"), [(b"1.1", True), (b"1.0", False)])
+async def test_expect_100_continue_is_answered_only_to_http11_clients(
+    version: bytes, interim: bool
+) -> None:
+    """An HTTP/1.0 client knows no 1xx answers (it would take a 100 for the response): its
+    ``Expect: 100-continue`` is ignored, as RFC 9110 wants; an HTTP/1.1 client gets the 100
+    before it sends the body."""
+    up = await AiohttpUpstream(ok_handler).start()
+    try:
+        async with running_proxy(up.url) as proxy:
+            host, port = proxy.url.removeprefix("http://").split(":")
+            reader, writer = await asyncio.open_connection(host, int(port))
+            writer.write(b"POST /api/v1/namespaces/a/configmaps HTTP/%b\r\nHost: x\r\n"
+                         b"Content-Type: application/json\r\nExpect: 100-continue\r\n"
+                         b"Content-Length: 2\r\nConnection: close\r\n\r\n" % version)
+            if interim:
+                assert await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5) == (
+                    b"HTTP/1.1 100 Continue\r\n\r\n")
+            else:  # the 1.0 client waits a while, then sends the body anyway
+                with pytest.raises(TimeoutError):
+                    await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 0.5)
+            writer.write(b"{}")
+            raw = await asyncio.wait_for(reader.read(-1), 5)
+            writer.close()
+    finally:
+        await up.close()
+    status, _, body = split(raw)
+    assert status.split(b" ")[1] == b"200" and body == b'{"kind":"Fine"}'
+    assert [s.body for s in up.seen] == [b"{}"]

@@ -173,8 +173,8 @@ class ClientConnection(FlowForwarding, asyncio.Protocol):
                 req.has_body = req.content_length != b"0"
             elif low == b"transfer-encoding":
                 req.chunked = req.has_body = True
-            elif low == b"expect":
-                req.expect_continue = value.strip().lower() == b"100-continue"
+            elif low == b"expect":  # (never a 1xx to an HTTP/1.0 client: RFC 9110 15.2)
+                req.expect_continue = req.http11 and value.strip().lower() == b"100-continue"
             elif low == b"connection":
                 req.connection = True
         self._parsing = req
