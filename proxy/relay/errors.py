@@ -35,6 +35,7 @@ __all__ = [
     "stream_broke",
     "too_large",
     "upstream_failed",
+    "version_not_supported",
 ]
 
 log = logging.getLogger("opgate.relay")
@@ -88,6 +89,12 @@ def head_too_large(max_line: int, max_headers: int) -> StatusError:
     return StatusError(
         431, f"opgate: request line or header longer than {max_line} bytes or more than "
         f"{max_headers} headers", "RequestHeaderFieldsTooLarge")
+
+
+def version_not_supported() -> StatusError:
+    """A request line of another HTTP version than 1.x (the apiserver answers 505 too)."""
+    return StatusError(505, "opgate: only HTTP/1.1 and HTTP/1.0 requests are served here",
+                       "HTTPVersionNotSupported")
 
 
 def describe(exc: BaseException) -> str:

@@ -329,3 +329,21 @@ async def test_expect_100_continue_is_answered_only_to_http11_clients(
     status, _, body = split(raw)
     assert status.split(b" ")[1] == b"200" and body == b'{"kind":"Fine"}'
     assert [s.body for s in up.seen] == [b"{}"]
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("line", [b"GET /api/v1/pods HTTP/2.0", b"GET /api/v1/pods"])
+async def test_a_request_line_of_another_http_version_gets_505(line: bytes) -> None:
+    """llhttp (both listeners' parser) takes HTTP/2.0 and HTTP/0.9 request lines; the apiserver
+    answers those 505, and so does opgate, relaying nothing (aiohttp answered "HTTP/2.0 200")."""
+    up = await AiohttpUpstream(ok_handler).start()
+    try:
+        async with running_proxy(up.url) as proxy:
+            raw = await raw_call(proxy.url, line + b"\r\nHost: x\r\n\r\n")
+    finally:
+        await up.close()
+    status, _, body = split(raw)
+    assert status.split(b" ")[1] == b"505", raw[:200]
+    got = json.loads(body)
+    assert got["kind"] == "Status" and got["code"] == 505
+    assert up.seen == []

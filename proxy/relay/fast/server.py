@@ -17,8 +17,9 @@ every further byte is raw, buffered until the relay attaches a sink to the tunne
 (:meth:`ClientConnection.attach_raw`).
 
 Limits, as the aiohttp listener has them: a request line or header of at most ``MAX_LINE``
-bytes and at most ``MAX_HEADERS`` headers (else ``431``), malformed HTTP gets ``400``; both
-close the connection. A connection idle for ``KEEPALIVE`` seconds between requests is closed.
+bytes and at most ``MAX_HEADERS`` headers (else ``431``), malformed HTTP gets ``400``, a request
+line of another version than HTTP/1.x ``505``; each closes the connection. A connection idle
+for ``KEEPALIVE`` seconds between requests is closed.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from typing import Any, cast
 import httptools
 
 from proxy.engine.status import StatusError
-from proxy.relay.errors import head_too_large, malformed_request
+from proxy.relay.errors import head_too_large, malformed_request, version_not_supported
 from proxy.relay.fast.request import BODY_HIGH_WATER, Flow, FlowForwarding, Request
 from proxy.relay.fast.wire import Headers
 
@@ -49,8 +50,11 @@ KEEPALIVE = 75.0  # seconds an idle keep-alive connection stays open (both liste
 LONG_RUNNING_END = 1.0
 
 
-class _TooLarge(Exception):
-    pass
+class _Refused(Exception):
+    """Raised in a parser callback: the connection gets ``answer`` and closes."""
+
+    def __init__(self, answer: bytes) -> None:
+        self.answer = answer
 
 
 def _refusal(status: StatusError, phrase: str) -> bytes:
@@ -63,6 +67,7 @@ def _refusal(status: StatusError, phrase: str) -> bytes:
 
 _BAD_REQUEST = _refusal(malformed_request(), "Bad Request")
 _TOO_LARGE = _refusal(head_too_large(MAX_LINE, MAX_HEADERS), "Request Header Fields Too Large")
+_BAD_VERSION = _refusal(version_not_supported(), "HTTP Version Not Supported")
 
 
 Handler = Callable[[Request], Coroutine[Any, Any, None]]
@@ -125,7 +130,8 @@ class ClientConnection(FlowForwarding, asyncio.Protocol):
             if offset < len(data):
                 self._raw_received(data[offset:])
         except httptools.HttpParserError as e:
-            self._refuse(_TOO_LARGE if isinstance(e.__context__, _TooLarge) else _BAD_REQUEST)
+            cause = e.__context__
+            self._refuse(cause.answer if isinstance(cause, _Refused) else _BAD_REQUEST)
 
     def eof_received(self) -> bool | None:
         return None  # close: a half-closed client gets no further answers
@@ -153,17 +159,21 @@ class ClientConnection(FlowForwarding, asyncio.Protocol):
     def on_url(self, url: bytes) -> None:
         self._url += url
         if len(self._url) > MAX_LINE:
-            raise _TooLarge
+            raise _Refused(_TOO_LARGE)
 
     def on_header(self, name: bytes, value: bytes) -> None:
         if len(name) + len(value) > MAX_LINE or len(self._headers) >= MAX_HEADERS:
-            raise _TooLarge
+            raise _Refused(_TOO_LARGE)
         self._headers.append((name, value))
 
     def on_headers_complete(self) -> None:
         parser = self._parser
         req = Request(self, parser.get_method(), self._url, self._headers)
-        req.http11 = parser.get_http_version() == "1.1"
+        version = parser.get_http_version()
+        if version != "1.1":
+            if version != "1.0":  # (llhttp takes HTTP/0.9 and HTTP/2.0 request lines too)
+                raise _Refused(_BAD_VERSION)
+            req.http11 = False
         req.keep_alive = parser.should_keep_alive()
         req.upgrade = parser.should_upgrade()
         for name, value in self._headers:
