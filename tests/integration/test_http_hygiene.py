@@ -332,6 +332,48 @@ async def test_expect_100_continue_is_answered_only_to_http11_clients(
 
 
 @pytest.mark.asyncio
+@pytest.mark.parametrize("bad", [
+    b"GET /api/v1/pods HTTP/1.1\r\nHost x\r\n\r\n",
+    b"GET /api/v1/pods HTTP/1.1\r\nHost: x\r\nX-Big: " + b"b" * (70 * 1024) + b"\r\n\r\n",
+    b"POST /api/v1/namespaces/a/configmaps HTTP/1.1\r\nHost: x\r\n"
+    b"Transfer-Encoding: chunked\r\n\r\n2\r\n{}\r\nzz\r\n",  # its body breaks
+], ids=["malformed-head", "oversized-head", "malformed-body"])
+async def test_a_malformed_pipelined_request_is_answered_after_the_calls_before_it(
+    bad: bytes,
+) -> None:
+    """A client that pipelines a malformed request behind a call still in flight reads the
+    answers in order: the call's own, then the refusal (a refusal first would be read as the
+    answer to a call the upstream carried out)."""
+    async def slow(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        _, headers = await read_head(reader)
+        await reader.readexactly(int(headers.get("content-length", "0")))
+        await asyncio.sleep(0.3)
+        writer.write(b"HTTP/1.1 201 Created\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 2\r\n\r\n{}")
+        await writer.drain()
+        await reader.read()
+
+    up = await RawUpstream(slow).start()
+    try:
+        async with running_proxy(up.url) as proxy:
+            host, port = proxy.url.removeprefix("http://").split(":")
+            reader, writer = await asyncio.open_connection(host, int(port))
+            writer.write(b"POST /api/v1/namespaces/a/configmaps HTTP/1.1\r\nHost: x\r\n"
+                         b"Content-Type: application/json\r\nContent-Length: 2\r\n\r\n{}")
+            await asyncio.sleep(0.1)  # the call is on its way upstream
+            writer.write(bad)
+            raw = await asyncio.wait_for(reader.read(-1), 5)
+            writer.close()
+    finally:
+        await up.close()
+    assert raw.startswith(b"HTTP/1.1 201 Created\r\n"), raw[:300]
+    rest = raw.partition(b"\r\n\r\n{}")[2]
+    assert rest.split(b" ")[1] in (b"400", b"431"), raw[:300]
+    assert json.loads(rest.partition(b"\r\n\r\n")[2])["kind"] == "Status"
+    assert up.connections == 1
+
+
+@pytest.mark.asyncio
 @pytest.mark.parametrize("line", [b"GET /api/v1/pods HTTP/2.0", b"GET /api/v1/pods"])
 async def test_a_request_line_of_another_http_version_gets_505(line: bytes) -> None:
     """llhttp (both listeners' parser) takes HTTP/2.0 and HTTP/0.9 request lines; the apiserver

@@ -96,6 +96,7 @@ class ClientConnection(FlowForwarding, asyncio.Protocol):
         self._next: asyncio.Future[Request | None] | None = None  # the idle worker waits on it
         self._idle: asyncio.TimerHandle | None = None  # one per connection, re-armed lazily
         self._last = 0.0  # when the last request was answered (or the connection opened)
+        self._refusal: bytes | None = None  # the answer to a malformed pipelined request
         self.remote = ""  # the peer's IP address ("" on a Unix socket)
         self.loop = asyncio.get_event_loop()
 
@@ -246,6 +247,10 @@ class ClientConnection(FlowForwarding, asyncio.Protocol):
         if self._queue:
             req = self._current = self._queue.popleft()
             req.task = self._worker
+        elif self._refusal is not None:  # a malformed request came after the calls answered
+            self.write(self._refusal)
+            self.close()
+            return None
         else:
             req = None
             self._next = self.loop.create_future()
@@ -254,9 +259,20 @@ class ClientConnection(FlowForwarding, asyncio.Protocol):
         return req
 
     def _refuse(self, answer: bytes) -> None:
-        if self.transport is not None and not self.closed:
+        """Answer a request that cannot be parsed, and close. A client that pipelined it
+        behind calls still being answered reads the answers in order: those calls first."""
+        if self.transport is None or self.closed or self._refusal is not None:
+            return
+        parsing = self._parsing
+        if self._current is None or parsing is self._current:
             self.transport.write(answer)
             self.close()
+            return
+        if parsing is not None:  # a queued request whose body broke: it is not answered
+            self._queue.remove(parsing)
+            self._parsing = None
+        self._refusal = answer  # sent by _finished once the queue before it is answered
+        self.pause_reading()
 
     def _arm_idle(self) -> None:
         self._last = self.loop.time()
