@@ -389,3 +389,33 @@ async def test_a_request_line_of_another_http_version_gets_505(line: bytes) -> N
     got = json.loads(body)
     assert got["kind"] == "Status" and got["code"] == 505
     assert up.seen == []
+
+
+class _SeesHeaders(_ReadsBodies):
+    def __init__(self) -> None:
+        self.seen: list[str | None] = []
+
+    def entry(self, ctx: Any) -> None:
+        self.seen.append(ctx.headers.get("X-Trailer"))
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("reads_body", [True, False])
+async def test_request_trailers_never_become_headers(reads_body: bool) -> None:
+    """A chunked request body's trailer fields are not headers: neither the middlewares nor
+    the upstream see them as such (the upstream head is built after them when the body is read
+    whole, or came in the same read as the head)."""
+    up = await AiohttpUpstream(ok_handler).start()
+    middleware = _SeesHeaders()
+    try:
+        async with running_proxy(up.url, middlewares=(middleware,) if reads_body else ()) as proxy:
+            raw = await raw_call(proxy.url, b"POST /api/v1/namespaces/a/configmaps HTTP/1.1\r\n"
+                                            b"Host: x\r\nContent-Type: application/json\r\n"
+                                            b"Transfer-Encoding: chunked\r\n"
+                                            b"Connection: close\r\n\r\n"
+                                            b"2\r\n{}\r\n0\r\nX-Trailer: t\r\n\r\n")
+    finally:
+        await up.close()
+    assert raw.startswith(b"HTTP/1.1 200 "), raw[:200]
+    assert [(s.body, "X-Trailer" in s.headers) for s in up.seen] == [(b"{}", False)]
+    assert middleware.seen == ([None] if reads_body else [])

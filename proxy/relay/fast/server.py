@@ -70,6 +70,18 @@ _TOO_LARGE = _refusal(head_too_large(MAX_LINE, MAX_HEADERS), "Request Header Fie
 _BAD_VERSION = _refusal(version_not_supported(), "HTTP Version Not Supported")
 
 
+class _Trailers(list[tuple[bytes, bytes]]):
+    """Where the trailer fields of a chunked request body go: nowhere. llhttp reports them as
+    headers after the body; added to the request's headers they would go upstream with a head
+    built after the body (one read whole for a middleware), past the middlewares that judged
+    the head. Neither relay forwards request trailers (the apiserver ignores them)."""
+
+    def append(self, field: tuple[bytes, bytes]) -> None:
+        pass
+
+
+_TRAILERS = _Trailers()
+
 Handler = Callable[[Request], Coroutine[Any, Any, None]]
 
 
@@ -184,6 +196,7 @@ class ClientConnection(FlowForwarding, asyncio.Protocol):
                 req.has_body = req.content_length != b"0"
             elif low == b"transfer-encoding":
                 req.chunked = req.has_body = True
+                self._headers = _TRAILERS  # (this loop goes on over the request's own list)
             elif low == b"expect":  # (never a 1xx to an HTTP/1.0 client: RFC 9110 15.2)
                 req.expect_continue = req.http11 and value.strip().lower() == b"100-continue"
             elif low == b"connection":
