@@ -34,6 +34,7 @@ __all__ = [
     "malformed_request",
     "stream_broke",
     "too_large",
+    "unsupported_coding",
     "upstream_failed",
     "version_not_supported",
 ]
@@ -89,6 +90,13 @@ def head_too_large(max_line: int, max_headers: int) -> StatusError:
     return StatusError(
         431, f"opgate: request line or header longer than {max_line} bytes or more than "
         f"{max_headers} headers", "RequestHeaderFieldsTooLarge")
+
+
+def unsupported_coding() -> StatusError:
+    """A request body with a transfer coding besides chunked (``gzip, chunked``): relayed as
+    chunked, its coding would be lost on the way. The apiserver answers 501 too."""
+    return StatusError(501, "opgate: no transfer coding but chunked is supported",
+                       "NotImplemented")
 
 
 def version_not_supported() -> StatusError:

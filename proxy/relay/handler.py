@@ -121,6 +121,9 @@ class Relay:
     async def handle(self, request: web.BaseRequest) -> web.StreamResponse:
         if request.version.major != 1:  # aiohttp takes HTTP/0.9 and HTTP/2.0 request lines
             return (await send_status(request, errors.version_not_supported(), close=True))[0]
+        if request.body_exists and request.headers.get(
+                "Transfer-Encoding", "chunked").strip().lower() != "chunked":
+            return (await send_status(request, errors.unsupported_coding(), close=True))[0]
         raw = request.raw_path
         bad: str | None = None  # a request target the apiserver would refuse: 400 from here
         if not raw.startswith("/"):

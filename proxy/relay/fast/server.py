@@ -34,7 +34,12 @@ from typing import Any, cast
 import httptools
 
 from proxy.engine.status import StatusError
-from proxy.relay.errors import head_too_large, malformed_request, version_not_supported
+from proxy.relay.errors import (
+    head_too_large,
+    malformed_request,
+    unsupported_coding,
+    version_not_supported,
+)
 from proxy.relay.fast.request import BODY_HIGH_WATER, Flow, FlowForwarding, Request
 from proxy.relay.fast.wire import Headers
 
@@ -68,6 +73,7 @@ def _refusal(status: StatusError, phrase: str) -> bytes:
 _BAD_REQUEST = _refusal(malformed_request(), "Bad Request")
 _TOO_LARGE = _refusal(head_too_large(MAX_LINE, MAX_HEADERS), "Request Header Fields Too Large")
 _BAD_VERSION = _refusal(version_not_supported(), "HTTP Version Not Supported")
+_BAD_CODING = _refusal(unsupported_coding(), "Not Implemented")
 
 
 class _Trailers(list[tuple[bytes, bytes]]):
@@ -194,7 +200,9 @@ class ClientConnection(FlowForwarding, asyncio.Protocol):
             if low == b"content-length":
                 req.content_length = value.strip()
                 req.has_body = req.content_length != b"0"
-            elif low == b"transfer-encoding":
+            elif low == b"transfer-encoding":  # (llhttp takes only codings that end in chunked)
+                if value.strip().lower() != b"chunked":
+                    raise _Refused(_BAD_CODING)
                 req.chunked = req.has_body = True
                 self._headers = _TRAILERS  # (this loop goes on over the request's own list)
             elif low == b"expect":  # (never a 1xx to an HTTP/1.0 client: RFC 9110 15.2)
