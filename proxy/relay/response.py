@@ -64,7 +64,7 @@ async def send_status(
     extra: Iterable[tuple[str, str]] = (),
     close: bool = False,
 ) -> tuple[RelayResponse, int]:
-    """Answer with a Kubernetes ``Status``; returns the response and the body size."""
+    """Answer with a Kubernetes ``Status``; returns the response and the body size (sent)."""
     body = status.body()
     headers: CIMultiDict[str] = CIMultiDict(status.response_headers())
     headers.extend(extra)
@@ -73,6 +73,8 @@ async def send_status(
     if close:
         resp.force_close()
     await resp.prepare(request)
+    if request.method == "HEAD":  # its length, not the body: the client reads none
+        body = b""  # (a StreamResponse would send it, and the next answer be read as it)
     await resp.write_eof(body)
     return resp, len(body)
 

@@ -441,3 +441,35 @@ async def test_a_request_body_with_another_transfer_coding_gets_501(coding: byte
     got = json.loads(body)
     assert got["kind"] == "Status" and got["code"] == 501
     assert up.seen == []
+
+
+class _DeniesHead:
+    name, needs_body, fail_open = "denies-head", False, False
+
+    def entry(self, ctx: Any) -> Any:
+        from proxy.engine.context import Deny
+        from proxy.engine.status import forbidden
+
+        return Deny(forbidden("no HEAD here")) if ctx.method == "HEAD" else None
+
+
+@pytest.mark.asyncio
+async def test_opgates_own_answer_to_a_head_request_has_no_body() -> None:
+    """A HEAD answer has no body, whatever its Content-Length says: a Status body sent after
+    opgate's own answer (a denial, a 503) would be read as the next response on the
+    connection."""
+    up = await AiohttpUpstream(ok_handler).start()
+    try:
+        async with running_proxy(up.url, middlewares=(_DeniesHead(),)) as proxy:
+            host, port = proxy.url.removeprefix("http://").split(":")
+            reader, writer = await asyncio.open_connection(host, int(port))
+            writer.write(b"HEAD /api/v1/pods HTTP/1.1\r\nHost: x\r\n\r\n"
+                         b"GET /api/v1/pods HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            first, headers = await asyncio.wait_for(read_head(reader), 5)
+            rest = await asyncio.wait_for(reader.read(-1), 5)
+            writer.close()
+    finally:
+        await up.close()
+    assert first.startswith("HTTP/1.1 403 ") and int(headers["content-length"]) > 0
+    assert rest.startswith(b"HTTP/1.1 200 "), rest[:200]  # the GET's answer, right after
+    assert rest.endswith(b'\r\n\r\n{"kind":"Fine"}')

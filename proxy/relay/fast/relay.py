@@ -239,6 +239,9 @@ class FastRelay:
             ctx.decision = "error"
         ctx.answer = status
         ctx.status_code = status.code
+        length = len(body)
+        if req.method == b"HEAD":  # its length, not the body: the client reads none (the
+            body = b""  # next answer would be read as it)
         ctx.bytes_out = len(body)
         lines = [status_line(status.code)]
         lines += map(header_line, (*status.response_headers(), *ctx.response_headers))
@@ -247,7 +250,7 @@ class FastRelay:
         if close or not req.keep_alive or not req.body_done:
             lines.append(b"Connection: close\r\n")
             req.keep_alive = False
-        lines.append(b"Content-Length: %d\r\n\r\n" % len(body))
+        lines.append(b"Content-Length: %d\r\n\r\n" % length)
         req.conn.write(b"".join(lines) + body)
 
     def _head(
