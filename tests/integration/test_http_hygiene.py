@@ -473,3 +473,31 @@ async def test_opgates_own_answer_to_a_head_request_has_no_body() -> None:
     assert first.startswith("HTTP/1.1 403 ") and int(headers["content-length"]) > 0
     assert rest.startswith(b"HTTP/1.1 200 "), rest[:200]  # the GET's answer, right after
     assert rest.endswith(b'\r\n\r\n{"kind":"Fine"}')
+
+
+@pytest.mark.asyncio
+async def test_hop_by_hop_opgate_and_impersonation_headers_never_reach_the_upstream() -> None:
+    """What the upstream gets of a request full of headers that must not pass (in any case):
+    hop-by-hop ones and those ``Connection`` names, ``Proxy-*``, opgate's own, and
+    ``Impersonate-*`` (no policy allows it), with the client told about the last."""
+    up = await AiohttpUpstream(ok_handler).start()
+    try:
+        async with running_proxy(up.url) as proxy:
+            raw = await raw_call(proxy.url, b"GET /api/v1/pods HTTP/1.1\r\nHost: x\r\n"
+                                            b"Connection: X-Hop, close\r\nX-Hop: 1\r\n"
+                                            b"Keep-Alive: timeout=5\r\nPROXY-AUTHORIZATION: b\r\n"
+                                            b"Proxy-Connection: keep-alive\r\nTE: trailers\r\n"
+                                            b"Trailer: X-T\r\nUpgrade: h2c\r\n"
+                                            b"iMpErSoNaTe-UsEr: admin\r\nIMPERSONATE-GROUP: g\r\n"
+                                            b"impersonate-extra-scopes: s\r\nImpersonate-Uid: u\r\n"
+                                            b"Opgate-Instance: a/w/b\r\nOPGATE-OTHER: 1\r\n"
+                                            b"X-Kept: yes\r\n\r\n")
+    finally:
+        await up.close()
+    assert raw.startswith(b"HTTP/1.1 200 ")
+    _, headers, _ = split(raw)
+    assert any(n == b"warning" and b"Impersonate-* headers dropped" in v for n, v in headers)
+    (seen,) = up.seen
+    host = up.url.removeprefix("http://")
+    assert sorted((k.lower(), v) for k, v in seen.headers.items()) == [
+        ("host", host), ("x-kept", "yes")]
