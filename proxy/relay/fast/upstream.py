@@ -318,7 +318,8 @@ class UpstreamConnection(FlowForwarding, asyncio.Protocol):
             elif size == 17 and name.lower() == b"transfer-encoding":
                 # chunked only as the last coding, as llhttp frames it ("chunked, identity" is
                 # read until the upstream closes): the framing followed must be the parser's
-                chunked = value.rpartition(b",")[2].strip().lower() == b"chunked"
+                chunked = value == b"chunked" or (  # (what an apiserver sends, at once)
+                    value.rpartition(b",")[2].strip().lower() == b"chunked")
         no_body = self.head_only or status in (204, 304)
         self._until_close = not (chunked or length is not None or no_body)
         if length is not None and not no_body and not chunked and length.isdigit():
