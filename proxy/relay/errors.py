@@ -92,11 +92,12 @@ def head_too_large(max_line: int, max_headers: int) -> StatusError:
         f"{max_headers} headers", "RequestHeaderFieldsTooLarge")
 
 
-def unsupported_coding() -> StatusError:
+def unsupported_coding(
+    message: str = "opgate: no transfer coding but chunked is supported",
+) -> StatusError:
     """A request body with a transfer coding besides chunked (``gzip, chunked``): relayed as
     chunked, its coding would be lost on the way. The apiserver answers 501 too."""
-    return StatusError(501, "opgate: no transfer coding but chunked is supported",
-                       "NotImplemented")
+    return StatusError(501, message, "NotImplemented")
 
 
 def version_not_supported() -> StatusError:

@@ -621,3 +621,23 @@ async def test_slow_client_pauses_the_upstream() -> None:
     finally:
         await up.close()
     assert total >= 800 * len(block)
+
+
+@pytest.mark.asyncio
+async def test_an_upgrade_request_with_a_chunked_body_gets_501() -> None:
+    """httptools parses no body of an upgrade request; a Content-Length one is taken from the
+    bytes after the head (tests/integration/test_http_hygiene.py), a chunked one is refused
+    rather than relayed empty with its chunks sent on as tunnel bytes. (The aiohttp relay
+    reads it whole and relays it.)"""
+    up = await AiohttpUpstream(ok_handler).start()
+    try:
+        async with fast_proxy(up.url) as (_, url):
+            raw = await raw_exchange(url, b"POST /api/v1/namespaces/a/configmaps HTTP/1.1\r\n"
+                                          b"Host: x\r\nConnection: Upgrade\r\nUpgrade: h2c\r\n"
+                                          b"Transfer-Encoding: chunked\r\n\r\n"
+                                          b"2\r\n{}\r\n0\r\n\r\n")
+    finally:
+        await up.close()
+    assert raw.startswith(b"HTTP/1.1 501 ")
+    assert b'"reason":"NotImplemented"' in raw and b"chunked body" in raw
+    assert up.seen == []

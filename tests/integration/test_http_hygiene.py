@@ -501,3 +501,52 @@ async def test_hop_by_hop_opgate_and_impersonation_headers_never_reach_the_upstr
     host = up.url.removeprefix("http://")
     assert sorted((k.lower(), v) for k, v in seen.headers.items()) == [
         ("host", host), ("x-kept", "yes")]
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("switch", [False, True], ids=["answered", "switched"])
+async def test_the_body_of_an_upgrade_request_is_relayed_as_its_body(switch: bool) -> None:
+    """``curl --http2`` asks a plain-HTTP server to upgrade to h2c on any request, a POST with
+    its body too. That body is the request's (framed by its Content-Length), not the start of
+    the tunnel: the upstream gets it as the body, whether it then switches or just answers."""
+    got: dict[str, bytes] = {}
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        _, headers = await read_head(reader)
+        got["body"] = await reader.readexactly(int(headers.get("content-length", "0")))
+        if not switch:
+            writer.write(b"HTTP/1.1 201 Created\r\nContent-Length: 2\r\n\r\n{}")
+            await writer.drain()
+            return
+        writer.write(b"HTTP/1.1 101 Switching Protocols\r\nConnection: Upgrade\r\n"
+                     b"Upgrade: h2c\r\n\r\n")
+        got["tunnel"] = await reader.readexactly(4)
+        writer.write(got["tunnel"])
+        await writer.drain()
+        await reader.read()
+
+    up = await RawUpstream(serve).start()
+    body = b'{"kind":"ConfigMap","metadata":{"name":"c"}}'
+    try:
+        async with running_proxy(up.url) as proxy:
+            host, port = proxy.url.removeprefix("http://").split(":")
+            reader, writer = await asyncio.open_connection(host, int(port))
+            writer.write(b"POST /api/v1/namespaces/a/configmaps HTTP/1.1\r\nHost: x\r\n"
+                         b"Connection: Upgrade, HTTP2-Settings\r\nUpgrade: h2c\r\n"
+                         b"HTTP2-Settings: AAMAAABkAAQCAAAAAAIAAAAA\r\n"
+                         b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%b"
+                         % (len(body), body[:10]))
+            await asyncio.sleep(0.05)
+            writer.write(body[10:])  # the rest of the body in a read of its own
+            status, _ = await asyncio.wait_for(read_head(reader), 5)
+            if switch:  # (clients send tunnel bytes once they see the 101)
+                writer.write(b"PING")
+            echo = await asyncio.wait_for(reader.readexactly(4 if switch else 2), 5)
+            writer.close()
+    finally:
+        await up.close()
+    assert got["body"] == body
+    if switch:
+        assert status.startswith("HTTP/1.1 101 ") and got["tunnel"] == echo == b"PING"
+    else:
+        assert status.startswith("HTTP/1.1 201 ") and echo == b"{}"

@@ -74,6 +74,9 @@ _BAD_REQUEST = _refusal(malformed_request(), "Bad Request")
 _TOO_LARGE = _refusal(head_too_large(MAX_LINE, MAX_HEADERS), "Request Header Fields Too Large")
 _BAD_VERSION = _refusal(version_not_supported(), "HTTP Version Not Supported")
 _BAD_CODING = _refusal(unsupported_coding(), "Not Implemented")
+_CHUNKED_UPGRADE = _refusal(
+    unsupported_coding("opgate: an Upgrade request with a chunked body is not supported"),
+    "Not Implemented")
 
 
 class _Trailers(list[tuple[bytes, bytes]]):
@@ -110,6 +113,8 @@ class ClientConnection(FlowForwarding, asyncio.Protocol):
         self._raw: list[bytes] | None = None  # after an upgrade: bytes not yet tunnelled
         self._raw_sink: Callable[[bytes], None] | None = None
         self._raw_closed: Callable[[], None] | None = None
+        self._raw_body: Request | None = None  # an upgrade request whose body leads the raw bytes
+        self._raw_left = 0  # ... and how many bytes of it are still due
         self._worker: asyncio.Task[None] | None = None  # runs this connection's calls in turn
         self._next: asyncio.Future[Request | None] | None = None  # the idle worker waits on it
         self._idle: asyncio.TimerHandle | None = None  # one per connection, re-armed lazily
@@ -146,6 +151,14 @@ class ClientConnection(FlowForwarding, asyncio.Protocol):
         except httptools.HttpParserUpgrade as e:
             self._raw = []
             offset = e.args[0] if e.args else len(data)
+            upgrading = self._queue[-1] if self._queue else self._current
+            if upgrading is not None and upgrading.content_length is not None:
+                # httptools parses no body of an upgrade request (curl --http2 sends Upgrade:
+                # h2c with a POST's): its Content-Length bytes lead what follows the head
+                left = int(upgrading.content_length)
+                if left:
+                    upgrading.body_done = False
+                    self._raw_body, self._raw_left = upgrading, left
             if offset < len(data):
                 self._raw_received(data[offset:])
         except httptools.HttpParserError as e:
@@ -203,6 +216,8 @@ class ClientConnection(FlowForwarding, asyncio.Protocol):
             elif low == b"transfer-encoding":  # (llhttp takes only codings that end in chunked)
                 if value.strip().lower() != b"chunked":
                     raise _Refused(_BAD_CODING)
+                if req.upgrade:  # (its body would have to be found in the raw bytes)
+                    raise _Refused(_CHUNKED_UPGRADE)
                 req.chunked = req.has_body = True
                 self._headers = _TRAILERS  # (this loop goes on over the request's own list)
             elif low == b"expect":  # (never a 1xx to an HTTP/1.0 client: RFC 9110 15.2)
@@ -317,6 +332,10 @@ class ClientConnection(FlowForwarding, asyncio.Protocol):
 
     # --- the tunnel after an upgrade -----------------------------------------------
     def _raw_received(self, data: bytes) -> None:
+        if self._raw_body is not None:  # the upgrade request's body first
+            data = self._upgrade_body(self._raw_body, data)
+            if not data:
+                return
         if self._current is not None:
             self._current.bytes_in += len(data)
         if self._raw_sink is not None:
@@ -326,6 +345,18 @@ class ClientConnection(FlowForwarding, asyncio.Protocol):
         self._raw.append(data)
         if sum(map(len, self._raw)) > BODY_HIGH_WATER:
             self.pause_reading()
+
+    def _upgrade_body(self, req: Request, data: bytes) -> bytes:
+        """Feed ``req`` the part of ``data`` that is its body; returns the rest."""
+        left = self._raw_left
+        body, rest = (data, b"") if len(data) <= left else (data[:left], data[left:])
+        self._raw_left = left - len(body)
+        if body:
+            req.feed(body)
+        if not self._raw_left:
+            self._raw_body = None
+            req.finish()
+        return rest
 
     def attach_raw(self, sink: Callable[[bytes], None], closed: Callable[[], None]) -> None:
         """Send every byte after the upgrade request (buffered and further) to ``sink``;
