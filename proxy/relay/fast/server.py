@@ -18,8 +18,11 @@ every further byte is raw, buffered until the relay attaches a sink to the tunne
 
 Limits, as the aiohttp listener has them: a request line or header of at most ``MAX_LINE``
 bytes and at most ``MAX_HEADERS`` headers (else ``431``), malformed HTTP gets ``400``, a request
-line of another version than HTTP/1.x ``505``; each closes the connection. A connection idle
-for ``KEEPALIVE`` seconds between requests is closed.
+line of another version than HTTP/1.x ``505``, a transfer coding besides chunked ``501``; each
+closes the connection (after the answers to the calls before it, when pipelined). A connection
+idle for ``KEEPALIVE`` seconds between requests is closed. Trailer fields of a chunked request
+are dropped. httptools parses no body of an upgrade request: its ``Content-Length`` bytes are
+taken from the raw bytes after the head (a chunked one gets ``501``).
 """
 
 from __future__ import annotations
