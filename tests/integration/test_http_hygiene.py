@@ -550,3 +550,35 @@ async def test_the_body_of_an_upgrade_request_is_relayed_as_its_body(switch: boo
         assert status.startswith("HTTP/1.1 101 ") and got["tunnel"] == echo == b"PING"
     else:
         assert status.startswith("HTTP/1.1 201 ") and echo == b"{}"
+
+
+@pytest.mark.asyncio
+async def test_a_response_nobody_asked_for_never_lends_a_connection_twice() -> None:
+    """An upstream that sends a second response right behind the first (in the same read):
+    the connection must not go back to the pool a second time, or two calls would be sent on
+    it at once and read each other's answers."""
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            line, _ = await read_head(reader)
+            path = line.split(" ")[1].encode()
+            answer = b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%b" % (len(path), path)
+            if path.endswith(b"/first"):
+                answer += b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nextra"
+            writer.write(answer)
+            await writer.drain()
+
+    up = await RawUpstream(serve).start()
+
+    async def call(url: str, path: str) -> bytes:
+        raw = await raw_call(url, b"GET %b HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+                                  % path.encode(), within=10)
+        return split(raw)[2]
+
+    try:
+        async with running_proxy(up.url) as proxy:
+            assert await call(proxy.url, "/api/v1/first") == b"/api/v1/first"
+            paths = [f"/api/v1/namespaces/n{i}/pods" for i in range(4)]
+            got = await asyncio.gather(*(call(proxy.url, p) for p in paths))
+    finally:
+        await up.close()
+    assert got == [p.encode() for p in paths]

@@ -350,10 +350,11 @@ class UpstreamConnection(FlowForwarding, asyncio.Protocol):
         exchange, self.exchange = self.exchange, None
         self.flow = None
         self.timer.clear()  # its deadline: the next exchange sets its own
-        if self._keep and not (self._until_close or self.closed or self.body_pending):
+        if exchange is not None and self._keep and not (
+                self._until_close or self.closed or self.body_pending):
             self._pool.release(self)
-        else:
-            self.close()
+        else:  # (no exchange: a response nobody asked for, in the read of the one before it;
+            self.close()  # pooled again, the connection would be lent to two calls at once)
         if exchange is not None:
             exchange.on_complete()
 
