@@ -310,7 +310,8 @@ async def _serve(settings: Settings, *, reuse_port: bool, parent_fd: int | None,
         try:
             listener = await serve_api(relay, listen=settings.listen.listen,
                                        tls_cert=settings.listen.tls_cert,
-                                       tls_key=settings.listen.tls_key, reuse_port=reuse_port)
+                                       tls_key=settings.listen.tls_key, reuse_port=reuse_port,
+                                       shutdown_timeout=settings.runtime.shutdown_grace)
         except (OSError, TLSFilesError, ValueError) as exc:
             log.error("%s", listen_failure("--listen", settings.listen.listen, exc))
             return 2

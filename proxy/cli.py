@@ -272,6 +272,9 @@ def build_parser() -> argparse.ArgumentParser:
          help="event loop: auto is uvloop when it is installed, else asyncio")
     _add(g, "--relay", kind=relay_name, default="fast", metavar="|".join(RELAYS),
          help="relay core: fast (asyncio protocols + httptools) or aiohttp (client + server)")
+    _add(g, "--shutdown-grace", kind=seconds, default="10", metavar="SECONDS",
+         help="on SIGTERM, time the calls in flight get to finish before they are cut "
+         "(watches end at once)")
     g = serve.add_argument_group("logging")
     _add(g, "--log-level", kind=log_level, default="info", metavar="|".join(LOG_LEVELS),
          help="debug, info, warning or error")
@@ -324,7 +327,8 @@ def settings_from(args: argparse.Namespace) -> Settings:
                         audit_log_maxbackup=args.audit_log_maxbackup,
                         capture=args.capture or None, capture_maxsize=args.capture_maxsize,
                         capture_maxbackup=args.capture_maxbackup),
-        runtime=RuntimeSettings(workers=args.workers, loop=args.loop, relay=args.relay),
+        runtime=RuntimeSettings(workers=args.workers, loop=args.loop, relay=args.relay,
+                                shutdown_grace=args.shutdown_grace),
     )
 
 

@@ -62,6 +62,7 @@ class RuntimeSettings:
     workers: int = 1  # > 1: a supervisor process and this many worker processes
     loop: str = "auto"  # auto (uvloop when importable) | asyncio | uvloop
     relay: str = "fast"  # fast (asyncio protocols + httptools) | aiohttp
+    shutdown_grace: float = 10.0  # seconds the calls in flight get after SIGTERM
 
 
 @dataclass(frozen=True, slots=True)

@@ -43,7 +43,7 @@ from proxy.settings import Settings
 log = logging.getLogger("opgate.workers")
 
 START_TIMEOUT = 60.0  # for a worker's admin socket to answer after its start
-STOP_TIMEOUT = 30.0  # for workers to finish after SIGTERM (they drain for up to 10 s), then KILL
+STOP_MARGIN = 20.0  # seconds past --shutdown-grace for workers to exit after SIGTERM, then KILL
 BACKOFF_FIRST = 0.5
 BACKOFF_MAX = 30.0
 STABLE_AFTER = 10.0  # a worker that ran this long before dying restarts at BACKOFF_FIRST
@@ -324,10 +324,11 @@ class Supervisor:
         waits = [asyncio.ensure_future(proc.wait()) for proc in live]
         if not waits:
             return
-        _, pending = await asyncio.wait(waits, timeout=STOP_TIMEOUT)
+        within = self.settings.runtime.shutdown_grace + STOP_MARGIN
+        _, pending = await asyncio.wait(waits, timeout=within)
         if pending:
             log.warning("%d workers still running %gs after SIGTERM; killing them",
-                        len(pending), STOP_TIMEOUT)
+                        len(pending), within)
             for proc in live:
                 if proc.returncode is None:
                     with contextlib.suppress(ProcessLookupError):

@@ -92,9 +92,13 @@ def test_sidecar_sigterm_waits_for_the_operator_to_stop(helm: Path) -> None:
     docs = _render(helm)
     sidecar = _sidecar(docs)
     assert sidecar["lifecycle"]["preStop"]["exec"]["command"] == ["sleep", "5"]
+    drain = build_parser().parse_args(sidecar["args"]).shutdown_grace
+    assert drain == 10
     grace = _one(docs, "Deployment")["spec"]["template"]["spec"].get(
         "terminationGracePeriodSeconds", 30)
-    assert grace >= 5 + 10 + 5  # the delay, opgate's drain (10 s), slack for the operator
+    assert grace >= 5 + drain + 5  # the delay, opgate's drain, slack for the operator
+    shorter = _sidecar(_render(helm, "sidecar.shutdownGraceSeconds=3"))
+    assert build_parser().parse_args(shorter["args"]).shutdown_grace == 3
     assert "lifecycle" not in _sidecar(_render(helm, "sidecar.shutdownDelaySeconds=0"))
 
 

@@ -101,3 +101,27 @@ async def test_sigint_drains_like_sigterm(upstream: str, tmp_path: Path, relay: 
         opgate.stop()
     assert code == 0
     assert "Traceback" not in opgate.stderr()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("relay", ["fast", "aiohttp"])
+async def test_shutdown_grace_bounds_the_drain(upstream: str, tmp_path: Path, relay: str) -> None:
+    """``--shutdown-grace`` replaces the 10 s default: a call that would take a minute is cut
+    once it has passed, and the process exits well before the default would have let it."""
+    opgate = OpgateProcess("--upstream", upstream, "--relay", relay, "--shutdown-grace", "0.5",
+                           log_dir=tmp_path)
+    try:
+        await asyncio.to_thread(opgate.wait_ready)
+        slow = asyncio.create_task(_call(opgate.url + SLOW + "?sleep=60"))
+        await _until_in_flight(opgate, 1)
+        opgate.proc.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        code = await asyncio.to_thread(opgate.proc.wait, 20)
+        took = time.monotonic() - signalled
+        outcome = await asyncio.wait_for(slow, 10)
+    finally:
+        opgate.stop()
+    assert code == 0, opgate.stderr()
+    assert outcome != 200, outcome
+    assert took < 7.0, f"exited {took:.1f} s after SIGTERM with a 0.5 s grace"
+    assert "Traceback" not in opgate.stderr()

@@ -109,6 +109,7 @@ chart's root context, they use the opgate subchart's (.Subcharts.opgate: the val
     - --token-file={{ .Values.sidecar.tokenFile }}
     - --log-level={{ .Values.sidecar.logLevel }}
     - --header-timeout={{ .Values.sidecar.headerTimeout }}
+    - --shutdown-grace={{ .Values.sidecar.shutdownGraceSeconds }}
     {{- if not .Values.sidecar.accessLog }}
     - --no-access-log
     {{- end }}
