@@ -13,6 +13,8 @@ Fixtures (session-scoped; other e2e modules such as the reconciler's tests rely 
   another opgate (stopped at session end), e.g. with identity or quota policies; without
   ``policies`` it gets ``PASSTHROUGH_POLICY`` (valid, configures no middleware);
   ``tls=False`` for a plain-HTTP listener (then pass ``--token-file``: see ``start_opgate``).
+- ``clientgo``: the path of the client-go program of ``tests/e2e/clientgo`` (built once with
+  Go and cached, see ``clientgo_binary``); only built when a collected test uses it.
 - ``kubeconfigs``: ``.direct`` and ``.via_opgate`` admin kubeconfigs (the client sends the admin
   bearer token either way; opgate forwards it). Call the API through opgate from Python with
   ``cluster.call(method, path, server=opgate.url, token=...)``.
@@ -39,6 +41,7 @@ from proxy.envtest.binaries import BinariesUnavailable, KubeBinaries, find_or_bu
 from proxy.envtest.cluster import LocalCluster
 from proxy.envtest.procs import Proc, free_port, tail
 from proxy.envtest.tools import KubeTools, find_tools
+from tests.e2e import clientgo_binary
 
 REPO = Path(__file__).resolve().parents[2]
 OPGATE_READY_TIMEOUT = 90.0
@@ -153,7 +156,10 @@ def _prepare(what: str) -> object:
     fails with the same message (never skips)."""
     if what not in _PREPARED:
         try:
-            _PREPARED[what] = find_or_build() if what == "kube" else find_tools()
+            if what == "clientgo":
+                _PREPARED[what] = clientgo_binary.find_or_build()
+            else:
+                _PREPARED[what] = find_or_build() if what == "kube" else find_tools()
         except BinariesUnavailable as exc:
             _PREPARED[what] = exc
     return _PREPARED[what]
@@ -169,6 +175,9 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     started = time.monotonic()
     for what in ("kube", "tools"):
         _prepare(what)
+    if any("clientgo" in item.fixturenames for item in session.items  # type: ignore[attr-defined]
+           if isinstance(item, pytest.Function)):
+        _prepare("clientgo")
     if reporter is not None and time.monotonic() - started > 5:
         reporter.write_line(f"opgate e2e: binaries ready in {time.monotonic() - started:.0f}s")
 
@@ -205,6 +214,18 @@ def kube_tools() -> KubeTools:
         pytest.fail(f"e2e needs kubectl and helm: {found}", pytrace=False)
     assert isinstance(found, KubeTools)
     return found
+
+
+@pytest.fixture(scope="session")
+def clientgo() -> Path:
+    found = _prepare("clientgo")
+    if isinstance(found, BinariesUnavailable):
+        pytest.fail(f"the client-go e2e tests need their Go program: {found}", pytrace=False)
+    assert isinstance(found, tuple)
+    binary, seconds = found
+    if seconds:
+        print(f"\nopgate e2e: built {binary} in {seconds:.0f}s", file=sys.stderr)
+    return Path(binary)
 
 
 @pytest.fixture(scope="session")
