@@ -11,10 +11,12 @@ DESIGN.md's order, the first source that answers wins:
 
 It runs per call, so it stays cheap: only when a matched rule's key needs ``{instance}``; the
 header is a dict lookup; a body is looked at only for POST/PUT with ``Content-Type:
-application/json`` (protobuf and CBOR bodies are never decoded: such calls fall through to 3 and
-4) and only when the relay read it (the rate-limit middleware's ``wants_body``); ``json.loads``
-runs only when the bytes contain ``"ownerReferences"``, or for a create of a watched kind (for
-its name). A malformed body falls through, never fails the call.
+application/json`` or ``application/vnd.kubernetes.protobuf`` (what client-go sends for built-in
+kinds by default; only its ``metadata`` is read, :mod:`proxy.engine.protometa`; CBOR bodies are
+never decoded: such calls fall through to 3 and 4) and only when the relay read it (the
+rate-limit middleware's ``wants_body``); ``json.loads`` runs only when the bytes contain
+``"ownerReferences"``, or for a create of a watched kind (for its name). A malformed body falls
+through, never fails the call.
 
 An :class:`InstanceOverrides` (``proxy.relay.informer.InformerPool`` when serving,
 :class:`MemoryInstanceOverrides` in tests) says which resources are watched CR kinds and holds
@@ -31,9 +33,10 @@ from typing import Any, Protocol
 
 from proxy.engine.context import RequestContext
 from proxy.engine.kinds import is_custom_group, parse_qps
+from proxy.engine.protometa import is_protobuf, read_meta
 
 __all__ = ["INSTANCE_HEADER", "InstanceOverrides", "InstanceResolver", "MemoryInstanceOverrides",
-           "header_instance", "is_custom_group", "is_json_write"]
+           "header_instance", "is_custom_group", "is_readable_write"]
 
 INSTANCE_HEADER = "Opgate-Instance"
 _OWNER_MARK = b'"ownerReferences"'
@@ -111,12 +114,17 @@ def header_instance(ctx: RequestContext) -> str | None:
     return "/".join(parts)
 
 
-def is_json_write(ctx: RequestContext) -> bool:
-    """A create (POST) or update (PUT) whose body is JSON: the only bodies opgate decodes."""
+def _is_json(ctype: str | None) -> bool:
+    return ctype is not None and ctype.partition(";")[0].strip().lower() == "application/json"
+
+
+def is_readable_write(ctx: RequestContext) -> bool:
+    """A create (POST) or update (PUT) whose body is JSON, or protobuf to a built-in kind (the
+    apiserver serves custom resources no protobuf): the bodies opgate reads."""
     if ctx.method != "POST" and ctx.method != "PUT":
         return False
     ctype = ctx.headers.get("Content-Type")
-    return ctype is not None and ctype.partition(";")[0].strip().lower() == "application/json"
+    return _is_json(ctype) or (is_protobuf(ctype) and not is_custom_group(ctx.info.api_group))
 
 
 def _load(body: bytes) -> dict[str, Any] | None:
@@ -143,11 +151,15 @@ def controller_owner(doc: dict[str, Any] | None) -> tuple[str, str] | None:
         return None
     for ref in refs:
         if isinstance(ref, dict) and ref.get("controller") is True:
-            kind, name = ref.get("kind"), ref.get("name")
-            if _valid(kind, MAX_KIND) and _valid(name, MAX_NAME):
-                return str(kind), str(name)
-            return None
+            return _checked((ref.get("kind"), ref.get("name")))
     return None
+
+
+def _checked(owner: tuple[object, object] | None) -> tuple[str, str] | None:
+    if owner is None:
+        return None
+    kind, name = owner
+    return (str(kind), str(name)) if _valid(kind, MAX_KIND) and _valid(name, MAX_NAME) else None
 
 
 class InstanceResolver:
@@ -163,8 +175,16 @@ class InstanceResolver:
         info = ctx.info
         if not info.is_resource_request:
             return None
-        body = ctx.body if ctx.body is not None and is_json_write(ctx) else None
+        body = ctx.body if ctx.body is not None and is_readable_write(ctx) else None
         doc: dict[str, Any] | None = None
+        if body is not None and not _is_json(ctx.headers.get("Content-Type")):
+            # protobuf: a built-in kind, so only its controlling owner can name an instance
+            meta = read_meta(body)
+            owner = _checked(meta.controller) if meta is not None else None
+            if owner is not None:
+                namespace = "" if self.overrides.cluster_scoped(owner[0]) else info.namespace
+                return f"{namespace}/{owner[0]}/{owner[1]}"
+            return None
         if body is not None and _OWNER_MARK in body:
             doc = _load(body)
             owner = controller_owner(doc)

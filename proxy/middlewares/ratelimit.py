@@ -16,8 +16,9 @@ calls get ``RateLimit-*`` headers too: the verdict is already at hand, so they c
 
 ``{instance}`` is resolved only for calls that a rule needing it matches
 (:mod:`proxy.middlewares.instance`); to find it in a create/update body this middleware declares
-``needs_body`` and narrows it per call with ``wants_body`` (POST/PUT JSON bodies without the
-``Opgate-Instance`` header that such a rule matches), so the relay streams every other body.
+``needs_body`` and narrows it per call with ``wants_body`` (POST/PUT JSON or protobuf bodies
+without the ``Opgate-Instance`` header that such a rule matches), so the relay streams every
+other body.
 An instance's own qps comes from its ``InstanceOverrides`` (the informer pool when serving); a
 failure there never fails a call: the rule's plain qps applies.
 """
@@ -42,7 +43,7 @@ from proxy.middlewares.instance import (
     InstanceResolver,
     MemoryInstanceOverrides,
     header_instance,
-    is_json_write,
+    is_readable_write,
 )
 from proxy.middlewares.ratelimit_spec import SECTION, BoundRule, Plan, bind_rules, parse_section
 from proxy.stores.base import BucketRequest, Held, KeyVerdict, Store, StoreUnavailable, Verdict
@@ -134,10 +135,10 @@ class RateLimit:
                 "instance": "-"}
 
     def wants_body(self, ctx: RequestContext) -> bool:
-        """Whether the relay should read this call's body: a JSON create/update without the
-        ``Opgate-Instance`` header that a rule with ``{instance}`` in its key may match (the
-        relay asks before the entry hooks, so before identity is known: any user)."""
-        if not self.needs_body or not is_json_write(ctx) or ctx.headers.get(INSTANCE_HEADER):
+        """Whether the relay should read this call's body: a JSON or protobuf create/update
+        without the ``Opgate-Instance`` header that a rule with ``{instance}`` in its key may
+        match (the relay asks before the entry hooks, so before identity is known: any user)."""
+        if not self.needs_body or not is_readable_write(ctx) or ctx.headers.get(INSTANCE_HEADER):
             return False
         plan = self._plan_of(ctx.policies)
         return plan.needs_instance and any(

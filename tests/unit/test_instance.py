@@ -26,6 +26,7 @@ from proxy.relay import UpstreamConfig
 from proxy.relay.informer import InformerPool
 from proxy.relay.listwatch import LIST_ACCEPT, WATCH_ACCEPT, Failed, Gone, apply_event
 from proxy.stores.memory import MemoryStore
+from tests.unit.test_protometa import CONFIGMAP_PB, NAMED_PB
 
 JSON = "application/json"
 PROTOBUF = "application/vnd.kubernetes.protobuf"
@@ -67,8 +68,14 @@ CASES = [
         {"kind": "Widget", "name": "w1", "controller": False}]}}), None),
     ("a patch body is not looked at", ctx("PATCH", CM + "/cm", OWNED,
                                           ctype="application/merge-patch+json"), None),
-    ("protobuf body", ctx("POST", CM, b'k8s\x00 "ownerReferences" Widget w1', ctype=PROTOBUF),
-     None),
+    ("protobuf body (client-go's default)", ctx("POST", CM, CONFIGMAP_PB, ctype=PROTOBUF),
+     "a/Widget/w1"),
+    ("protobuf update", ctx("PUT", CM + "/cm", CONFIGMAP_PB, ctype=PROTOBUF), "a/Widget/w1"),
+    ("protobuf body without an owner", ctx("POST", CM, NAMED_PB, ctype=PROTOBUF), None),
+    ("protobuf that is not", ctx("POST", CM, b'k8s\x00 "ownerReferences" Widget w1',
+                                 ctype=PROTOBUF), None),
+    ("protobuf to a custom resource is not read (never served)",
+     ctx("POST", WIDGETS, CONFIGMAP_PB, ctype=PROTOBUF), None),
     ("cbor body", ctx("POST", CM, b'\xd9\xd9\xf7"ownerReferences"', ctype="application/cbor"),
      None),
     ("malformed json", ctx("POST", CM, b'{"metadata": {"ownerReferences": [{'), None),
@@ -145,7 +152,9 @@ def with_policies(call: RequestContext, policies: PolicySet) -> RequestContext:
     (ctx("POST", CM, OWNED), INSTANCE_WRITES, True),
     (ctx("PUT", CM + "/cm", OWNED), INSTANCE_WRITES, True),
     (ctx("POST", CM, OWNED, header="a/Widget/w1"), INSTANCE_WRITES, False),
-    (ctx("POST", CM, OWNED, ctype=PROTOBUF), INSTANCE_WRITES, False),
+    (ctx("POST", CM, CONFIGMAP_PB, ctype=PROTOBUF), INSTANCE_WRITES, True),
+    (ctx("PUT", WIDGETS + "/w1", b"", ctype=PROTOBUF), INSTANCE_WRITES, False),  # never served
+    (ctx("POST", CM, OWNED, ctype="application/cbor"), INSTANCE_WRITES, False),
     (ctx("PATCH", CM + "/cm", OWNED, ctype="application/merge-patch+json"), INSTANCE_WRITES,
      False),
     (ctx("DELETE", CM + "/cm", {}), INSTANCE_WRITES, False),

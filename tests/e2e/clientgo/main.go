@@ -164,9 +164,26 @@ func main() {
 		get(ctx, o.config(), o.namespace, *name, *count, *retries)
 	case "create":
 		resource := fs.String("resource", "configmaps", "configmaps | secrets")
-		name := fs.String("name", "", "object name")
+		name := fs.String("name", "", "object name (with --count: name-0, name-1, ...)")
+		generate := fs.Bool("generate-name", false, "send the name as generateName")
+		count := fs.Int("count", 1, "how many objects, one after another")
+		owner := fs.String("owner", "", "Kind/name of a controlling ownerReference")
 		parse(fs, args)
-		create(ctx, o.clientset(), o.namespace, *resource, *name)
+		for i := 0; i < *count; i++ {
+			meta := metav1.ObjectMeta{Name: *name, Namespace: o.namespace}
+			if *count > 1 {
+				meta.Name = fmt.Sprintf("%s-%d", *name, i)
+			}
+			if *generate {
+				meta.GenerateName, meta.Name = meta.Name, ""
+			}
+			if kind, ownerName, ok := strings.Cut(*owner, "/"); ok {
+				meta.OwnerReferences = []metav1.OwnerReference{{APIVersion: "demo.opgate.dev/v1",
+					Kind: kind, Name: ownerName, UID: "00000000-0000-0000-0000-000000000001",
+					Controller: ptr(true)}}
+			}
+			create(ctx, o.clientset(), *resource, meta)
+		}
 	case "version":
 		parse(fs, args)
 		v, err := o.clientset().Discovery().ServerVersion()
@@ -295,14 +312,17 @@ func get(ctx context.Context, cfg *rest.Config, ns, name string, count, retries 
 	}
 }
 
-func create(ctx context.Context, cs *kubernetes.Clientset, ns, resource, name string) {
+func ptr[T any](v T) *T { return &v }
+
+func create(ctx context.Context, cs *kubernetes.Clientset, resource string, meta metav1.ObjectMeta) {
 	var err error
-	meta := metav1.ObjectMeta{Name: name, Namespace: ns}
+	var made metav1.Object
+	ns := meta.Namespace
 	switch resource {
 	case "configmaps":
-		_, err = cs.CoreV1().ConfigMaps(ns).Create(ctx, &corev1.ConfigMap{ObjectMeta: meta}, metav1.CreateOptions{})
+		made, err = cs.CoreV1().ConfigMaps(ns).Create(ctx, &corev1.ConfigMap{ObjectMeta: meta}, metav1.CreateOptions{})
 	case "secrets":
-		_, err = cs.CoreV1().Secrets(ns).Create(ctx, &corev1.Secret{ObjectMeta: meta}, metav1.CreateOptions{})
+		made, err = cs.CoreV1().Secrets(ns).Create(ctx, &corev1.Secret{ObjectMeta: meta}, metav1.CreateOptions{})
 	default:
 		fail("unknown resource %q", resource)
 	}
@@ -310,5 +330,5 @@ func create(ctx context.Context, cs *kubernetes.Clientset, ns, resource, name st
 		emitError("create", err)
 		return
 	}
-	emit("created", map[string]any{"resource": resource, "name": name})
+	emit("created", map[string]any{"resource": resource, "name": made.GetName()})
 }

@@ -1,0 +1,127 @@
+"""The few ``metadata`` fields opgate reads from a Kubernetes protobuf body, without a schema.
+
+client-go (1.35) sends built-in objects (ConfigMaps, Secrets, Pods…) as
+``application/vnd.kubernetes.protobuf`` by default, so the quota's object name and the
+``{instance}`` of a controlling ownerReference must be read from such bodies too. The body is
+``k8s\\x00`` and a ``runtime.Unknown`` (``raw`` = 2) whose ``raw`` is the object; every top-level
+object has its ``ObjectMeta`` at field 1 (``name`` 1, ``generateName`` 2, ``ownerReferences``
+13: ``kind`` 1, ``name`` 3, ``controller`` 6), as in k8s.io/apimachinery's ``generated.proto``.
+Only those messages are walked, each field skipped by its length; anything malformed gives
+``None`` (the caller goes on as for a body it cannot read).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+MAGIC = b"k8s\x00"
+PROTOBUF = "application/vnd.kubernetes.protobuf"
+
+
+@dataclass(frozen=True, slots=True)
+class ProtoMeta:
+    name: str
+    generate_name: str
+    controller: tuple[str, str] | None  # (kind, name) of the ownerReference with controller
+
+
+class _Malformed(ValueError):
+    pass
+
+
+def _varint(buf: memoryview, pos: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        if pos >= len(buf) or shift > 63:
+            raise _Malformed
+        byte = buf[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, pos
+        shift += 7
+
+
+def _fields(buf: memoryview) -> Iterator[tuple[int, int | memoryview]]:
+    """``(field number, value)``: an int for a varint, a view for a length-delimited field
+    (no copy: an object's data may be large)."""
+    pos, end = 0, len(buf)
+    while pos < end:
+        key, pos = _varint(buf, pos)
+        number, wire = key >> 3, key & 7
+        if wire == 0:
+            value, pos = _varint(buf, pos)
+            yield number, value
+        elif wire == 2:
+            size, pos = _varint(buf, pos)
+            if pos + size > end:
+                raise _Malformed
+            yield number, buf[pos:pos + size]
+            pos += size
+        elif wire == 1 or wire == 5:  # fixed64, fixed32: nothing of ours
+            pos += 8 if wire == 1 else 4
+        else:  # groups (3, 4) are not used by Kubernetes
+            raise _Malformed
+    if pos != end:
+        raise _Malformed
+
+
+def _field(buf: memoryview, number: int) -> memoryview | None:
+    found = None
+    for n, value in _fields(buf):
+        if n == number and isinstance(value, memoryview):
+            found = value  # protobuf: the last one wins
+    return found
+
+
+def _text(value: memoryview) -> str:
+    try:
+        return str(value, "utf-8")
+    except UnicodeDecodeError as exc:
+        raise _Malformed from exc
+
+
+def _owner(buf: memoryview) -> tuple[str, str, bool]:
+    kind = name = ""
+    controller = False
+    for n, value in _fields(buf):
+        if n == 1 and isinstance(value, memoryview):
+            kind = _text(value)
+        elif n == 3 and isinstance(value, memoryview):
+            name = _text(value)
+        elif n == 6 and isinstance(value, int):
+            controller = value != 0
+    return kind, name, controller
+
+
+def is_protobuf(content_type: str | None) -> bool:
+    return content_type is not None and (
+        content_type.partition(";")[0].strip().lower() == PROTOBUF)
+
+
+def read_meta(body: bytes) -> ProtoMeta | None:
+    """The object's name, generateName and controlling owner; ``None`` if not readable."""
+    if not body.startswith(MAGIC):
+        return None
+    try:
+        raw = _field(memoryview(body)[len(MAGIC):], 2)
+        meta = _field(raw, 1) if raw is not None else None
+        if meta is None:
+            return None
+        name = generate_name = ""
+        controller: tuple[str, str] | None = None
+        for n, value in _fields(meta):
+            if not isinstance(value, memoryview):
+                continue
+            if n == 1:
+                name = _text(value)
+            elif n == 2:
+                generate_name = _text(value)
+            elif n == 13 and controller is None:
+                kind, owner, is_controller = _owner(value)
+                if is_controller:
+                    controller = (kind, owner)
+        return ProtoMeta(name, generate_name, controller)
+    except _Malformed:
+        return None
