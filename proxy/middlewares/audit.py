@@ -57,6 +57,8 @@ from proxy.engine import telemetry
 from proxy.engine.context import Identity, RequestContext
 from proxy.engine.logfile import BackgroundWriter, RotatingFile
 from proxy.engine.policies import PlanPerSet
+from proxy.engine.protometa import MAGIC as PROTOBUF_MAGIC
+from proxy.engine.protometa import read_meta
 from proxy.engine.redact import redact_object, redact_query
 from proxy.engine.requestinfo import RequestInfo
 from proxy.middlewares.audit_spec import (
@@ -208,9 +210,15 @@ def _request_object(ctx: RequestContext, decision: Decision,
 
 
 def _body_name(ctx: RequestContext) -> str:
-    """A create's object name from its JSON body (as the apiserver completes objectRef)."""
+    """A create's object name from its JSON or protobuf body (as the apiserver completes
+    objectRef; client-go sends built-in kinds as protobuf by default)."""
     body = ctx.body
-    if not body or ctx.info.verb != "create" or not body.lstrip().startswith(b"{"):
+    if not body or ctx.info.verb != "create":
+        return ""
+    if body.startswith(PROTOBUF_MAGIC):
+        meta = read_meta(body)
+        return meta.name if meta is not None else ""
+    if not body.lstrip().startswith(b"{"):
         return ""
     try:
         meta = json.loads(body).get("metadata")

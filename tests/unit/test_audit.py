@@ -32,6 +32,7 @@ from proxy.middlewares.audit import (
     request_uri,
 )
 from proxy.relay.fast.wire import WireHeaders
+from tests.unit.test_protometa import NAMED_PB
 
 TOKEN = "eyJhbGciOiJSUzI1NiJ9.c2VjcmV0LXRva2Vu.c2lnbmF0dXJl"
 SA = Identity(user="system:serviceaccount:ops:op", uid="4d2c-11",
@@ -375,6 +376,24 @@ def test_a_denial_is_recorded_with_its_status() -> None:
     assert ev["responseStatus"]["reason"] == "Forbidden"
     assert ev["responseStatus"]["message"] == status.message
     assert ev["annotations"]["opgate.dev/reason"] == status.message
+
+
+def test_a_protobuf_create_names_its_object_too() -> None:
+    """client-go sends built-in kinds as protobuf: the body is left out, its name is not."""
+    out = Lines()
+    pset = policies("    rules:\n      - level: Request\n        verbs: [create]\n")
+    auditor = Audit(write=out)
+    ctx = make_ctx("POST", "/api/v1/namespaces/a/configmaps", pset=pset,
+                   headers={"Content-Type": "application/vnd.kubernetes.protobuf"},
+                   body=NAMED_PB)
+    assert auditor.wants_body(ctx)
+    ctx.identity = SA
+    run_call(auditor, ctx, 201)
+    (ev,) = out.events
+    check_shape(ev)
+    assert ev["objectRef"]["name"] == "cm-1"
+    assert "requestObject" not in ev
+    assert ev["annotations"]["opgate.dev/request-object"].startswith("omitted: not JSON")
 
 
 def test_request_level_records_the_request_object() -> None:
