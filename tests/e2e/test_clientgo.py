@@ -10,11 +10,12 @@ client-go decodes them: a 429 it retries after ``Retry-After``, a 403 that is ``
 each request it made, ``warning``, ``error`` with the ``apierrors.Is*`` verdicts, and each
 subcommand's own lines).
 
-A watch resumed at a compacted resourceVersion (410, then the reflector lists again) is not
-driven here: client-go 1.35 resumes a plain watch only after one that ended cleanly (its
-timeout, 5-10 minutes); a watch cut by an apiserver restart makes it list again at once, and a
-resourceVersion leaves the watch cache only when more events than its capacity are older than
-75 s. The 410 watch event itself is checked with the Python client (test_python_client.py).
+client-go resumes a plain watch at its last resourceVersion only after a watch that ended
+cleanly (its own timeout is 5-10 minutes; a watch cut by an apiserver restart makes it list
+again at once). So the 410 test has opgate end idle watches (``--watch-idle-timeout``) while the
+informer's process is stopped (SIGSTOP), etcd is compacted and the apiserver restarted (its
+watch cache then starts past the informer's resourceVersion): resumed, the informer reads the
+clean end, watches from its old resourceVersion, gets 410 Expired and lists again.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import signal
 import subprocess
 import threading
 import time
@@ -61,6 +63,16 @@ def via(relay: str, cluster: LocalCluster, opgate_factory: Callable[..., Opgate]
     """A kubeconfig for a pass-through opgate on ``relay`` (TLS: the admin token reaches it)."""
     gate = opgate_factory(extra_args=["--relay", relay])
     return cluster.write_kubeconfig(tmp_path_factory.mktemp("clientgo") / "via.kubeconfig",
+                                    server=gate.url, token=cluster.admin_token,
+                                    ca_file=cluster.ca_file)
+
+
+@pytest.fixture(scope="module")
+def idle_via(relay: str, cluster: LocalCluster, opgate_factory: Callable[..., Opgate],
+             tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """As ``via``, but opgate ends a watch idle for 3 s (cleanly: client-go watches again)."""
+    gate = opgate_factory(extra_args=["--relay", relay, "--watch-idle-timeout", "3"])
+    return cluster.write_kubeconfig(tmp_path_factory.mktemp("clientgo") / "idle.kubeconfig",
                                     server=gate.url, token=cluster.admin_token,
                                     ca_file=cluster.ca_file)
 
@@ -292,6 +304,40 @@ def test_informers_list_again_after_an_apiserver_restart(
                    for c in later), later
         assert later[-1]["code"] == 200 and query(later[-1]).get("watch") == "true", later
         assert {f"{ns}/restart-before", f"{ns}/restart-after"} <= set(inf.store())
+
+
+@pytest.mark.parametrize("mode", ["watch-list", "list-watch"])
+def test_a_watch_resumed_past_compaction_gets_410_and_the_reflector_lists_again(
+        cluster: LocalCluster, ns: str, idle_via: Path, informer: Callable[..., Informer],
+        mode: str) -> None:
+    before, after = f"gone-before-{mode}", f"gone-after-{mode}"
+    cluster.apply(configmap(ns, before, v="0"))
+    inf = informer(idle_via, "--namespace", ns, watch_list=mode == "watch-list")
+    inf.wait_for(lambda ln: ln["kind"] == "synced", 30, "cache sync")
+    os.kill(inf.proc.pid, signal.SIGSTOP)  # the client is away
+    try:
+        time.sleep(4)  # opgate ends its idle watch meanwhile: a clean end, read on return
+        cluster.create_namespace(f"{ns}-elsewhere")  # etcd's revision moves on
+        cluster.apply(configmap(f"{ns}-elsewhere", f"bump-{mode}", v="1"))
+        compacted = cluster.compact_etcd()
+        cluster.restart_apiserver()
+    finally:
+        os.kill(inf.proc.pid, signal.SIGCONT)
+    err = inf.wait_for(lambda ln: ln["kind"] == "error", 60, "the resumed watch's 410")
+    assert (err["op"], err["code"], err["reason"], err["expired"]) == (
+        "watch-event", 410, "Expired", True), err  # an ERROR event in a 200 watch
+    watches = [ln for ln in inf.lines if ln["kind"] == "http" and "resourceVersion" in query(ln)
+               and query(ln).get("watch") == "true" and "sendInitialEvents" not in query(ln)]
+    assert watches and int(query(watches[-1])["resourceVersion"]) < compacted, watches
+    assert f"too old resource version: {query(watches[-1])['resourceVersion']} (" in (
+        err["message"]), (err, watches[-1])
+    relist = inf.wait_for(lambda ln: ln["kind"] == "http" and ln["code"] == 200 and (
+        "watch" not in query(ln) or query(ln).get("sendInitialEvents") == "true"), 30,
+        "the list after the 410")
+    assert relist["rctype"].startswith(PROTOBUF), relist
+    cluster.apply(configmap(ns, after, v="1"))
+    inf.event("add", after, timeout=15)
+    assert {f"{ns}/{before}", f"{ns}/{after}"} <= set(inf.store())
 
 
 def test_a_list_at_a_compacted_resource_version_is_expired_to_client_go(

@@ -26,8 +26,8 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/watch"
 	corev1ac "k8s.io/client-go/applyconfigurations/core/v1"
-	"k8s.io/client-go/informers"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/cache"
@@ -63,6 +63,8 @@ func (l logged) RoundTrip(req *http.Request) (*http.Response, error) {
 		fields["err"] = err.Error()
 	} else {
 		fields["code"] = resp.StatusCode
+		fields["proto"] = resp.Proto
+		fields["gunzipped"] = resp.Uncompressed // Go's transport asked for gzip and got it
 		fields["rctype"] = resp.Header.Get("Content-Type")
 		fields["retryAfter"] = resp.Header.Get("Retry-After")
 	}
@@ -202,14 +204,60 @@ func parse(fs *flag.FlagSet, args []string) {
 	}
 }
 
-// informer runs a shared informer (from the factory, as controllers get theirs) on the
-// namespace's ConfigMaps and prints what its handlers get until stdin closes; each line read
-// from stdin prints the store's keys.
+// shownWatch passes a watch's events on and prints each ERROR event as client-go decodes it
+// (the reflector itself reports a 410 from a watch to no handler: it just lists again).
+type shownWatch struct {
+	watch.Interface
+	out  chan watch.Event
+	done chan struct{}
+	once sync.Once
+}
+
+func showErrors(w watch.Interface) watch.Interface {
+	s := &shownWatch{Interface: w, out: make(chan watch.Event), done: make(chan struct{})}
+	go func() {
+		defer close(s.out)
+		for ev := range w.ResultChan() {
+			if ev.Type == watch.Error {
+				emitError("watch-event", apierrors.FromObject(ev.Object))
+			}
+			select {
+			case s.out <- ev:
+			case <-s.done:
+				return
+			}
+		}
+	}()
+	return s
+}
+
+func (s *shownWatch) ResultChan() <-chan watch.Event { return s.out }
+
+func (s *shownWatch) Stop() {
+	s.once.Do(func() { close(s.done) })
+	s.Interface.Stop()
+}
+
+// informer runs a shared informer on the namespace's ConfigMaps (the ListWatch the factory's
+// would use, its watches' ERROR events printed) and prints what its handlers get until stdin
+// closes; each line read from stdin prints the store's keys.
 func informer(ctx context.Context, cs *kubernetes.Clientset, ns string) {
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
-	factory := informers.NewSharedInformerFactoryWithOptions(cs, 0, informers.WithNamespace(ns))
-	inf := factory.Core().V1().ConfigMaps().Informer()
+	configMaps := cs.CoreV1().ConfigMaps(ns)
+	lw := &cache.ListWatch{
+		ListWithContextFunc: func(ctx context.Context, opts metav1.ListOptions) (runtime.Object, error) {
+			return configMaps.List(ctx, opts)
+		},
+		WatchFuncWithContext: func(ctx context.Context, opts metav1.ListOptions) (watch.Interface, error) {
+			w, err := configMaps.Watch(ctx, opts)
+			if err != nil {
+				return nil, err
+			}
+			return showErrors(w), nil
+		},
+	}
+	inf := cache.NewSharedIndexInformer(lw, &corev1.ConfigMap{}, 0, cache.Indexers{})
 	show := func(event string, obj any) {
 		if tomb, ok := obj.(cache.DeletedFinalStateUnknown); ok {
 			obj = tomb.Obj
@@ -231,8 +279,7 @@ func informer(ctx context.Context, cs *kubernetes.Clientset, ns string) {
 	}); err != nil {
 		fail("watch error handler: %v", err)
 	}
-	factory.Start(ctx.Done())
-	defer factory.Shutdown()
+	go inf.RunWithContext(ctx)
 	if !cache.WaitForCacheSync(ctx.Done(), inf.HasSynced) {
 		fail("the informer never synced")
 	}
