@@ -37,7 +37,7 @@ import pytest
 
 from proxy.envtest.binaries import KUBERNETES_VERSION
 from proxy.envtest.cluster import LocalCluster
-from tests.e2e.conftest import Opgate
+from tests.e2e.conftest import Kubeconfigs, Opgate
 
 pytestmark = pytest.mark.e2e
 
@@ -517,3 +517,29 @@ def test_the_instance_of_a_protobuf_create_is_its_controlling_owner(
     assert create("a-1", "Widget/a") == [201]
     assert create("b-1", "Widget/b") == [201], "another owner's create shared a's bucket"
     assert create("a-2", "Widget/a")[0] == 429, "the same owner's second create was not limited"
+
+
+def test_an_exec_the_apiserver_refuses_reaches_client_go_as_its_status(
+        cluster: LocalCluster, ns: str, via: Path, kubeconfigs: Kubeconfigs,
+        clientgo: Path) -> None:
+    """kubectl's executor (WebSocket, then SPDY) for a pod on no node (envtest runs no
+    kubelet): the apiserver answers the upgrade 400 and client-go reports its Status, the same
+    through opgate as directly."""
+    if cluster.call("GET", f"/api/v1/namespaces/{ns}/pods/nowhere").status == 404:
+        cluster.call("POST", f"/api/v1/namespaces/{ns}/pods", body={
+            "apiVersion": "v1", "kind": "Pod", "metadata": {"name": "nowhere"},
+            "spec": {"containers": [{"name": "c", "image": "busybox"}]}}).ok()
+
+    def shown(kubeconfig: Path) -> list[Line]:
+        lines = run(clientgo, "exec", kubeconfig, "--namespace", ns, "--pod", "nowhere")
+        return [{k: v for k, v in ln.items() if k not in ("proto", "gunzipped")}
+                for ln in lines]
+
+    direct, through = shown(kubeconfigs.direct), shown(via)
+    assert through == direct
+    (err,) = of(through, "error")
+    assert (err["code"], err["reason"]) == (400, "BadRequest"), err
+    assert err["message"] == "pod nowhere does not have a host assigned"
+    websocket, spdy = of(through, "http")
+    assert websocket["method"] == "GET" and "unable to upgrade" in websocket["err"]
+    assert (spdy["method"], spdy["code"]) == ("POST", 400)

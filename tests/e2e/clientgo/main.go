@@ -26,12 +26,15 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/util/httpstream"
 	"k8s.io/apimachinery/pkg/watch"
 	corev1ac "k8s.io/client-go/applyconfigurations/core/v1"
 	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/kubernetes/scheme"
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/cache"
 	"k8s.io/client-go/tools/clientcmd"
+	"k8s.io/client-go/tools/remotecommand"
 )
 
 var outMu sync.Mutex
@@ -186,6 +189,10 @@ func main() {
 			}
 			create(ctx, o.clientset(), *resource, meta)
 		}
+	case "exec":
+		pod := fs.String("pod", "", "pod name")
+		parse(fs, args)
+		execIn(ctx, o.config(), o.namespace, *pod)
 	case "version":
 		parse(fs, args)
 		v, err := o.clientset().Discovery().ServerVersion()
@@ -378,4 +385,35 @@ func create(ctx context.Context, cs *kubernetes.Clientset, resource string, meta
 		return
 	}
 	emit("created", map[string]any{"resource": resource, "name": made.GetName()})
+}
+
+// execIn runs `true` in a pod as kubectl does (WebSocket, falling back to SPDY) and prints the
+// outcome: an upgrade the apiserver refuses must come back as its Status.
+func execIn(ctx context.Context, cfg *rest.Config, ns, pod string) {
+	cs, err := kubernetes.NewForConfig(cfg)
+	if err != nil {
+		fail("clientset: %v", err)
+	}
+	req := cs.CoreV1().RESTClient().Post().Namespace(ns).Resource("pods").Name(pod).
+		SubResource("exec").VersionedParams(&corev1.PodExecOptions{Command: []string{"true"},
+		Stdout: true, Stderr: true}, scheme.ParameterCodec)
+	ws, err := remotecommand.NewWebSocketExecutor(cfg, "GET", req.URL().String())
+	if err != nil {
+		fail("websocket executor: %v", err)
+	}
+	spdy, err := remotecommand.NewSPDYExecutor(cfg, "POST", req.URL())
+	if err != nil {
+		fail("spdy executor: %v", err)
+	}
+	exec, err := remotecommand.NewFallbackExecutor(ws, spdy, httpstream.IsUpgradeFailure)
+	if err != nil {
+		fail("fallback executor: %v", err)
+	}
+	var out, errOut strings.Builder
+	err = exec.StreamWithContext(ctx, remotecommand.StreamOptions{Stdout: &out, Stderr: &errOut})
+	if err != nil {
+		emitError("exec", err)
+		return
+	}
+	emit("exec", map[string]any{"stdout": out.String(), "stderr": errOut.String()})
 }
