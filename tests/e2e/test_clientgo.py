@@ -37,6 +37,7 @@ import pytest
 
 from proxy.envtest.binaries import KUBERNETES_VERSION
 from proxy.envtest.cluster import LocalCluster
+from proxy.relay.calls import IMPERSONATION_DROPPED
 from tests.e2e.conftest import Kubeconfigs, Opgate
 
 pytestmark = pytest.mark.e2e
@@ -543,3 +544,13 @@ def test_an_exec_the_apiserver_refuses_reaches_client_go_as_its_status(
     websocket, spdy = of(through, "http")
     assert websocket["method"] == "GET" and "unable to upgrade" in websocket["err"]
     assert (spdy["method"], spdy["code"]) == ("POST", 400)
+
+
+def test_dropped_impersonation_is_a_warning_to_client_go(ns: str, via: Path,
+                                                        clientgo: Path) -> None:
+    """``rest.Config.Impersonate`` (``kubectl --as``) through opgate, which allows none: the call
+    runs as the caller and client-go's WarningHandler hears why."""
+    lines = run(clientgo, "create", via, "--namespace", ns, "--name", "as-bob", "--as", "bob")
+    assert of(lines, "created"), lines  # bob may do nothing: it ran as the admin
+    (warning,) = of(lines, "warning")
+    assert warning["code"] == 299 and warning["text"] == f"opgate: {IMPERSONATION_DROPPED}"

@@ -100,6 +100,7 @@ type options struct {
 	namespace  string
 	protobuf   bool
 	json       bool
+	as         string
 }
 
 func (o *options) register(fs *flag.FlagSet) {
@@ -107,6 +108,7 @@ func (o *options) register(fs *flag.FlagSet) {
 	fs.StringVar(&o.namespace, "namespace", "default", "namespace")
 	fs.BoolVar(&o.protobuf, "protobuf", false, "talk protobuf, as controllers' typed clients do")
 	fs.BoolVar(&o.json, "json", false, "talk JSON only")
+	fs.StringVar(&o.as, "as", "", "impersonate this user (Impersonate-User)")
 }
 
 func (o *options) config() *rest.Config {
@@ -120,6 +122,7 @@ func (o *options) config() *rest.Config {
 	} else if o.json {
 		cfg.ContentType, cfg.AcceptContentTypes = runtime.ContentTypeJSON, runtime.ContentTypeJSON
 	}
+	cfg.Impersonate.UserName = o.as
 	cfg.QPS, cfg.Burst = 1000, 1000 // opgate's limits are under test, not client-go's own
 	cfg.WarningHandlerWithContext = printWarnings{}
 	cfg.Wrap(func(rt http.RoundTripper) http.RoundTripper { return logged{rt} })
