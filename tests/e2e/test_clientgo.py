@@ -500,6 +500,14 @@ def test_a_quota_counts_client_gos_protobuf_creates_once(ns: str, clientgo: Path
         assert err["message"] == (
             f'configmaps "{name}" is forbidden: exceeded quota: four-configmaps, requested: '
             "count/configmaps=1, used: count/configmaps=4, limited: count/configmaps=4"), err
+    # server-side apply: to an object that exists it is an update, else a create that counts
+    applied = run(clientgo, "apply", kubeconfig, "--namespace", quota_ns, "--name", "q-0",
+                  "--data", "a=1")
+    assert of(applied, "applied"), applied
+    (err,) = of(run(clientgo, "apply", kubeconfig, "--namespace", quota_ns, "--name", "q-new",
+                    "--data", "a=1"), "error")
+    assert (err["code"], err["forbidden"]) == (403, True), err
+    assert err["message"].startswith('configmaps "q-new" is forbidden: exceeded quota: '), err
 
 
 def test_the_instance_of_a_protobuf_create_is_its_controlling_owner(
