@@ -175,8 +175,8 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     started = time.monotonic()
     for what in ("kube", "tools"):
         _prepare(what)
-    if any("clientgo" in item.fixturenames for item in session.items  # type: ignore[attr-defined]
-           if isinstance(item, pytest.Function)):
+    if any(isinstance(item, pytest.Function) and "clientgo" in item.fixturenames
+           for item in session.items):
         _prepare("clientgo")
     if reporter is not None and time.monotonic() - started > 5:
         reporter.write_line(f"opgate e2e: binaries ready in {time.monotonic() - started:.0f}s")
