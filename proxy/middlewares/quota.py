@@ -66,6 +66,8 @@ from typing import Any, Protocol
 from proxy.engine import telemetry
 from proxy.engine.chain import Maybe
 from proxy.engine.context import Decision, Deny, RequestContext
+from proxy.engine.protometa import MAGIC as PROTOBUF_MAGIC
+from proxy.engine.protometa import read_meta
 from proxy.engine.status import forbidden, service_unavailable
 from proxy.middlewares.quota_spec import (
     CLUSTER_RESOURCE_QUOTA,
@@ -194,8 +196,9 @@ def _body_name(ctx: RequestContext) -> tuple[str, str]:
     body = ctx.body
     if not body:
         return "", ""
-    if body.startswith(_PROTOBUF_MAGIC):
-        return _protobuf_name(body)
+    if body.startswith(PROTOBUF_MAGIC):
+        meta = read_meta(body)
+        return (meta.name, meta.generate_name) if meta is not None else ("", "")
     try:
         meta = json.loads(body).get("metadata") or {}
         name, prefix = meta.get("name") or "", meta.get("generateName") or ""
@@ -205,7 +208,6 @@ def _body_name(ctx: RequestContext) -> tuple[str, str]:
 
 
 _NAMED_TYPES = frozenset({"application/json", "application/vnd.kubernetes.protobuf"})
-_PROTOBUF_MAGIC = b"k8s\x00"
 
 
 def _names_in_body(ctx: RequestContext) -> bool:
@@ -213,57 +215,6 @@ def _names_in_body(ctx: RequestContext) -> bool:
     protobuf that client-go's typed clients send by default."""
     ctype = ctx.headers.get("Content-Type")
     return ctype is not None and ctype.partition(";")[0].strip().lower() in _NAMED_TYPES
-
-
-def _varint(buf: bytes, pos: int) -> tuple[int, int]:
-    value = shift = 0
-    while pos < len(buf) and shift < 64:
-        byte = buf[pos]
-        pos += 1
-        value |= (byte & 0x7F) << shift
-        if byte < 0x80:
-            return value, pos
-        shift += 7
-    raise ValueError("truncated varint")
-
-
-def _pb_strings(buf: bytes, wanted: tuple[int, ...]) -> dict[int, bytes]:
-    """The first length-delimited field of each number in ``wanted`` of one protobuf message
-    (the others skipped by their wire type); ``ValueError`` when it is malformed."""
-    found: dict[int, bytes] = {}
-    pos, end = 0, len(buf)
-    while pos < end:
-        key, pos = _varint(buf, pos)
-        number, wire = key >> 3, key & 7
-        if wire == 2:
-            size, pos = _varint(buf, pos)
-            if pos + size > end:
-                raise ValueError("truncated field")
-            if number in wanted and number not in found:
-                found[number] = buf[pos:pos + size]
-            pos += size
-        elif wire == 0:
-            _, pos = _varint(buf, pos)
-        elif wire in (1, 5):
-            pos += 8 if wire == 1 else 4
-        else:
-            raise ValueError(f"wire type {wire}")
-    return found
-
-
-def _protobuf_name(body: bytes) -> tuple[str, str]:
-    """``(name, generateName)`` of a Kubernetes protobuf body: ``k8s\0`` + runtime.Unknown,
-    whose ``raw`` (2) is the object, whose ``metadata`` (1) is an ObjectMeta with ``name`` (1)
-    and ``generateName`` (2), as in every API type."""
-    try:
-        raw = _pb_strings(body[len(_PROTOBUF_MAGIC):], (2,)).get(2)
-        meta = _pb_strings(raw, (1,)).get(1) if raw else None
-        if not meta:
-            return "", ""
-        fields = _pb_strings(meta, (1, 2))
-        return fields.get(1, b"").decode(), fields.get(2, b"").decode()
-    except (ValueError, UnicodeDecodeError):
-        return "", ""
 
 
 _APPLY_TYPES = frozenset({"application/apply-patch+yaml", "application/apply-patch+json",
