@@ -6,7 +6,8 @@ message``. PyYAML's ``safe_load`` throws positions away, so this module composes
 and the 1-based line of every value and mapping key. Scalars resolve exactly as ``safe_load``
 would (ints, floats, bools, null, timestamps, strings); mapping keys stay the text that was
 written (so ``on:`` is the key ``"on"``, not ``True``). Duplicate keys are errors; ``<<`` merge
-keys work, with the explicit keys winning.
+keys work, with the explicit keys winning. Nesting deeper than :data:`MAX_DEPTH` and aliases that
+expand a file far beyond what it writes are errors too (found before anything is expanded).
 
 :class:`Fields` reads one mapping the way a section parser wants to: typed getters that record
 errors instead of raising, and :meth:`Fields.finish` that reports every key nobody asked for.
@@ -28,6 +29,14 @@ _LOADER: Any = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 _MAP_TAG = "tag:yaml.org,2002:map"
 _SEQ_TAG = "tag:yaml.org,2002:seq"
 _MERGE_TAG = "tag:yaml.org,2002:merge"
+# Hostile or broken files must not take the process down. libyaml's composer recurses in C (a
+# few thousand "[" overflow the stack: a crash, not an exception), this module in Python, so
+# nesting is bounded before composing; a policy needs about ten levels.
+MAX_DEPTH = 64
+# Aliases share one converted value, but the parsers walk every use: a small file whose aliases
+# nest ("billion laughs") would cost minutes and gigabytes of errors. Beyond this many values,
+# aliases may not add more values than the file itself writes.
+ALIAS_ALLOWANCE = 10_000
 
 # Fields has methods named str/int/bool; these aliases keep the builtins reachable in its body.
 _Str: TypeAlias = str
@@ -108,7 +117,10 @@ class _Converter:
         self.errors = errors
         self.constructor = yaml.constructor.SafeConstructor()
         self.done: dict[int, Located] = {}  # aliases share one converted value
+        self.sizes: dict[int, int] = {}  # values under each converted node, aliases expanded
         self.active: set[int] = set()
+        self.written = 0  # values as written in the file
+        self.expanded = 0  # values the parsers will see (each alias counted in full)
 
     def error(self, node: yaml.Node, message: str) -> Located:
         line = node.start_mark.line + 1
@@ -118,10 +130,16 @@ class _Converter:
     def convert(self, node: yaml.Node) -> Located:
         key = id(node)
         if key in self.done:
+            self.expanded += self.sizes[key]
+            if self.expanded - self.written > max(ALIAS_ALLOWANCE, self.written):
+                raise _AliasBomb(node)
             return self.done[key]
         if key in self.active:
             return self.error(node, "recursive YAML alias")
         self.active.add(key)
+        self.written += 1
+        self.expanded += 1
+        start = self.expanded
         try:
             if isinstance(node, yaml.MappingNode):
                 result = self.mapping(node)
@@ -132,6 +150,7 @@ class _Converter:
         finally:
             self.active.discard(key)
         self.done[key] = result
+        self.sizes[key] = self.expanded - start + 1
         return result
 
     def scalar(self, node: yaml.Node) -> Located:
@@ -181,26 +200,76 @@ class _Converter:
         return Located(out, self.file, node.start_mark.line + 1, lines)
 
 
+class _AliasBomb(Exception):
+    def __init__(self, node: yaml.Node) -> None:
+        super().__init__()
+        self.node = node
+
+
+def _too_deep(data: bytes | str) -> int:
+    """The line where the nesting first goes beyond :data:`MAX_DEPTH` (0: it does not), from the
+    parser's events, which libyaml produces without recursing. A YAML error ends the scan: the
+    composer then reports it."""
+    depth = 0
+    try:
+        for event in yaml.parse(data, Loader=_LOADER):
+            if isinstance(event, (yaml.SequenceStartEvent, yaml.MappingStartEvent)):
+                depth += 1
+                if depth > MAX_DEPTH:
+                    return int(event.start_mark.line) + 1
+            elif isinstance(event, (yaml.SequenceEndEvent, yaml.MappingEndEvent)):
+                depth -= 1
+    except yaml.YAMLError:
+        pass
+    return 0
+
+
+def _reader_error_line(data: bytes | str, exc: yaml.reader.ReaderError) -> int:
+    """The line of a reader error (libyaml gives a byte offset into the UTF-8 or UTF-16 data)."""
+    raw = data.encode() if isinstance(data, str) else data
+    encoding = "utf-16" if raw[:2] in (b"\xff\xfe", b"\xfe\xff") else "utf-8"
+    return raw[: exc.position].decode(encoding, "replace").count("\n") + 1
+
+
 def parse_yaml_documents(
     data: bytes | str, *, file: str, errors: list[PolicyError]
 ) -> list[Located]:
     """Every document of ``data`` (``None`` value for an empty one); problems go to ``errors``.
 
-    A syntax error ends the file: the documents before it are still returned.
+    A syntax error ends the file: the documents before it are still returned. So does nesting
+    deeper than :data:`MAX_DEPTH` or aliases that expand too far (then none are).
     """
+    deep = _too_deep(data)
+    if deep:
+        errors.append(PolicyError(file, deep, f"invalid YAML: nested more than {MAX_DEPTH} "
+                                              "levels deep"))
+        return []
     converter = _Converter(file, errors)
     documents: list[Located] = []
     try:
         for node in yaml.compose_all(data, Loader=_LOADER):
             documents.append(converter.convert(node))
             converter.done.clear()  # ids are only unique while a document's nodes are alive
+            converter.sizes.clear()
+    except _AliasBomb as exc:
+        errors.append(PolicyError(
+            file, exc.node.start_mark.line + 1,
+            f"YAML aliases expand to too many values ({converter.expanded} from "
+            f"{converter.written} written; aliases may add {ALIAS_ALLOWANCE}, or as many as "
+            "the file writes)"))
+        return []
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         line = mark.line + 1 if mark is not None else 0
         problem = exc.problem or exc.context or "syntax error"
         errors.append(PolicyError(file, line, f"invalid YAML: {problem}"))
-    except yaml.YAMLError as exc:  # reader errors: bad encoding, control characters
-        errors.append(PolicyError(file, 0, f"invalid YAML: {exc}"))
+    except yaml.reader.ReaderError as exc:  # bad encoding, control characters
+        code = exc.character if isinstance(exc.character, int) else ord(exc.character)
+        errors.append(PolicyError(file, _reader_error_line(data, exc),
+                                  f"invalid YAML: unacceptable character #x{code:04x}: "
+                                  f"{exc.reason}"))
+    except yaml.YAMLError as exc:
+        errors.append(PolicyError(file, 0, f"invalid YAML: {str(exc).splitlines()[0]}"))
     return documents
 
 

@@ -72,6 +72,16 @@ def test_cli_check_fails_on_an_empty_file(tmp_path: Path) -> None:
     assert f"{tmp_path}/b.yaml:1: no policy document in this file" in done.stdout + done.stderr
 
 
+def test_cli_check_reports_deep_nesting_instead_of_crashing(tmp_path: Path) -> None:
+    # libyaml's composer recurses in C: 200,000 "[" (200 KB) overflowed the stack, and a
+    # segfault took `opgate check` (or the serving process, on a reload) down without a word
+    (tmp_path / "a.yaml").write_text(policy_doc("alpha", "  faults: " + "[" * 200_000 + "\n"))
+    done = subprocess.run([sys.executable, "-m", "proxy", "check", str(tmp_path)],
+                          capture_output=True, text=True)
+    assert (done.returncode, done.stdout, done.stderr) == (
+        1, f"{tmp_path}/a.yaml:6: invalid YAML: nested more than 64 levels deep\n", "")
+
+
 def test_missing_paths(tmp_path: Path) -> None:
     assert check([tmp_path / "nope.yaml"], parsers=PARSERS) == [
         f"{tmp_path}/nope.yaml: no such file or directory"]

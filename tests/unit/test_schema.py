@@ -109,8 +109,54 @@ def test_syntax_error_keeps_earlier_documents() -> None:
     assert errors == ["p.yaml:4: invalid YAML: did not find expected node content"]
 
 
-def test_reader_error() -> None:
-    assert parse("a: \x01\n")[1][0].startswith("p.yaml: invalid YAML: unacceptable character")
+@pytest.mark.parametrize(("data", "expected"), [
+    ("a: \x01\n",
+     "p.yaml:1: invalid YAML: unacceptable character #x0001: control characters are not allowed"),
+    # a byte that is not UTF-8, after non-ASCII text: the line counts UTF-8 bytes right
+    (b"a: \xc3\xa9\xc3\xa9\nb: 1\nc: \xff\n",
+     "p.yaml:3: invalid YAML: unacceptable character #x00ff: invalid leading UTF-8 octet"),
+])
+def test_reader_errors_have_a_line_and_one_line(data: str | bytes, expected: str) -> None:
+    assert parse(data)[1] == [expected]  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("opening", ["[", "{a: ", "- "])
+@pytest.mark.parametrize("depth", [65, 5_000])
+def test_deep_nesting_is_an_error_not_a_recursion_error(opening: str, depth: int) -> None:
+    # the conversion recursed in Python: a few hundred levels raised RecursionError (the
+    # crash of libyaml's own recursion is in test_check, in a process of its own)
+    closing = {"[": "]", "{a: ": "}", "- ": ""}[opening]
+    text = "x: 1\ny:\n  " + opening * depth + "1" + closing * depth + "\n"
+    docs, errors = parse(text)
+    assert docs == []
+    assert errors == ["p.yaml:3: invalid YAML: nested more than 64 levels deep"]
+
+
+def test_nesting_up_to_the_limit_is_fine() -> None:
+    assert one("[" * 64 + "]" * 64).value is not None
+
+
+def test_alias_bombs_are_refused_without_expanding() -> None:
+    # "billion laughs": 9 levels of 9 aliases make 9**9 values from 90 written
+    levels = ["a0: &a0 [" + ", ".join(["lol"] * 9) + "]"]
+    for i in range(1, 9):
+        levels.append(f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 9) + "]")
+    docs, errors = parse("\n".join(levels) + "\n")
+    returned = len(docs)  # not `docs` itself in the assert: its repr would expand the bomb
+    assert returned == 0
+    assert len(errors) == 1
+    assert errors[0].startswith("p.yaml:4: YAML aliases expand to too many values (")
+
+
+def test_a_long_list_used_through_many_aliases_is_refused() -> None:
+    # linear, not exponential, but a 50 KB file made the parsers walk (and report on) 4 million
+    # list items; each rule below sees the 2,000 items once more
+    text = "a: &v [" + ", ".join(["1"] * 2_000) + "]\nb:\n" + "  - *v\n" * 20
+    docs, errors = parse(text)
+    returned = len(docs)
+    assert returned == 0 and len(errors) == 1 and "YAML aliases expand" in errors[0]
+    # the same aliases over a short list are ordinary reuse
+    assert parse("a: &v [1, 2, 3]\nb:\n" + "  - *v\n" * 2_000)[1] == []
 
 
 def test_aliases_and_merge_keys() -> None:
