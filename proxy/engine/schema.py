@@ -44,9 +44,16 @@ _Int: TypeAlias = int
 _Bool: TypeAlias = bool
 
 
+# Messages quote what the file says: a line break in a value (a "|" block, a "\n" escape) must
+# not split one error over lines, nor let a file forge more "file:line: message" lines.
+_ESCAPES = {c: f"\\x{c:02x}" for c in (*range(0x20), 0x7F, *range(0x80, 0xA0)) if c != 0x09}
+_ESCAPES.update({0x0A: "\\n", 0x0D: "\\r", 0x2028: "\\u2028", 0x2029: "\\u2029"})
+
+
 class PolicyError(Exception):
     """One problem in a policy file. ``str()`` is ``file:line: message`` (``file: message`` when
-    the problem has no line, e.g. a file that cannot be read)."""
+    the problem has no line, e.g. a file that cannot be read), always one line: control
+    characters are escaped."""
 
     def __init__(self, file: str, line: int, message: str) -> None:
         super().__init__(file, line, message)
@@ -55,9 +62,8 @@ class PolicyError(Exception):
         self.message = message
 
     def __str__(self) -> str:
-        if self.line > 0:
-            return f"{self.file}:{self.line}: {self.message}"
-        return f"{self.file}: {self.message}"
+        where = f"{self.file}:{self.line}" if self.line > 0 else self.file
+        return f"{where}: {self.message}".translate(_ESCAPES)
 
 
 @dataclass(frozen=True, slots=True)

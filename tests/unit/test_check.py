@@ -82,6 +82,19 @@ def test_cli_check_reports_deep_nesting_instead_of_crashing(tmp_path: Path) -> N
         1, f"{tmp_path}/a.yaml:6: invalid YAML: nested more than 64 levels deep\n", "")
 
 
+def test_values_with_line_breaks_stay_on_their_error_line(tmp_path: Path) -> None:
+    # the message quotes the value: a block scalar or a "\n" split the error over lines, and a
+    # file could print lines of its own that look like opgate's
+    (tmp_path / "a.yaml").write_text(
+        'apiVersion: "opgate.dev/v1alpha1\\nb.yaml:1: all good"\nkind: |\n  Policy\n'
+        "metadata: {name: alpha}\nspec: {mode: enforce}\n")
+    assert check([tmp_path], parsers=PARSERS) == [
+        f'{tmp_path}/a.yaml:1: apiVersion: must be "opgate.dev/v1alpha1" '
+        '(got "opgate.dev/v1alpha1\\nb.yaml:1: all good")',
+        f'{tmp_path}/a.yaml:2: kind: must be "Policy" (got "Policy\\n")',
+    ]
+
+
 def test_missing_paths(tmp_path: Path) -> None:
     assert check([tmp_path / "nope.yaml"], parsers=PARSERS) == [
         f"{tmp_path}/nope.yaml: no such file or directory"]
