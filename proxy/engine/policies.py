@@ -47,6 +47,9 @@ MODES = ("enforce", "dryrun")
 FAILURES = ("closed", "open")
 _DNS1123_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
 _SUFFIXES = (".yaml", ".yml")
+# A ConfigMap holds at most 1 MiB; far beyond that a file is a mistake (a log, /dev/zero), and
+# reading and composing it whole would hold many times its size in memory.
+MAX_FILE_BYTES = 16 * 1024 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,7 +142,12 @@ def policy_files(paths: Sequence[str | Path], errors: list[PolicyError]) -> list
     for raw in paths:
         path = str(raw)
         if os.path.isdir(path):
-            names = sorted(n for n in os.listdir(path)
+            try:
+                listed = os.listdir(path)
+            except OSError as exc:  # unreadable, or removed since isdir
+                errors.append(PolicyError(path, 0, read_error(exc)))
+                continue
+            names = sorted(n for n in listed
                            if not n.startswith(".") and n.endswith(_SUFFIXES)
                            and os.path.isfile(os.path.join(path, n)))  # a dangling link is not
             if not names:
@@ -168,9 +176,15 @@ def read_policy_files(
     for name in policy_files(paths, errors):
         try:
             with open(name, "rb") as fh:
-                files.append((name, fh.read()))
+                data = fh.read(MAX_FILE_BYTES + 1)
         except OSError as exc:  # e.g. removed since it was listed
             errors.append(PolicyError(name, 0, read_error(exc)))
+            continue
+        if len(data) > MAX_FILE_BYTES:
+            errors.append(PolicyError(name, 0, f"larger than {MAX_FILE_BYTES // 2**20} MiB: "
+                                               "not a policy file"))
+            continue
+        files.append((name, data))
     sha = hashlib.sha256()
     for name, data in files:
         sha.update(f"{name}\0{len(data)}\0".encode())
@@ -241,7 +255,12 @@ def build_policy_set(files: Sequence[tuple[str, bytes]], *, parsers: Mapping[str
     first_seen: dict[str, str] = {}
     for file, data in files:
         before = len(errors)
-        documents = parse_yaml_documents(data, file=file, errors=errors)
+        try:
+            documents = parse_yaml_documents(data, file=file, errors=errors)
+        except Exception as exc:  # a loader bug must not take `check` or the reload task down
+            log.exception("reading %s as YAML crashed", file)
+            errors.append(PolicyError(file, 0, f"could not be read as YAML ({exc!r})"))
+            continue
         if len(errors) == before and all(doc.value is None for doc in documents):
             # empty, only comments or only "---": a ConfigMap key emptied or cut short must not
             # take its policies away without a word
@@ -319,13 +338,20 @@ class PolicyStore:
             self.seen_digest = digest
             try:
                 new = build_policy_set(files, parsers=self.parsers, digest=digest, errors=errors)
-            except PolicyLoadError as exc:
+            except Exception as exc:
+                if isinstance(exc, PolicyLoadError):
+                    failure = exc
+                else:  # a bug, but these files failed: say so, or the next reload would find
+                    # them "unchanged" and report the set as good
+                    log.exception("policy validation crashed")
+                    failure = PolicyLoadError([PolicyError(
+                        ", ".join(self.paths), 0, f"could not be validated ({exc!r})")])
                 self.failing = True
-                self.last_error = str(exc)
+                self.last_error = str(failure)
                 self.last_error_at = time.time()
                 telemetry.POLICY_RELOADS.labels(result="error").inc()
                 log.error("policy reload failed, keeping the active set (%s): %d error(s)\n%s",
-                          self.current.digest[:12] or "none", len(exc.errors), exc)
+                          self.current.digest[:12] or "none", len(failure.errors), failure)
                 return False
             self.current = new  # the atomic swap: requests that already hold the old set keep it
             self.loaded = True

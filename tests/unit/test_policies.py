@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from proxy.engine import telemetry
+from proxy.engine import policies, telemetry
 from proxy.engine.policies import (
     EMPTY,
     KNOWN_SECTIONS,
@@ -237,6 +237,71 @@ def test_a_crashing_parser_is_an_error_not_a_crash(tmp_path: Path,
     with caplog.at_level(logging.ERROR, "opgate.policies"):
         assert errors_of(path, parsers={"faults": boom}) == [
             f"{path}:6: spec.faults: could not be validated (RuntimeError('bug'))"]
+
+
+def test_an_unreadable_directory_is_an_error_not_a_crash(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # os.listdir raised out of the loader (a directory without read permission, or one removed
+    # between the isdir check and the listing): a traceback from `check`, and a reload that
+    # was neither counted nor shown on /debug/policies
+    (tmp_path / "p.yaml").write_text(GOOD)
+    listdir = os.listdir
+
+    def denied(path: str) -> list[str]:
+        if os.fspath(path) == str(tmp_path):
+            raise PermissionError(13, "Permission denied")
+        return listdir(path)
+
+    monkeypatch.setattr(policies.os, "listdir", denied)
+    assert errors_of(tmp_path) == [f"{tmp_path}: cannot read: Permission denied"]
+    store = PolicyStore([tmp_path], parsers=PARSERS)
+    errors = reloads("error")
+    assert store.reload() is False and store.failing and reloads("error") == errors + 1
+    assert store.describe()["last_error"] == f"{tmp_path}: cannot read: Permission denied"
+
+
+def test_a_file_far_too_large_is_not_read_whole(tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(policies, "MAX_FILE_BYTES", len(GOOD))
+    (tmp_path / "a.yaml").write_text(GOOD)  # at the limit: fine
+    assert load_policy_set([tmp_path / "a.yaml"], parsers=PARSERS).policies
+    (tmp_path / "a.yaml").write_text(GOOD + "\n")
+    assert errors_of(tmp_path) == [f"{tmp_path}/a.yaml: larger than 0 MiB: not a policy file"]
+
+
+def test_a_loader_crash_is_a_file_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                        caplog: pytest.LogCaptureFixture) -> None:
+    path = tmp_path / "p.yaml"
+    path.write_text(GOOD)
+
+    def boom(data: bytes, *, file: str, errors: list[PolicyError]) -> list[Located]:
+        raise RecursionError("bug")
+
+    monkeypatch.setattr(policies, "parse_yaml_documents", boom)
+    with caplog.at_level(logging.ERROR, "opgate.policies"):
+        assert errors_of(path) == [f"{path}: could not be read as YAML (RecursionError('bug'))"]
+
+
+def test_a_crashing_reload_is_counted_and_stays_failing(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    path = tmp_path / "p.yaml"
+    path.write_text(GOOD)
+    store = PolicyStore([path], parsers=PARSERS)
+    assert store.reload()
+    good, errors = store.current, reloads("error")
+
+    def boom(*args: object, **kwargs: object) -> PolicySet:
+        raise RuntimeError("bug")
+
+    monkeypatch.setattr(policies, "build_policy_set", boom)
+    path.write_text(GOOD.replace("mode: dryrun", "mode: enforce"))
+    with caplog.at_level(logging.ERROR, "opgate.policies"):
+        assert store.reload() is False
+    assert store.current is good and store.failing and reloads("error") == errors + 1
+    assert store.last_error == f"{path}: could not be validated (RuntimeError('bug'))"
+    # the digest was taken before the crash: the same files must not now pass as unchanged
+    assert store.reload() is False and store.failing
 
 
 def test_directory_loading(tmp_path: Path) -> None:
