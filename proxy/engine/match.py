@@ -20,6 +20,10 @@ from proxy.engine.schema import Fields, Located, PolicyError
 __all__ = ["Match", "Patterns", "parse_match"]
 
 _GLOB_CHARS = frozenset("*?[")
+# The verbs a call can have (requestinfo): the apiserver's for resources, the lower-case HTTP
+# method for other paths. Any other verb (a typo, or RBAC's use/bind/escalate) never matches.
+VERBS = ("get", "list", "watch", "create", "update", "patch", "delete", "deletecollection",
+         "proxy", "head", "post", "put", "options", "connect", "trace")
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,11 +76,23 @@ class Match:
 
 def _patterns(f: Fields, key: str, errors: list[PolicyError]) -> tuple[str, ...]:
     items = f.str_list(key)
+    given = f.node(key)
+    if given is not None and given.value == []:  # RBAC's reading: nothing; ours was: anything
+        f.fail(key, f'is empty, which matches nothing (leave "{key}" out to match anything)')
     for item in items:
-        if not item and key not in ("groups", "namespaces"):  # "" = core group / cluster scope
+        if not item and key not in ("groups", "apiGroups", "namespaces"):  # "": core, cluster
             f.fail(key, 'an empty entry matches nothing (use "*" for anything)')
         elif "[" in item and "]" not in item:
             f.fail(key, f'"{item}" is not a valid glob (unclosed "[")')
+        elif key != "users" and item != item.lower():  # a call's are always lower-case
+            f.fail(key, f'"{item}" never matches: {key} are lower-case'
+                   + (' (the plural of the URL: "deployments", not "Deployment")'
+                      if key == "resources" else ""))
+        elif key == "verbs" and not _GLOB_CHARS & set(item) and item not in VERBS:
+            f.fail(key, f'"{item}" never matches: a call\'s verb is one of {", ".join(VERBS)}')
+        elif key in ("groups", "apiGroups") and "/" in item:
+            f.fail(key, f'"{item}" never matches: an API group has no version '
+                   f'("{item.partition("/")[0]}", not "{item}")')
     return items
 
 
@@ -86,7 +102,7 @@ def parse_match(node: Located | None, what: str, errors: list[PolicyError]) -> M
     f = Fields(node, what=what, errors=errors)
     verbs = _patterns(f, "verbs", errors)
     groups = _patterns(f, "groups", errors)
-    api_groups = f.str_list("apiGroups")
+    api_groups = _patterns(f, "apiGroups", errors)
     if groups and api_groups:
         f.fail("apiGroups", 'use either "groups" or its alias "apiGroups", not both')
     groups = groups or api_groups

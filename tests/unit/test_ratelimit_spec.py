@@ -82,12 +82,35 @@ def test_full_rule_and_defaults() -> None:
     ("{name: a, qps: 1, match: {users: ['']}}", "an empty entry matches nothing"),
     ("{name: a, qps: 1, match: {resources: ['pods[']}}", "not a valid glob"),
     ("{name: a, qps: 1, match: {verbs: get}}", "verbs: expected a list of strings"),
+    # selectors that can never match used to be accepted: the limit silently applied to nothing
+    ("{name: a, qps: 1, match: {verbs: [Create]}}",
+     '"Create" never matches: verbs are lower-case'),
+    ("{name: a, qps: 1, match: {verbs: [updte]}}",
+     '"updte" never matches: a call\'s verb is one of get, list, watch, create, update'),
+    ("{name: a, qps: 1, match: {verbs: [use]}}", '"use" never matches'),
+    ("{name: a, qps: 1, match: {resources: [ConfigMaps]}}",
+     '"ConfigMaps" never matches: resources are lower-case (the plural of the URL'),
+    ("{name: a, qps: 1, match: {apiGroups: [apps/v1]}}",
+     '"apps/v1" never matches: an API group has no version ("apps", not "apps/v1")'),
+    ("{name: a, qps: 1, match: {groups: [Apps]}}", '"Apps" never matches: groups are lower'),
+    ("{name: a, qps: 1, match: {namespaces: [Team-A]}}", '"Team-A" never matches'),
+    ("{name: a, qps: 1, match: {apiGroups: ['apps[']}}", "not a valid glob"),
+    # an explicit empty list matched every call (RBAC reads it as none)
+    ("{name: a, qps: 1, match: {verbs: []}}",
+     'verbs: is empty, which matches nothing (leave "verbs" out to match anything)'),
+    ("{name: a, qps: 1, match: {resources: []}}", "resources: is empty"),
 ])
 def test_invalid_rules_are_reported_with_position(body: str, message: str) -> None:
     rules, errors = parse(f"- {body}\n")
     assert rules == ()
     assert any(message in e for e in errors), errors
     assert all(e.startswith("rl.yaml:1: ") for e in errors), errors
+
+
+def test_what_can_match_is_accepted() -> None:
+    rule = one("- {name: a, qps: 1, match: {verbs: [deletecollection, 'l*', post], "
+               "apiGroups: ['', apps, '*.k8s.io'], users: [Alice], namespaces: ['']}}\n")
+    assert rule.match.users.matches("Alice")
 
 
 def test_duplicate_names_and_non_list() -> None:
@@ -165,5 +188,6 @@ def test_non_resource_requests_match_only_unrestricted_rules() -> None:
 def test_long_running_calls_are_named_only_literally(
     resources: list[str], verbs: list[str], path: str, named: bool
 ) -> None:
-    rule = one(f"- {{name: a, qps: 1, match: {{resources: {resources}, verbs: {verbs}}}}}")
+    given = ", ".join(f"{k}: {v}" for k, v in (("resources", resources), ("verbs", verbs)) if v)
+    rule = one(f"- {{name: a, qps: 1, match: {{{given}}}}}")
     assert rule.match.names(parse_request_info("POST", path, "")) is named
