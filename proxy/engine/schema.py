@@ -400,7 +400,7 @@ class Fields:
         item = self._typed(key, required, _is_number, "a number")
         if item is None:
             return default
-        value = float(item.value)
+        value = _as_float(item.value)
         if not math.isfinite(value):
             self.fail(key, f"must be a finite number (got {item.value})")
             return default
@@ -413,6 +413,10 @@ class Fields:
         if item is None:
             return default
         value = _Int(item.value)
+        # YAML integers are int64 in Kubernetes; beyond, the arithmetic done with them per call
+        # (floats) overflows
+        minimum = _INT64_MIN if minimum is None else max(minimum, _INT64_MIN)
+        maximum = _INT64_MAX if maximum is None else min(maximum, _INT64_MAX)
         return value if self._bounds(key, value, minimum, maximum) else default
 
     def bool(self, key: _Str, *, default: _Bool = False) -> _Bool:
@@ -426,7 +430,7 @@ class Fields:
                            'a duration ("500ms", "2s", "1m") or a number of seconds')
         if item is None:
             return default
-        value = item.value if _is_number(item.value) else _parse_duration(item.value)
+        value = _as_float(item.value) if _is_number(item.value) else _parse_duration(item.value)
         if value is None:
             self.fail(key, f'invalid duration "{item.value}" (use e.g. "500ms", "2s", "1m")')
             return default
@@ -462,6 +466,16 @@ class Fields:
                 where = self.what or "the document"
                 self.errors.append(self.located.error(f'unknown field "{key}" in {where}',
                                                    line=self._line(key)))
+
+
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+
+
+def _as_float(value: float) -> float:
+    try:
+        return float(value)
+    except OverflowError:  # an integer beyond every float
+        return math.inf if value > 0 else -math.inf
 
 
 def _is_number(value: object) -> bool:

@@ -280,6 +280,18 @@ def test_fields_defaults_when_absent() -> None:
      'p.yaml:1: missing required field "a" in spec.x'),
     ("a:\n  b: 1\n", lambda f: f.int("a"),
      "p.yaml:1: spec.x.a: expected an integer, got a mapping"),
+    # integers beyond every float raised OverflowError out of the section parser (its other
+    # errors lost); beyond int64 they were accepted, and overflowed per call (burst * interval)
+    (f"a: {10**400}\n", lambda f: f.number("a"),
+     f"p.yaml:1: spec.x.a: must be a finite number (got {10**400})"),
+    (f"a: -{10**400}\n", lambda f: f.duration("a"),
+     f"p.yaml:1: spec.x.a: must be a non-negative duration (got -{10**400})"),
+    (f"a: {10**400}\n", lambda f: f.duration("a"),
+     f"p.yaml:1: spec.x.a: must be a non-negative duration (got {10**400})"),
+    (f"a: {2**63}\n", lambda f: f.int("a", minimum=1),
+     f"p.yaml:1: spec.x.a: must be at most {2**63 - 1} (got {2**63})"),
+    (f"a: {-2**63 - 1}\n", lambda f: f.int("a"),
+     f"p.yaml:1: spec.x.a: must be at least {-2**63} (got {-2**63 - 1})"),
 ])
 def test_fields_errors(text: str, read: object, expected: str) -> None:
     f, errors = fields(text)
