@@ -79,20 +79,27 @@ def _patterns(f: Fields, key: str, errors: list[PolicyError]) -> tuple[str, ...]
     given = f.node(key)
     if given is not None and given.value == []:  # RBAC's reading: nothing; ours was: anything
         f.fail(key, f'is empty, which matches nothing (leave "{key}" out to match anything)')
-    for item in items:
+    # each entry's own line (a block list has one per line); str_list reported the non-strings
+    entries = ([e for e in given.value if isinstance(e.value, str)]
+               if given is not None and isinstance(given.value, list) else [])
+
+    def fail(index: int, message: str) -> None:
+        errors.append(entries[index].error(f"{f.path(key)}: {message}"))
+
+    for index, item in enumerate(items):
         if not item and key not in ("groups", "apiGroups", "namespaces"):  # "": core, cluster
-            f.fail(key, 'an empty entry matches nothing (use "*" for anything)')
+            fail(index, 'an empty entry matches nothing (use "*" for anything)')
         elif "[" in item and "]" not in item:
-            f.fail(key, f'"{item}" is not a valid glob (unclosed "[")')
+            fail(index, f'"{item}" is not a valid glob (unclosed "[")')
         elif key != "users" and item != item.lower():  # a call's are always lower-case
-            f.fail(key, f'"{item}" never matches: {key} are lower-case'
-                   + (' (the plural of the URL: "deployments", not "Deployment")'
-                      if key == "resources" else ""))
+            fail(index, f'"{item}" never matches: {key} are lower-case'
+                 + (' (the plural of the URL: "deployments", not "Deployment")'
+                    if key == "resources" else ""))
         elif key == "verbs" and not _GLOB_CHARS & set(item) and item not in VERBS:
-            f.fail(key, f'"{item}" never matches: a call\'s verb is one of {", ".join(VERBS)}')
+            fail(index, f'"{item}" never matches: a call\'s verb is one of {", ".join(VERBS)}')
         elif key in ("groups", "apiGroups") and "/" in item:
-            f.fail(key, f'"{item}" never matches: an API group has no version '
-                   f'("{item.partition("/")[0]}", not "{item}")')
+            fail(index, f'"{item}" never matches: an API group has no version '
+                 f'("{item.partition("/")[0]}", not "{item}")')
     return items
 
 

@@ -107,6 +107,16 @@ def test_invalid_rules_are_reported_with_position(body: str, message: str) -> No
     assert all(e.startswith("rl.yaml:1: ") for e in errors), errors
 
 
+def test_a_bad_entry_is_reported_at_its_own_line() -> None:
+    # it was reported at the line of "verbs:", not at the entry that is wrong
+    _, errors = parse("- name: a\n  qps: 1\n  match:\n    verbs:\n      - get\n      - Update\n"
+                      "    resources:\n      - pods\n      - 'pods['\n")
+    assert errors == [
+        'rl.yaml:6: spec.rateLimits[0].match.verbs: "Update" never matches: verbs are lower-case',
+        'rl.yaml:9: spec.rateLimits[0].match.resources: "pods[" is not a valid glob '
+        '(unclosed "[")']
+
+
 def test_what_can_match_is_accepted() -> None:
     rule = one("- {name: a, qps: 1, match: {verbs: [deletecollection, 'l*', post], "
                "apiGroups: ['', apps, '*.k8s.io'], users: [Alice], namespaces: ['']}}\n")
