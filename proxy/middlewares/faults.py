@@ -87,9 +87,15 @@ def _parse_fault(node: Located, what: str, index: int,
 def parse_section(node: Located, errors: list[PolicyError]) -> tuple[Fault, ...]:
     items = sequence(node, what="spec.faults", errors=errors)
     faults = [_parse_fault(item, f"spec.faults[{i}]", i, errors) for i, item in enumerate(items)]
-    names = [x.name for x in faults if x is not None]
-    for dup in {n for n in names if names.count(n) > 1}:
-        errors.append(node.error(f'spec.faults: two faults are named "{dup}"'))
+    seen: dict[str, str] = {}
+    for index, (item, fault) in enumerate(zip(items, faults, strict=True)):
+        if fault is None:
+            continue
+        if fault.name in seen:  # at the second one (a set's order made the output vary by run)
+            errors.append(item.error(f'spec.faults[{index}]: two faults are named '
+                                     f'"{fault.name}" (also at {seen[fault.name]})'))
+        else:
+            seen[fault.name] = item.where()
     return tuple(x for x in faults if x is not None)
 
 

@@ -100,6 +100,18 @@ def test_dryrun_warns_and_never_fires(tmp_path: Path) -> None:
     assert name == "Warning" and "widget-conflicts" in value and "dryrun" in value
 
 
+def test_duplicate_names_are_reported_at_the_duplicate(tmp_path: Path) -> None:
+    # they were reported at the line of the list, in the order of a set (varying by run)
+    path = tmp_path / "chaos.yaml"
+    path.write_text(HEAD + "  faults:\n" + "".join(
+        f"    - {{name: {n}, respond: {{code: 500}}}}\n" for n in ("b", "a", "b", "a", "c")))
+    start = HEAD.count("\n") + 2  # the line of the first fault
+    assert check([path], parsers=PARSERS) == [
+        f'{path}:{start + 2}: spec.faults[2]: two faults are named "b" (also at {path}:{start})',
+        f'{path}:{start + 3}: spec.faults[3]: two faults are named "a" '
+        f"(also at {path}:{start + 1})"]
+
+
 @pytest.mark.parametrize(("body", "message"), [
     ("  faults:\n    - match: {verbs: [get]}\n", "needs `respond`"),
     ("  faults:\n    - respond: {code: 200}\n", "code"),
