@@ -124,7 +124,8 @@ def _parse_issuer(node: Located, what: str, errors: list[PolicyError]) -> Issuer
     if url and not url.startswith("https://"):
         o.fail("issuer", f'must be an https:// URL (got "{url}")')
     audiences = o.str_list("audiences", required=True)
-    if oidc is not None and "audiences" in oidc.value and not audiences:
+    if oidc is not None and isinstance(oidc.value, dict) and "audiences" in oidc.value \
+            and not audiences:
         o.fail("audiences", "must name at least one audience (the client id)")
     username, prefix, groups, groups_prefix = "sub", None, "", ""
     claims = o.node("claims")

@@ -127,6 +127,19 @@ def test_errors_say_where(tmp_path: Path, body: str, expected: str) -> None:
     assert any(expected in e for e in errors), errors
 
 
+@pytest.mark.parametrize(("oidc", "kind"), [("1", "an integer"), ("true", "a boolean"),
+                                            ("1.5", "a number")])
+def test_an_oidc_issuer_that_is_not_a_mapping(tmp_path: Path, oidc: str, kind: str) -> None:
+    # `"audiences" in oidc.value` raised TypeError: the whole section "could not be validated"
+    # (a traceback in the log) and the section's other errors were lost
+    errors = errors_of(tmp_path, f"  identity:\n    issuers: [{{oidc: {oidc}}}]\n"
+                                 "    allow: [{group: x}]\n    rules: [{verbs: [Get]}]\n")
+    path = tmp_path / "ident.yaml"
+    assert errors == [
+        f"{path}:6: spec.identity.issuers[0].oidc: expected a mapping, got {kind}",
+        f'{path}:8: spec.identity.rules[0].verbs: "Get" never matches: verbs are lower-case']
+
+
 SA_CLAIMS = {"iss": "https://kubernetes.default.svc.cluster.local",
              "sub": "system:serviceaccount:ops:op",
              "kubernetes.io": {"namespace": "ops", "serviceaccount": {"name": "op", "uid": "u1"}}}
