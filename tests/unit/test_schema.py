@@ -155,8 +155,11 @@ def test_a_long_list_used_through_many_aliases_is_refused() -> None:
     docs, errors = parse(text)
     returned = len(docs)
     assert returned == 0 and len(errors) == 1 and "YAML aliases expand" in errors[0]
-    # the same aliases over a short list are ordinary reuse
+    # the same aliases over a short list are ordinary reuse, and so is a merged default
     assert parse("a: &v [1, 2, 3]\nb:\n" + "  - *v\n" * 2_000)[1] == []
+    defaults = "d: &d {qps: 1, burst: 2, match: {verbs: [get, list, watch, create, update]}}\n"
+    rules = "".join(f"  - {{<<: *d, name: r{i}}}\n" for i in range(3_000))
+    assert parse(defaults + "rules:\n" + rules)[1] == []
 
 
 def test_aliases_and_merge_keys() -> None:
