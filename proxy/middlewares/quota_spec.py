@@ -117,11 +117,16 @@ def parse_quota(node: Located, what: str, errors: list[PolicyError]) -> QuotaRul
     resources = _literals(f, "resources", _RESOURCE, "resource", required=True)
     groups = _literals(f, "apiGroups", _GROUP, "API group", default=("",), allow_empty=True)
     namespaces = f.str_list("namespaces", default=("*",))
+    given = f.node("namespaces")
+    if given is not None and given.value == []:  # it counted in every namespace
+        f.fail("namespaces", 'is empty, which matches nothing (leave it out for every namespace)')
     for item in namespaces:
         if not item:
             f.fail("namespaces", 'an empty entry matches nothing (use "*" for every namespace)')
         elif "[" in item and "]" not in item:
             f.fail("namespaces", f'"{item}" is not a valid glob (unclosed "[")')
+        elif item != item.lower():
+            f.fail("namespaces", f'"{item}" never matches: namespaces are lower-case')
     maximum = f.int("max", minimum=0)
     align = f.str_list("alignWith")
     for kind in align:

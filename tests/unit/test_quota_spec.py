@@ -88,6 +88,12 @@ def test_full_entry_and_defaults() -> None:
     ("- resources: [configmaps]\n  namespaces: ['']\n  max: 1",
      'q.yaml:2: spec.quotas[0].namespaces: an empty entry matches nothing (use "*" for every '
      "namespace)"),
+    # an empty list counted in every namespace; an upper-case name matched none
+    ("- resources: [configmaps]\n  namespaces: []\n  max: 1",
+     "q.yaml:2: spec.quotas[0].namespaces: is empty, which matches nothing (leave it out for "
+     "every namespace)"),
+    ("- resources: [configmaps]\n  namespaces: [Team-A]\n  max: 1",
+     'q.yaml:2: spec.quotas[0].namespaces: "Team-A" never matches: namespaces are lower-case'),
     ("- resources: [configmaps]\n  max: 1\n  alignWith: [LimitRange]",
      'q.yaml:3: spec.quotas[0].alignWith: "LimitRange" is not one of ResourceQuota, '
      "ClusterResourceQuota"),
