@@ -98,7 +98,10 @@ def parse_rule(node: Located, what: str, errors: list[PolicyError]) -> RateLimit
     if name and not _NAME.fullmatch(name):
         f.fail("name", f'"{name}" must be letters, digits, "-", "_" or "." (it is part of keys)')
     match = parse_match(f.node("match"), f"{what}.match", errors)
-    key_text = f.str("key", default="{user}") or "{user}"
+    key_text = f.str("key", default="{user}")
+    if key_text == "":  # it silently became the default, one bucket per user
+        f.fail("key", 'must not be empty (a literal such as "all" makes one shared bucket)')
+    key_text = key_text or "{user}"
     key_node = f.node("key") or node
     key = parse_key(key_text, key_node, f.path("key"), errors)
     qps = f.number("qps", required=True, minimum=0)

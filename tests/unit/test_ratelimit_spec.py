@@ -66,6 +66,7 @@ def test_full_rule_and_defaults() -> None:
     ("{name: a, qps: 1, burst: 1.5}", "spec.rateLimits[0].burst: expected an integer"),
     ("{name: a, qps: 1, key: '{user}/{pod}'}", "unknown placeholder {pod}"),
     ("{name: a, qps: 1, key: '{user'}", "unbalanced brace"),
+    ("{name: a, qps: 1, key: ''}", "spec.rateLimits[0].key: must not be empty"),
     ("{name: a, qps: 1, key: 'x}'}", "unbalanced brace"),
     ("{name: a, qps: 1, onExceed: drop}", "onExceed: must be one of reject, wait"),
     ("{name: a, qps: 1, maxWait: soon}", 'maxWait: invalid duration "soon"'),
