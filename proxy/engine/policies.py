@@ -4,7 +4,8 @@ The engine validates the envelope of each YAML document (``apiVersion``, ``kind`
 ``metadata.name``, ``spec.mode``/``failure``/``allowImpersonation``); each section of ``spec``
 belongs to the middleware that enforces it and is validated by that middleware's
 :data:`~proxy.engine.schema.SectionParser`, passed in ``parsers`` (so a new middleware brings
-its schema with it). Every problem in every file is collected, then reported together.
+its schema with it). A parsed section may also have to agree with the same section of earlier
+policies (its ``check_against``). Every problem in every file is collected, then reported together.
 
 :class:`PolicyStore` holds the active set. A reload reads every file, validates, and replaces
 ``store.current`` with one attribute assignment, only when everything is valid: the last good set
@@ -278,12 +279,26 @@ def build_policy_set(files: Sequence[tuple[str, bytes]], *, parsers: Mapping[str
                 continue
             first_seen[policy.name] = f"{file}:{line}"
             policies.append(policy)
+    _check_across(policies, errors)
     if errors:
         order = {file: index for index, (file, _) in enumerate(files)}
         errors.sort(key=lambda e: (order.get(e.file, -1), e.line))
         raise PolicyLoadError(errors)
     return PolicySet(policies=tuple(policies), files=tuple(file for file, _ in files),
                      digest=digest, loaded_at=time.time())
+
+
+def _check_across(policies: Sequence[Policy], errors: list[PolicyError]) -> None:
+    """What one section must agree on with the same section of earlier policies: a parsed spec
+    with a ``check_against(earlier specs) -> [PolicyError]`` method says so (identity: one claim
+    mapping per issuer, since a token is verified once and is then one user for every policy)."""
+    earlier: dict[str, list[object]] = {}
+    for policy in policies:
+        for key, spec in policy.sections.items():
+            check = getattr(spec, "check_against", None)
+            if check is not None and key in earlier:
+                errors.extend(check(tuple(earlier[key])))
+            earlier.setdefault(key, []).append(spec)
 
 
 def load_policy_set(paths: Sequence[str | Path], *,

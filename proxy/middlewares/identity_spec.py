@@ -17,7 +17,7 @@ unless it is ``email``, as the apiserver does; ``usernamePrefix: "-"`` for none)
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -100,6 +100,30 @@ class IdentitySpec:
             if i.key == issuer_key:
                 return i
         return None
+
+    def check_against(self, earlier: Sequence[object]) -> list[PolicyError]:
+        """An OIDC issuer that an earlier policy declared with another claim mapping is an
+        error: a token is verified once, with the first declaration's mapping, so this one's
+        would be ignored (and a rule about its user names silently never match)."""
+        found: list[PolicyError] = []
+        for issuer in self.issuers:
+            if issuer.kind == KUBERNETES:  # no claim mapping of its own
+                continue
+            other = next((o for spec in earlier if isinstance(spec, IdentitySpec)
+                          for o in spec.issuers if o.key == issuer.key), None)
+            if other is None or _claims(other) == _claims(issuer):
+                continue
+            file, _, line = issuer.source.rpartition(":")
+            found.append(PolicyError(file, int(line) if line.isdigit() else 0, (
+                f'spec.identity.issuers: "{issuer.url}" maps claims differently from its '
+                f"declaration at {other.source} (a token is one user for every policy: username,"
+                " usernamePrefix, groups and groupsPrefix must agree)")))
+        return found
+
+
+def _claims(issuer: Issuer) -> tuple[str, str | None, str, str]:
+    return (issuer.username_claim, issuer.username_prefix, issuer.groups_claim,
+            issuer.groups_prefix)
 
 
 def _parse_issuer(node: Located, what: str, errors: list[PolicyError]) -> Issuer | None:

@@ -127,6 +127,32 @@ def test_errors_say_where(tmp_path: Path, body: str, expected: str) -> None:
     assert any(expected in e for e in errors), errors
 
 
+def _oidc_policy(name: str, claims: str, audiences: str = "[k]") -> str:
+    return (f"apiVersion: opgate.dev/v1alpha1\nkind: Policy\nmetadata: {{name: {name}}}\nspec:\n"
+            f"  identity:\n    issuers:\n      - kubernetes: {{}}\n"
+            f"      - oidc: {{issuer: 'https://dex', audiences: {audiences}{claims}}}\n"
+            "    allow: [{group: system:authenticated}]\n"
+            "    rules: [{effect: deny, users: [alice]}, {verbs: ['*']}]\n")
+
+
+def test_one_issuer_maps_claims_alike_in_every_policy(tmp_path: Path) -> None:
+    # a token is verified once, with the first declaration's mapping: the second policy's was
+    # ignored, so its deny rule for "alice" met "https://dex#alice" and never matched
+    path = tmp_path / "ident.yaml"
+    path.write_text(_oidc_policy("a", "") + "---\n"
+                    + _oidc_policy("b", ", claims: {usernamePrefix: '-'}"))
+    assert check([path], parsers=PARSERS) == [
+        f'{path}:19: spec.identity.issuers: "https://dex" maps claims differently from its '
+        f"declaration at {path}:8 (a token is one user for every policy: username, "
+        "usernamePrefix, groups and groupsPrefix must agree)"]
+    # alike (audiences are each policy's own), or another issuer: fine
+    path.write_text(_oidc_policy("a", ", claims: {username: sub}") + "---\n"
+                    + _oidc_policy("b", "", "[other]") + "---\n"
+                    + _oidc_policy("c", ", claims: {usernamePrefix: '-'}").replace(
+                        "https://dex", "https://dex2"))
+    assert check([path], parsers=PARSERS) == []
+
+
 @pytest.mark.parametrize(("oidc", "kind"), [("1", "an integer"), ("true", "a boolean"),
                                             ("1.5", "a number")])
 def test_an_oidc_issuer_that_is_not_a_mapping(tmp_path: Path, oidc: str, kind: str) -> None:
