@@ -75,9 +75,15 @@ def parse_section(node: Located, errors: list[PolicyError]) -> tuple[CaptureRule
     """The ``SectionParser`` for ``spec.capture`` (a list of rules)."""
     items = sequence(node, what=f"spec.{SECTION}", errors=errors)
     rules = [_parse_rule(item, f"spec.{SECTION}[{i}]", i, errors) for i, item in enumerate(items)]
-    names = [r.name for r in rules if r is not None]
-    for dup in sorted({n for n in names if names.count(n) > 1}):
-        errors.append(node.error(f'spec.{SECTION}: two rules are named "{dup}"'))
+    seen: dict[str, str] = {}
+    for index, rule in enumerate(rules):
+        if rule is None:
+            continue
+        if rule.name in seen:  # at the second one, not at the list
+            errors.append(items[index].error(f'spec.{SECTION}[{index}]: two rules are named '
+                                             f'"{rule.name}" (also at {seen[rule.name]})'))
+        else:
+            seen[rule.name] = rule.source
     return tuple(r for r in rules if r is not None)
 
 

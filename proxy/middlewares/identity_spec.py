@@ -241,9 +241,16 @@ def parse_section(node: Located, errors: list[PolicyError]) -> IdentitySpec:
     if rules_node is not None and not rule_items:
         f.fail("rules", 'has no rule, so it denies everything (to allow anything RBAC allows: '
                '"- {verbs: [\'*\']}")')
-    names = [r.name for r in rules if r is not None]
-    for dup in sorted({n for n in names if names.count(n) > 1}):
-        f.fail("rules", f'two rules are named "{dup}"')
+    seen: dict[str, str] = {}
+    for index, rule in enumerate(rules):
+        if rule is None:
+            continue
+        if rule.name in seen:  # at the second one, not at the list
+            errors.append(rule_items[index].error(
+                f'{what}.rules[{index}]: two rules are named "{rule.name}" '
+                f"(also at {seen[rule.name]})"))
+        else:
+            seen[rule.name] = rule.source
     sar = f.bool("subjectAccessReview", default=False)
     f.finish()
     return IdentitySpec(issuers=issuers, allow=allow, rules=tuple(r for r in rules if r),

@@ -103,7 +103,8 @@ def test_bad_rules_are_errors_with_file_and_line() -> None:
     assert ("c.yaml:4: spec.capture[3].secretBodies: expected true or false, got a string"
             in errors)
     assert 'c.yaml:5: unknown field "bodies" in spec.capture[4]' in errors
-    assert 'c.yaml:1: spec.capture: two rules are named "a"' in errors
+    # at the duplicate, not at the list
+    assert 'c.yaml:7: spec.capture[6]: two rules are named "a" (also at c.yaml:6)' in errors
 
 
 def test_opgate_check_validates_the_section(tmp_path: Path) -> None:

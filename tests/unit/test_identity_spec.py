@@ -105,8 +105,9 @@ def test_issuers_default_to_the_cluster(tmp_path: Path) -> None:
      "spec.identity.rules[0].effect: must be one of allow, deny"),
     ("  identity:\n    allow: [{group: x}]\n    rules: [{verbs: [get], colour: red}]\n",
      'ident.yaml:7: unknown field "colour" in spec.identity.rules[0]'),
-    ("  identity:\n    allow: [{group: x}]\n    rules: [{name: a}, {name: a}]\n",
-     'spec.identity.rules: two rules are named "a"'),
+    ("  identity:\n    allow: [{group: x}]\n    rules:\n      - {name: a}\n      - {name: b}\n"
+     "      - {name: a}\n",  # at the duplicate, not at the list
+     'ident.yaml:10: spec.identity.rules[2]: two rules are named "a" (also at '),
     ("  identity:\n    issuers: [{oidc: {issuer: 'http://dex', audiences: [k]}}]\n"
      "    allow: [{group: x}]\n    rules: [{verbs: [get]}]\n",
      'spec.identity.issuers[0].oidc.issuer: must be an https:// URL (got "http://dex")'),
