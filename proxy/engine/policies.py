@@ -187,8 +187,8 @@ def read_policy_files(
             continue
         files.append((name, data))
     sha = hashlib.sha256()
-    for name, data in files:
-        sha.update(f"{name}\0{len(data)}\0".encode())
+    for name, data in files:  # a name that is not UTF-8 holds surrogates: its own bytes back
+        sha.update(f"{name}\0{len(data)}\0".encode("utf-8", "surrogateescape"))
         sha.update(data)
     for error in errors:
         sha.update(f"error\0{error}\0".encode())
@@ -247,6 +247,14 @@ def _parse_policy(doc: Located, *, parsers: Mapping[str, SectionParser],
                   sections=sections, allow_impersonation=impersonation)
 
 
+def _shown(file: str) -> str:
+    """A file name as errors and ``Policy.source`` show it: one that is not UTF-8 comes from
+    os.listdir with lone surrogates, which no UTF-8 output (a log line, a header) can encode."""
+    if file.isprintable():
+        return file
+    return file.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+
+
 def build_policy_set(files: Sequence[tuple[str, bytes]], *, parsers: Mapping[str, SectionParser],
                      digest: str = "", errors: list[PolicyError] | None = None) -> PolicySet:
     """Parse and validate already-read files; raise :class:`PolicyLoadError` with every problem
@@ -254,7 +262,8 @@ def build_policy_set(files: Sequence[tuple[str, bytes]], *, parsers: Mapping[str
     errors = [] if errors is None else list(errors)
     policies: list[Policy] = []
     first_seen: dict[str, str] = {}
-    for file, data in files:
+    for raw, data in files:
+        file = _shown(raw)
         before = len(errors)
         try:
             documents = parse_yaml_documents(data, file=file, errors=errors)
@@ -281,7 +290,7 @@ def build_policy_set(files: Sequence[tuple[str, bytes]], *, parsers: Mapping[str
             policies.append(policy)
     _check_across(policies, errors)
     if errors:
-        order = {file: index for index, (file, _) in enumerate(files)}
+        order = {_shown(file): index for index, (file, _) in enumerate(files)}
         errors.sort(key=lambda e: (order.get(e.file, -1), e.line))
         raise PolicyLoadError(errors)
     return PolicySet(policies=tuple(policies), files=tuple(file for file, _ in files),

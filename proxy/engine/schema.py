@@ -49,6 +49,8 @@ _Bool: TypeAlias = bool
 # not split one error over lines, nor let a file forge more "file:line: message" lines.
 _ESCAPES = {c: f"\\x{c:02x}" for c in (*range(0x20), 0x7F, *range(0x80, 0xA0)) if c != 0x09}
 _ESCAPES.update({0x0A: "\\n", 0x0D: "\\r", 0x2028: "\\u2028", 0x2029: "\\u2029"})
+# a file name that is not UTF-8 (os.listdir's surrogates): its bytes, printable in any terminal
+_ESCAPES.update({c: f"\\x{c - 0xDC00:02x}" for c in range(0xDC80, 0xDD00)})
 
 
 class PolicyError(Exception):

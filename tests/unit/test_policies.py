@@ -260,6 +260,25 @@ def test_an_unreadable_directory_is_an_error_not_a_crash(
     assert store.describe()["last_error"] == f"{tmp_path}: cannot read: Permission denied"
 
 
+def test_a_file_name_that_is_not_utf8(tmp_path: Path) -> None:
+    # the digest encoded the name strictly: UnicodeEncodeError out of check, reload and the
+    # safety poll (and out of `opgate serve` at start); printing it failed the same way
+    raw = os.fsencode(tmp_path) + b"/caf\xe9.yaml"
+    with open(raw, "wb") as fh:
+        fh.write(GOOD.encode())
+    store = PolicyStore([tmp_path], parsers=PARSERS)
+    assert store.reload() and [p.name for p in store.current.policies] == ["alpha"]
+    # a denial's message and Warning header name the source: it must be encodable
+    assert store.current.policies[0].source == f"{tmp_path}/caf\\xe9.yaml:1"
+    assert not store.changed() and store.reload()
+    with open(raw, "wb") as fh:
+        fh.write(GOOD.replace("mode: dryrun", "mode: x").encode())
+    assert store.reload() is False
+    assert store.last_error == (f"{tmp_path}/caf\\xe9.yaml:5: spec.mode: must be one of "
+                                'enforce, dryrun (got "x")')
+    assert store.last_error.encode()  # printable as UTF-8
+
+
 def test_a_file_far_too_large_is_not_read_whole(tmp_path: Path,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(policies, "MAX_FILE_BYTES", len(GOOD))
