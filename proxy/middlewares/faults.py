@@ -148,7 +148,7 @@ class Faults:
         for policy, fault in matching:
             if fault.probability < 1.0 and self._rng() >= fault.probability:
                 continue
-            if (fault.mode or policy.mode) == "dryrun":
+            if "dryrun" in (fault.mode, policy.mode):  # a dryrun policy never denies
                 telemetry.DRYRUN_DENIALS.labels("faults").inc()
                 ctx.warn(f"fault {fault.name} of policy {policy.name} would fire (dryrun)")
                 continue

@@ -181,7 +181,7 @@ def bind_quotas(section: Sequence[tuple[Any, object]]) -> dict[tuple[str, str], 
             bound = BoundQuota(
                 rule=rule, policy=policy.name, quota_name=rule.name or policy.name,
                 where=rule.source or policy.source,
-                dryrun=(rule.mode or policy.mode) == "dryrun",
+                dryrun="dryrun" in (rule.mode, policy.mode),  # a dryrun policy never denies
                 fail_open=(rule.failure or policy.failure) == "open")
             for pair in rule.pairs:
                 by_pair.setdefault(pair, []).append(bound)

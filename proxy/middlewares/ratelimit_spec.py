@@ -223,7 +223,7 @@ def bind_rules(section: Sequence[tuple[Any, object]]) -> Plan:
         for rule in rules:  # type: ignore[attr-defined]
             bound.append(BoundRule(
                 rule=rule, policy=policy.name, where=rule.source or policy.source,
-                dryrun=(rule.mode or policy.mode) == "dryrun",
+                dryrun="dryrun" in (rule.mode, policy.mode),  # a dryrun policy never denies
                 fail_open=(rule.failure or policy.failure) == "open",
                 per_user="user" in rule.key.fields,
                 needs_instance="instance" in rule.key.fields, prefix=f"{policy.name}/{rule.name}/",

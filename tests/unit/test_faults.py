@@ -93,8 +93,9 @@ def test_delay_then_answer(tmp_path: Path) -> None:
     assert isinstance(decision, Deny) and decision.status.code == 503
 
 
-def test_dryrun_warns_and_never_fires(tmp_path: Path) -> None:
-    ctx = ctx_for(policies(tmp_path, CONFLICTS, mode="dryrun"), "PUT", WIDGET)
+@pytest.mark.parametrize("own", ["", "      mode: enforce\n"])  # a dryrun policy never denies
+def test_dryrun_warns_and_never_fires(tmp_path: Path, own: str) -> None:
+    ctx = ctx_for(policies(tmp_path, CONFLICTS + own, mode="dryrun"), "PUT", WIDGET)
     assert asyncio.run(settle(Faults().entry(ctx))) is None
     [(name, value)] = ctx.response_headers
     assert name == "Warning" and "widget-conflicts" in value and "dryrun" in value

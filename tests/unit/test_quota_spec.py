@@ -151,7 +151,8 @@ def test_bind_takes_name_mode_and_failure_from_the_policy() -> None:
     assert (first.quota_name, first.policy, first.dryrun, first.fail_open) == (
         "team-quota", "team-quota", True, True)
     assert first.where == "p.yaml:8"
-    assert (second.quota_name, second.dryrun, second.fail_open) == ("own", False, False)
+    # an entry's own mode trials it in an enforce policy; a dryrun policy never denies
+    assert (second.quota_name, second.dryrun, second.fail_open) == ("own", True, False)
 
 
 def test_opgate_check_accepts_and_rejects(tmp_path: object) -> None:

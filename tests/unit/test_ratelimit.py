@@ -106,10 +106,13 @@ def test_no_matching_rule_makes_no_store_call() -> None:
     assert asyncio.run(settle(mw.entry(ctx_for(empty)))) is None and store.calls == 0
 
 
-@pytest.mark.parametrize("where", ["policy", "rule"])
+@pytest.mark.parametrize("where", ["policy", "rule", "policy-over-rule"])
 def test_dryrun_warns_counts_and_never_denies(where: str) -> None:
-    rule = "- {name: dr, qps: 1, burst: 1%s}" % (", mode: dryrun" if where == "rule" else "")
-    pset = policies(rule, mode="dryrun" if where == "policy" else "enforce", name=f"dry-{where}")
+    # a rule's own mode: dryrun trials it in an enforce policy; in a dryrun policy, which never
+    # denies (DESIGN), a rule's mode: enforce does not make it deny either
+    own = {"policy": "", "rule": ", mode: dryrun", "policy-over-rule": ", mode: enforce"}[where]
+    rule = "- {name: dr, qps: 1, burst: 1" + own + "}"
+    pset = policies(rule, mode="enforce" if where == "rule" else "dryrun", name=f"dry-{where}")
     mw, _ = make()
     dry_before = telemetry.REGISTRY.get_sample_value(
         "opgate_dryrun_denials_total", {"middleware": "ratelimit"}) or 0.0
