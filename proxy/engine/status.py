@@ -105,7 +105,7 @@ _UNSAFE = re.compile(r"[^\x20-\x7e]+")
 
 
 def _escaped(found: re.Match[str]) -> str:
-    return quote(found.group(), safe="")
+    return quote(found.group(), safe="", errors="surrogatepass")  # (JSON lets a claim hold one)
 
 
 def warning_header(text: str) -> tuple[str, str]:

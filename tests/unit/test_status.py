@@ -51,3 +51,9 @@ def test_warning_header_percent_encodes_what_would_break_a_head() -> None:
     _, value = status.warning_header('path "/a\r\nX-Evil: 1" of Jos\xe9 \u20ac\tend')
     assert value == '299 - "opgate: path \\"/a%0D%0AX-Evil: 1\\" of Jos%C3%A9 %E2%82%AC%09end"'
     value.encode("ascii")
+
+
+def test_warning_header_takes_lone_surrogates() -> None:
+    # a token's claims are JSON, whose "\udcff" escapes decode to lone surrogates (no UTF-8)
+    _, value = status.warning_header("user \udcff")
+    assert value == '299 - "opgate: user %ED%B3%BF"'
