@@ -1,0 +1,109 @@
+"""What the README and the example policies claim, checked against the code.
+
+The ``opgate serve`` flag table's defaults are the parser's; every policy the README shows and
+every file under ``policies/`` passes ``opgate check``; every policy field the README's examples
+use appears in some file under ``policies/``, so a reader finds it in a complete example.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from proxy.app import section_parsers
+from proxy.cli import build_parser
+from proxy.engine.check import check
+
+ROOT = Path(__file__).resolve().parents[2]
+README = (ROOT / "README.md").read_text(encoding="utf-8")
+SHIPPED = sorted((ROOT / "policies").glob("*/*.yaml"))
+HEAD = "apiVersion: opgate.dev/v1alpha1\nkind: Policy\nmetadata: {name: readme}\nspec:\n"
+
+
+def _serve_parser() -> argparse.ArgumentParser:
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices["serve"]
+
+
+def _flag_rows() -> list[tuple[list[str], list[str]]]:
+    """``(flags, defaults)`` of each row of the README's ``opgate serve`` table."""
+    rows = []
+    for line in README.splitlines():
+        if not line.startswith("| `--"):
+            continue
+        cells = line.split("|")
+        flags = re.findall(r"`(--[a-z-]+)`", cells[1])
+        rows.append((flags, re.findall(r"`([^`]*)`", cells[2])))
+    return rows
+
+
+def _policy_blocks() -> list[str]:
+    """The README's policy examples as whole documents (a ``spec`` section gets a head)."""
+    docs = []
+    for block in re.findall(r"```yaml\n(.*?)```", README, re.S):
+        if block.startswith("apiVersion: opgate.dev/"):
+            docs.append(block)
+        elif re.match(r"  [a-zA-Z]+:", block):  # a section of spec, indented as under it
+            docs.append(HEAD + block)
+    return docs
+
+
+def _keys(node: Any) -> Iterator[str]:
+    if isinstance(node, dict):
+        for key, value in node.items():
+            yield str(key)
+            yield from _keys(value)
+    elif isinstance(node, list):
+        for item in node:
+            yield from _keys(item)
+
+
+def test_the_flag_table_has_the_parsers_flags_and_defaults(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    for var in [v for v in os.environ if v.startswith("OPGATE_")]:
+        monkeypatch.delenv(var)
+    actions = {opt: a for a in _serve_parser()._actions for opt in a.option_strings}
+    parsed = vars(build_parser().parse_args(["serve"]))
+    rows = _flag_rows()
+    assert len(rows) >= 15
+    checked = 0
+    for flags, defaults in rows:
+        for flag in flags:
+            assert flag in actions, f"the README's table names {flag}, which serve has not"
+        if len(defaults) != len(flags):  # "in-cluster", or no default
+            continue
+        for flag, documented in zip(flags, defaults, strict=True):
+            action = actions[flag]
+            assert (action.type or str)(documented) == parsed[action.dest], flag
+            checked += 1
+    assert checked >= 13
+
+
+def test_the_readme_policies_are_valid(tmp_path: Path) -> None:
+    docs = _policy_blocks()
+    assert len(docs) >= 5  # the policy and its faults, quotas, audit and capture sections
+    for i, doc in enumerate(docs):
+        (tmp_path / f"readme-{i}.yaml").write_text(doc.replace("name: readme", f"name: r{i}"))
+    assert check([tmp_path], parsers=section_parsers()) == []
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_every_shipped_policy_is_valid(path: Path) -> None:
+    assert check([path], parsers=section_parsers()) == []
+
+
+def test_every_field_the_readme_shows_is_in_an_example() -> None:
+    shown = {key for doc in _policy_blocks() for key in _keys(yaml.safe_load(doc))}
+    examples = {key for path in SHIPPED
+                for doc in yaml.safe_load_all(path.read_text(encoding="utf-8"))
+                for key in _keys(doc)}
+    assert len(SHIPPED) >= 7
+    assert shown - examples == set()
