@@ -13,6 +13,7 @@ import json
 import os
 import shutil
 import ssl
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
@@ -539,6 +540,28 @@ async def test_head_304_and_expect_continue() -> None:
     assert "Expect" not in up.seen[2].headers
 
 
+async def _at_once() -> None:
+    pass
+
+
+def _one_event_watches(
+    before_answer: Callable[[], Awaitable[object]], text: str
+) -> Callable[[web.BaseRequest], Awaitable[web.StreamResponse]]:
+    """An upstream for the shutdown tests: a watch sends one event and then nothing for 30 s;
+    any other call answers ``text`` once ``before_answer()`` returns."""
+    async def handler(request: web.BaseRequest) -> web.StreamResponse:
+        if request.query.get("watch"):
+            resp = web.StreamResponse()
+            await resp.prepare(request)
+            await resp.write(b'{"type":"ADDED"}\n')
+            await asyncio.sleep(30)
+            return resp
+        await before_answer()
+        return web.Response(text=text)
+
+    return handler
+
+
 @pytest.mark.asyncio
 async def test_shutdown_ends_watches_at_once_and_lets_calls_finish() -> None:
     """On both relays: a watch open at shutdown ends at once, cleanly between two events (the
@@ -548,17 +571,7 @@ async def test_shutdown_ends_watches_at_once_and_lets_calls_finish() -> None:
     Python client saw a broken stream."""
     release = asyncio.Event()
 
-    async def handler(request: web.BaseRequest) -> web.StreamResponse:
-        if request.query.get("watch"):
-            resp = web.StreamResponse()
-            await resp.prepare(request)
-            await resp.write(b'{"type":"ADDED"}\n')
-            await asyncio.sleep(30)
-            return resp
-        await release.wait()
-        return web.Response(text="ok")
-
-    up = await AiohttpUpstream(handler).start()
+    up = await AiohttpUpstream(_one_event_watches(release.wait, "ok")).start()
     try:
         async with running_proxy(up.url, shutdown_timeout=5.0) as proxy, \
                 aiohttp.ClientSession() as c:
@@ -664,16 +677,7 @@ async def test_shutdown_lets_a_length_framed_watch_answer_finish(
 async def test_a_watch_ended_at_shutdown_takes_no_further_call_on_its_connection() -> None:
     """The watch ends complete, and its connection with it: a call the client sends on the
     same connection right after the last chunk is not served while opgate drains."""
-    async def handler(request: web.BaseRequest) -> web.StreamResponse:
-        if request.query.get("watch"):
-            resp = web.StreamResponse()
-            await resp.prepare(request)
-            await resp.write(b'{"type":"ADDED"}\n')
-            await asyncio.sleep(30)
-            return resp
-        return web.Response(text="served")
-
-    up = await AiohttpUpstream(handler).start()
+    up = await AiohttpUpstream(_one_event_watches(_at_once, "served")).start()
     try:
         async with running_proxy(up.url, shutdown_timeout=5.0) as proxy:
             host, port = proxy.listener.address.rsplit(":", 1)
@@ -697,17 +701,7 @@ async def test_a_watch_pipelined_behind_a_call_in_flight_does_not_hold_the_drain
     ended (or never started) as the drain goes on, not left open until the grace runs out."""
     release = asyncio.Event()
 
-    async def handler(request: web.BaseRequest) -> web.StreamResponse:
-        if request.query.get("watch"):
-            resp = web.StreamResponse()
-            await resp.prepare(request)
-            await resp.write(b'{"type":"ADDED"}\n')
-            await asyncio.sleep(30)
-            return resp
-        await release.wait()
-        return web.Response(text="ok")
-
-    up = await AiohttpUpstream(handler).start()
+    up = await AiohttpUpstream(_one_event_watches(release.wait, "ok")).start()
     loop = asyncio.get_running_loop()
     try:
         async with running_proxy(up.url, shutdown_timeout=6.0) as proxy:
