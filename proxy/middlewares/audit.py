@@ -5,10 +5,12 @@ apiserver's audit Policy); without any such section every call is recorded at ``
 The events are the apiserver's own format (``kind: Event``, ``apiVersion: audit.k8s.io/v1``), so
 the tools that read its ``--audit-log-path`` files read opgate's too:
 
-* ``auditID`` is opgate's trace id; ``verb`` the apiserver's audit verb (``get``, ``list``,
-  ``watch``, ``create``, ``update``, ``patch``, ``delete``, ``deletecollection``; the lower-case
-  HTTP method for non-resource URLs); ``requestURI`` path and query as sent (a query parameter
-  whose name contains ``token`` is redacted).
+* ``auditID`` is the client's ``Audit-ID`` header when it sent one (as the apiserver, which
+  then logs the same ID: opgate forwards the header), else opgate's trace id; ``verb`` the
+  apiserver's audit verb (``get``, ``list``, ``watch``, ``create``, ``update``, ``patch``,
+  ``delete``, ``deletecollection``; the lower-case HTTP method for non-resource URLs);
+  ``requestURI`` path and query as sent (a query parameter whose name contains ``token`` is
+  redacted).
 * ``user`` is the identity opgate verified (``spec.identity``): ``{}`` when none was verified,
   with the annotation ``opgate.dev/user: unverified``. ``impersonatedUser`` when the call
   forwards ``Impersonate-User``. ``sourceIPs`` as the apiserver lists them: ``X-Forwarded-For``,
@@ -145,6 +147,12 @@ def source_ips(ctx: RequestContext) -> list[str]:
     if remote is not None and (not found or found[-1] != remote):
         found.append(remote)
     return found
+
+
+def audit_id(ctx: RequestContext) -> str:
+    """``auditID``: the client's ``Audit-ID`` header when it sent one, as the apiserver takes it
+    (opgate forwards the header, so both logs then name the call alike); else the trace id."""
+    return ctx.headers.get("audit-id") or ctx.trace_id
 
 
 def request_uri(path: str, query: str, *, escaped: bool = False) -> str:
@@ -333,11 +341,14 @@ class Audit:
             index = by_name()
             raw_agent = index.get(b"user-agent")
             agent = None if raw_agent is None else raw_agent.decode("latin-1")
-            forwarded = b"x-forwarded-for" in index or b"x-real-ip" in index
+            # (a client's Audit-ID, too, takes the encoded path: it is the event's auditID)
+            forwarded = (b"x-forwarded-for" in index or b"x-real-ip" in index
+                         or b"audit-id" in index)
             impersonated = b"impersonate-user" in index
         else:
             agent = headers.get("user-agent")
-            forwarded = "x-forwarded-for" in headers or "x-real-ip" in headers
+            forwarded = ("x-forwarded-for" in headers or "x-real-ip" in headers
+                         or "audit-id" in headers)
             impersonated = "impersonate-user" in headers
         call = self._last.get(id(info))
         if (call is None or call.info is not info or call.identity is not identity
@@ -424,7 +435,7 @@ class Audit:
         if ctx.raw_path:  # escapes as the client sent them (c%6Dq stays c%6Dq), as the apiserver
             uri = request_uri(ctx.raw_path, ctx.query, escaped=True)
         ev: dict[str, Any] = {"kind": "Event", "apiVersion": "audit.k8s.io/v1",
-                              "level": decision.level, "auditID": ctx.trace_id, "stage": stage,
+                              "level": decision.level, "auditID": audit_id(ctx), "stage": stage,
                               "requestURI": uri, "verb": info.verb}
         identity = ctx.identity
         if identity is not None:

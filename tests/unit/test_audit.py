@@ -158,7 +158,7 @@ _ODD_AGENT = 'kubectl "quoted" \\ \u00e9\u4e2d\x01'
     "create-from-body", "denied", "error", "request-level", "impersonated", "no-status",
     "next-second", "forwarded", "unix-socket", "ipv6", "real-ip", "impersonation-allowed",
     "impersonation-allowed-per-call", "end-of-second", "before-received", "throttled-200",
-    "odd-decision", "before-1970", "early-seconds",
+    "odd-decision", "before-1970", "early-seconds", "audit-id",
 ])
 @pytest.mark.parametrize("wire", [False, True], ids=["aiohttp-headers", "wire-headers"])
 def test_joined_lines_equal_the_encoded_event(case: str, wire: bool) -> None:
@@ -197,6 +197,8 @@ def test_joined_lines_equal_the_encoded_event(case: str, wire: bool) -> None:
         headers["X-Forwarded-For"] = "10.0.0.1"
     if case == "real-ip":
         headers["X-Real-Ip"] = "10.0.0.3"
+    if case == "audit-id":
+        headers["Audit-ID"] = 'client "chosen" id'
     if case.startswith("impersonation-allowed"):
         headers["Impersonate-User"] = "jane"
         if case == "impersonation-allowed":
@@ -261,6 +263,7 @@ def test_joined_lines_follow_each_caller_and_the_policy_set_in_force(wire: bool)
         (SA, {**kubectl, "X-Forwarded-For": "10.0.0.1"}, "127.0.0.1", ""),
         (SA, {**kubectl, "X-Real-Ip": "10.0.0.3"}, "127.0.0.1", ""),
         (SA, {**kubectl, "Impersonate-User": "jane"}, "127.0.0.1", ""),
+        (SA, {**kubectl, "Audit-ID": "b7e2-client"}, "127.0.0.1", ""),
     ]
     rules = policies("    rules:\n      - level: Metadata\n        users: [jane]\n"
                      "    level: None\n")
@@ -281,6 +284,27 @@ def test_joined_lines_follow_each_caller_and_the_policy_set_in_force(wire: bool)
                 expected = audit_mod._ENCODER.encode(
                     auditor.event(ctx, decision, "ResponseComplete", end))
                 assert out.lines == [expected + "\n"]
+
+
+@pytest.mark.parametrize("wire", [False, True], ids=["aiohttp-headers", "wire-headers"])
+def test_the_clients_audit_id_is_the_events_as_the_apiserver_takes_it(wire: bool) -> None:
+    """The apiserver logs a call under the ``Audit-ID`` its client sent (opgate forwards it):
+    opgate's event for the call carries the same ID (its trace id only when none came), on
+    every stage; an empty header counts as none, as the apiserver's."""
+    out = Lines()
+    auditor = Audit(write=out)
+    for value, expected in (("4f0c-client-id", "4f0c-client-id"), ("", "5a1f-f1c")):
+        for _ in range(2):  # memo miss, hit
+            ctx = make_ctx("GET", "/api/v1/namespaces/a/configmaps/c",
+                           headers={"Audit-ID": value}, wire=wire)
+            run_call(auditor, ctx)
+            assert out.events[-1]["auditID"] == expected
+    ctx = make_ctx("GET", "/api/v1/namespaces/a/configmaps", "watch=true",
+                   headers={"Audit-ID": "w-1"}, wire=wire)
+    ctx.status_code = 200
+    auditor._exit_open(ctx, audit_mod._Open(ctx, auditor.plan(EMPTY).decide(ctx.info, None)))
+    assert [(e["stage"], e["auditID"]) for e in out.events[-2:]] == [
+        ("ResponseStarted", "w-1"), ("ResponseComplete", "w-1")]
 
 
 @pytest.mark.parametrize(("method", "path", "query", "verb"), [
