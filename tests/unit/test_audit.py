@@ -241,7 +241,8 @@ def test_joined_lines_equal_the_encoded_event(case: str, wire: bool) -> None:
         asyncio.run(settle(auditor.exit(ctx)))
         assert out.lines.pop() == expected + "\n"
     if case.startswith("impersonation-allowed"):
-        assert json.loads(expected)["impersonatedUser"] == {"username": "jane"}
+        assert json.loads(expected)["impersonatedUser"] == {
+            "username": "jane", "groups": ["system:authenticated"]}
     if case == "impersonated":  # not allowed: the header is not logged
         assert "impersonatedUser" not in json.loads(expected)
 
@@ -305,6 +306,43 @@ def test_the_clients_audit_id_is_the_events_as_the_apiserver_takes_it(wire: bool
     auditor._exit_open(ctx, audit_mod._Open(ctx, auditor.plan(EMPTY).decide(ctx.info, None)))
     assert [(e["stage"], e["auditID"]) for e in out.events[-2:]] == [
         ("ResponseStarted", "w-1"), ("ResponseComplete", "w-1")]
+
+
+@pytest.mark.parametrize(("headers", "expected"), [
+    ([("Impersonate-User", "bob")], {"username": "bob", "groups": ["system:authenticated"]}),
+    ([("Impersonate-User", "bob"), ("Impersonate-Group", "dev"), ("Impersonate-Group", "ops"),
+      ("Impersonate-Uid", "u-1"), ("Impersonate-Extra-Scopes", "openid"),
+      ("Impersonate-Extra-Scopes", "profile"), ("Impersonate-Extra-acme.com%2fproject", "p")],
+     {"username": "bob", "uid": "u-1", "groups": ["dev", "ops", "system:authenticated"],
+      "extra": {"acme.com/project": ["p"], "scopes": ["openid", "profile"]}}),
+    ([("Impersonate-User", "bob"), ("Impersonate-Group", "system:unauthenticated")],
+     {"username": "bob", "groups": ["system:unauthenticated"]}),
+    ([("Impersonate-User", "system:anonymous")],
+     {"username": "system:anonymous", "groups": ["system:unauthenticated"]}),
+    ([("Impersonate-User", "system:serviceaccount:team-a:op")],
+     {"username": "system:serviceaccount:team-a:op",
+      "groups": ["system:serviceaccounts", "system:serviceaccounts:team-a",
+                 "system:authenticated"]}),
+    ([("Impersonate-User", "system:serviceaccount:team-a:op"), ("Impersonate-Group", "g")],
+     {"username": "system:serviceaccount:team-a:op", "groups": ["g", "system:authenticated"]}),
+    ([("Impersonate-User", "system:serviceaccount:Team_A:op")],  # not a namespace: a user
+     {"username": "system:serviceaccount:Team_A:op", "groups": ["system:authenticated"]}),
+])
+@pytest.mark.parametrize("wire", [False, True], ids=["aiohttp-headers", "wire-headers"])
+def test_impersonated_user_is_the_user_the_apiserver_switches_to(
+        headers: list[tuple[str, str]], expected: dict[str, Any], wire: bool) -> None:
+    """The apiserver logs the whole user it impersonates (k8s.io/apiserver's impersonation
+    filter): groups, uid, extra, and the group every such user is in."""
+    out = Lines()
+    ctx = make_ctx("GET", "/api/v1/namespaces/a/configmaps/c", pset=policies(impersonation=True),
+                   wire=wire)
+    pairs = [(k.encode(), v.encode()) for k, v in [*ctx.headers.items(), *headers]]
+    ctx.headers = WireHeaders(pairs) if wire else CIMultiDict(
+        [(k.decode(), v.decode()) for k, v in pairs])
+    run_call(Audit(write=out), ctx)
+    (ev,) = out.events
+    check_shape(ev)
+    assert json.dumps(ev["impersonatedUser"]) == json.dumps(expected)  # the order, too
 
 
 @pytest.mark.parametrize(("method", "path", "query", "verb"), [
