@@ -1,0 +1,279 @@
+"""opgate's audit log against the apiserver's own, event by event, for the same calls.
+
+A cluster of this module's own (the session one has no audit flags) runs kube-apiserver with
+``--audit-log-path`` and ``--audit-policy-file``; an opgate in front of it verifies the caller's
+ServiceAccount token and logs with ``spec.audit`` at the same levels (configmaps at
+RequestResponse, deployments at Request, the rest at Metadata; the apiserver's Policy omits no
+stage, so it also writes RequestReceived, which opgate never does). Each call sends its own
+``Audit-ID``, so the apiserver's event and opgate's for one call share it and are paired by it.
+Both are compared field by field after :func:`normalize`, which takes out exactly what
+legitimately differs (each item says why; the README's "Audit" section lists them too).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from proxy.envtest.binaries import KubeBinaries
+from proxy.envtest.cluster import LocalCluster
+from tests.e2e.conftest import Opgate, start_opgate
+from tests.e2e.test_protobuf import PROTOBUF, configmap_protobuf
+
+pytestmark = pytest.mark.e2e
+
+NS = "audit-cmp"
+SA_NAME = "compared"
+USER = f"system:serviceaccount:{NS}:{SA_NAME}"
+MICRO = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}Z")
+# the same levels on both sides: the apiserver's Policy and opgate's spec.audit
+RULES = f"""\
+  - level: RequestResponse
+    users: ["{USER}"]
+    resources: [{{group: "", resources: [configmaps]}}]
+  - level: Request
+    users: ["{USER}"]
+    resources: [{{group: apps, resources: [deployments, deployments/scale, deployments/status]}}]
+  - level: Metadata
+    users: ["{USER}"]
+"""
+APISERVER_POLICY = f"""\
+apiVersion: audit.k8s.io/v1
+kind: Policy
+rules:
+{RULES}  - level: None
+"""
+OPGATE_POLICY = f"""\
+apiVersion: opgate.dev/v1alpha1
+kind: Policy
+metadata: {{name: audit-cmp}}
+spec:
+  allowImpersonation: true
+  identity:
+    issuers: [{{kubernetes: {{}}}}]
+    allow: [{{serviceAccount: {NS}/{SA_NAME}}}]
+    rules:
+      - {{name: no-secrets, effect: deny, resources: [secrets]}}
+      - {{name: all, verbs: ["*"], resources: ["*"]}}
+  audit:
+    level: None
+    rules:
+{"".join("  " * 2 + line + chr(10) for line in RULES.splitlines())}"""
+
+
+@dataclass(frozen=True)
+class Setup:
+    cluster: LocalCluster
+    gate: Opgate
+    apiserver_log: Path
+    opgate_log: Path
+    token: str
+
+
+@pytest.fixture(scope="module")
+def setup(kube_binaries: KubeBinaries,
+          tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
+    base = tmp_path_factory.mktemp("audit-cmp")
+    policy = base / "apiserver-audit-policy.yaml"
+    policy.write_text(APISERVER_POLICY)
+    apiserver_log = base / "apiserver-audit.log"
+    cluster = LocalCluster(binaries=kube_binaries, extra_apiserver_args=(
+        f"--audit-log-path={apiserver_log}", f"--audit-policy-file={policy}"))
+    try:
+        cluster.start()
+    except RuntimeError as exc:
+        pytest.fail(f"the audited kube-apiserver did not start: {exc}", pytrace=False)
+    gate = None
+    try:
+        cluster.create_namespace(NS)
+        rules = [{"apiGroups": ["", "apps"], "verbs": ["*"],
+                  "resources": ["configmaps", "events", "deployments", "deployments/scale",
+                                "deployments/status"]},
+                 {"apiGroups": [""], "resources": ["users"], "verbs": ["impersonate"],
+                  "resourceNames": ["bob"]}]
+        cluster.create_service_account_with_rbac(NS, SA_NAME, rules, cluster_wide=True)
+        token_file = base / "opgate-token"
+        token_file.write_text(cluster.admin_token)
+        token_file.chmod(0o600)
+        opgate_log = base / "opgate-audit.log"
+        gate = start_opgate(cluster, base / "opgate", policies={"audit.yaml": OPGATE_POLICY},
+                            extra_args=["--token-file", str(token_file),
+                                        "--audit-log", str(opgate_log)])
+        yield Setup(cluster=cluster, gate=gate, apiserver_log=apiserver_log,
+                    opgate_log=opgate_log, token=cluster.token_request(NS, SA_NAME))
+    finally:
+        if gate is not None:
+            gate.stop()
+        cluster.stop()
+
+
+def read_events(path: Path) -> list[dict[str, Any]]:
+    text = path.read_text() if path.exists() else ""
+    return [json.loads(line) for line in text.splitlines()]
+
+
+def by_id(path: Path, want: set[tuple[str, str]],
+          timeout: float = 30.0) -> dict[tuple[str, str], dict[str, Any]]:
+    """The events of ``path`` by (auditID, stage), once all of ``want`` are there."""
+    deadline = time.monotonic() + timeout
+    found: dict[tuple[str, str], dict[str, Any]] = {}
+    while time.monotonic() < deadline:
+        found = {(e["auditID"], e["stage"]): e for e in read_events(path)}
+        if want <= set(found):
+            return found
+        time.sleep(0.1)
+    pytest.fail(f"{path.name} lacks {sorted(want - set(found))}")
+
+
+def subset(part: Any, whole: Any) -> bool:
+    """Whether ``whole`` has everything ``part`` has (the apiserver adds defaults)."""
+    if isinstance(part, dict):
+        return isinstance(whole, dict) and all(
+            k in whole and subset(v, whole[k]) for k, v in part.items())
+    if isinstance(part, list):
+        return (isinstance(whole, list) and len(part) == len(whole)
+                and all(subset(p, w) for p, w in zip(part, whole, strict=True)))
+    return bool(part == whole)
+
+
+def normalize(ours: dict[str, Any], theirs: dict[str, Any]) -> tuple[dict[str, Any],
+                                                                      dict[str, Any]]:
+    """Both events without what legitimately differs; what is taken out is checked here."""
+    ours, theirs = copy.deepcopy(ours), copy.deepcopy(theirs)
+    for ev in (ours, theirs):
+        # moments of two processes: only their format and order can be the same
+        for key in ("requestReceivedTimestamp", "stageTimestamp"):
+            assert MICRO.fullmatch(ev[key]), ev[key]
+        assert ev["requestReceivedTimestamp"] <= ev.pop("stageTimestamp")
+        del ev["requestReceivedTimestamp"]
+    # each side annotates its own decision: opgate's opgate.dev/*, the apiserver's authorization
+    assert ours.pop("annotations")["opgate.dev/decision"] in ("allowed", "denied")
+    theirs.pop("annotations", None)
+    # the apiserver adds the credential's id (user.extra) from its token lookup
+    theirs["user"].pop("extra", None)
+    # responseObject: opgate streams response bodies (RequestResponse logs what Request does)
+    assert "responseObject" not in ours
+    theirs.pop("responseObject", None)
+    # responseStatus: opgate does not read the apiserver's error or Status bodies, only the code
+    if ours["responseStatus"].keys() == {"metadata", "code"}:
+        theirs["responseStatus"] = {"metadata": {}, "code": theirs["responseStatus"]["code"]}
+    # requestObject: the apiserver logs the object decoded and defaulted (a protobuf body too);
+    # opgate the JSON as sent
+    if "requestObject" in ours:
+        assert subset(ours.pop("requestObject"), theirs.pop("requestObject"))
+    elif ours["verb"] in ("create", "update") and "requestObject" in theirs:
+        assert ours["objectRef"]["resource"] == "configmaps"  # the protobuf one
+        del theirs["requestObject"]
+    # a create's name at Metadata: opgate reads no body for it (the README says so)
+    if ours["verb"] == "create" and ours["level"] == "Metadata" and "name" not in ours.get(
+            "objectRef", {}):
+        theirs.get("objectRef", {}).pop("name", None)
+    return ours, theirs
+
+
+def send(setup: Setup, audit_id: str, method: str, path: str, body: Any = None,
+         ctype: str | None = None, headers: dict[str, str] | None = None,
+         server: str | None = None) -> int:
+    resp = setup.cluster.call(method, path, body=body, content_type=ctype,
+                              headers={"Audit-ID": audit_id, "User-Agent": "audit-cmp/1.0",
+                                       **(headers or {})},
+                              token=setup.token, server=server or setup.gate.url)
+    return resp.status
+
+
+CM = f"/api/v1/namespaces/{NS}/configmaps"
+DEPLOY = f"/apis/apps/v1/namespaces/{NS}/deployments"
+
+
+def configmap(name: str = "", **meta: Any) -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "ConfigMap",
+            "metadata": {**({"name": name} if name else {}), **meta}, "data": {"k": "v"}}
+
+
+DEPLOYMENT = {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "d"},
+              "spec": {"replicas": 1, "selector": {"matchLabels": {"app": "d"}},
+                       "template": {"metadata": {"labels": {"app": "d"}},
+                                    "spec": {"containers": [{"name": "c", "image": "x"}]}}}}
+MERGE, STRATEGIC, JSONPATCH, APPLY = (
+    "application/merge-patch+json", "application/strategic-merge-patch+json",
+    "application/json-patch+json", "application/apply-patch+yaml")
+def calls() -> list[tuple[str, str, Any, str | None, dict[str, str], int]]:
+    """Every kind of call: method, path, body, content type, extra headers, and the code."""
+    return [
+        ("POST", CM, configmap("a", labels={"set": "x"}), None, {}, 201),
+        ("POST", CM, configmap(generateName="g-"), None, {}, 201),
+        ("POST", CM, configmap_protobuf(NS, "pb", {"k": "v"}), PROTOBUF, {}, 201),
+        ("GET", f"{CM}/a", None, None, {}, 200),
+        ("GET", f"{CM}?limit=5", None, None, {}, 200),
+        ("GET", f"{CM}?watch=true&timeoutSeconds=1", None, None, {}, 200),
+        ("PUT", f"{CM}/a", {**configmap("a", labels={"set": "x"}), "data": {"k": "v2"}}, None,
+         {}, 200),
+        ("PATCH", f"{CM}/a", {"data": {"m": "1"}}, MERGE, {}, 200),
+        ("PATCH", f"{CM}/a", {"data": {"s": "1"}}, STRATEGIC, {}, 200),
+        ("PATCH", f"{CM}/a", [{"op": "add", "path": "/data/j", "value": "1"}], JSONPATCH, {}, 200),
+        ("PATCH", f"{CM}/b?fieldManager=cmp", configmap("b"), APPLY, {}, 201),
+        ("POST", f"{CM}?dryRun=All", configmap("dry"), None, {}, 201),
+        ("GET", f"{CM}/missing", None, None, {}, 404),
+        ("GET", f"{CM}/a", None, None, {"Impersonate-User": "bob"}, 403),
+        ("POST", f"/api/v1/namespaces/{NS}/events",
+         {"apiVersion": "v1", "kind": "Event", "metadata": {"name": "e1"},
+          "involvedObject": {"kind": "ConfigMap", "name": "a", "namespace": NS},
+          "reason": "Compared", "message": "m"}, None, {}, 201),
+        ("POST", DEPLOY, DEPLOYMENT, None, {}, 201),
+        ("GET", f"{DEPLOY}/d/scale", None, None, {}, 200),
+        ("PATCH", f"{DEPLOY}/d/scale", {"spec": {"replicas": 2}}, MERGE, {}, 200),
+        ("GET", f"{DEPLOY}/d/status", None, None, {}, 200),
+        ("GET", "/version", None, None, {}, 200),
+        ("GET", "/healthz", None, None, {}, 200),
+        ("DELETE", f"{CM}/a", None, None, {}, 200),
+        ("DELETE", f"{CM}?labelSelector=set%3Dx", None, None, {}, 200),
+    ]
+
+
+def test_each_event_is_the_apiservers_for_the_same_call(setup: Setup) -> None:
+    sent = []
+    for i, (method, path, body, ctype, headers, code) in enumerate(calls()):
+        audit_id = f"cmp-{i}-{method.lower()}"
+        got = send(setup, audit_id, method, path, body, ctype, headers)
+        assert got == code, (method, path, got)
+        sent.append(audit_id)
+    want = {(i, "ResponseComplete") for i in sent} | {(sent[5], "ResponseStarted")}
+    ours = by_id(setup.opgate_log, want)
+    theirs = by_id(setup.apiserver_log, want | {(i, "RequestReceived") for i in sent})
+    # the same stages, but for RequestReceived: opgate never writes it (as if omitStages had it)
+    assert {k for k in ours if k[0].startswith("cmp-")} == want
+    assert {k for k in theirs if k[0].startswith("cmp-")} == want | {
+        (i, "RequestReceived") for i in sent}
+    for key in sorted(want):
+        a, b = normalize(ours[key], theirs[key])
+        assert a == b, f"{key}:\nopgate:    {json.dumps(a)}\napiserver: {json.dumps(b)}"
+
+
+def test_a_call_opgate_denies_is_logged_as_the_apiserver_logs_its_own_denial(
+        setup: Setup) -> None:
+    """The same list of secrets: through opgate (its rule denies) and straight to the
+    apiserver (RBAC denies): the same event but for the Status' message and details."""
+    path = f"/api/v1/namespaces/{NS}/secrets"
+    assert send(setup, "deny-opgate", "GET", path) == 403
+    assert send(setup, "deny-apiserver", "GET", path, server=setup.cluster.url) == 403
+    ours = by_id(setup.opgate_log, {("deny-opgate", "ResponseComplete")})[
+        ("deny-opgate", "ResponseComplete")]
+    theirs = by_id(setup.apiserver_log, {("deny-apiserver", "ResponseComplete")})[
+        ("deny-apiserver", "ResponseComplete")]
+    assert ours["annotations"]["opgate.dev/decision"] == "denied"
+    assert "no-secrets" in ours["responseStatus"].pop("message")
+    assert theirs["responseStatus"].pop("message").startswith("secrets is forbidden")
+    theirs["responseStatus"].pop("details")  # {"kind": "secrets"}: opgate's Status has none
+    theirs["auditID"] = "deny-opgate"
+    a, b = normalize(ours, theirs)
+    assert a == b, f"\nopgate:    {json.dumps(a)}\napiserver: {json.dumps(b)}"
+    assert b["responseStatus"] == {"metadata": {}, "status": "Failure", "reason": "Forbidden",
+                                   "code": 403}
