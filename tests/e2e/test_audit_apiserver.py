@@ -44,6 +44,8 @@ RULES = f"""\
     resources: [{{group: apps, resources: [deployments, deployments/scale, deployments/status]}}]
   - level: Metadata
     users: ["{USER}"]
+  - level: Metadata
+    resources: [{{group: "", resources: [namespaces]}}]
 """
 APISERVER_POLICY = f"""\
 apiVersion: audit.k8s.io/v1
@@ -155,7 +157,8 @@ def normalize(ours: dict[str, Any], theirs: dict[str, Any]) -> tuple[dict[str, A
         assert ev["requestReceivedTimestamp"] <= ev.pop("stageTimestamp")
         del ev["requestReceivedTimestamp"]
     # each side annotates its own decision: opgate's opgate.dev/*, the apiserver's authorization
-    assert ours.pop("annotations")["opgate.dev/decision"] in ("allowed", "denied")
+    assert ours.pop("annotations")["opgate.dev/decision"] in ("allowed", "denied",
+                                                               "unauthorized")
     theirs.pop("annotations", None)
     # the apiserver adds the credential's id (user.extra) from its token lookup
     theirs["user"].pop("extra", None)
@@ -277,3 +280,28 @@ def test_a_call_opgate_denies_is_logged_as_the_apiserver_logs_its_own_denial(
     assert a == b, f"\nopgate:    {json.dumps(a)}\napiserver: {json.dumps(b)}"
     assert b["responseStatus"] == {"metadata": {}, "status": "Failure", "reason": "Forbidden",
                                    "code": 403}
+
+
+def test_an_invalid_token_is_logged_as_the_apiserver_logs_its_own_401(setup: Setup) -> None:
+    """opgate's 401 and the apiserver's own for the same call: the same event, user ``{}``,
+    but for the Status' message and the stage: the apiserver logs a failed authentication
+    once, at ResponseStarted; opgate at ResponseComplete, as every call it answers."""
+    path = f"/api/v1/namespaces/{NS}"
+    for audit_id, server in (("401-opgate", setup.gate.url), ("401-apiserver", setup.cluster.url)):
+        resp = setup.cluster.call("GET", path, token="not-a-token", server=server,
+                                  headers={"Audit-ID": audit_id, "User-Agent": "audit-cmp/1.0"})
+        assert resp.status == 401
+    key = ("401-opgate", "ResponseComplete")
+    ours = by_id(setup.opgate_log, {key})[key]
+    theirs = by_id(setup.apiserver_log, {("401-apiserver", "ResponseStarted")})[
+        ("401-apiserver", "ResponseStarted")]
+    assert not [e for e in read_events(setup.apiserver_log)
+                if e["auditID"] == "401-apiserver" and e["stage"] != "ResponseStarted"]
+    assert ours["annotations"]["opgate.dev/user"] == "unverified"
+    assert ours["responseStatus"].pop("message").startswith("opgate: Unauthorized")
+    assert theirs["responseStatus"].pop("message") == "Unauthorized"
+    theirs["auditID"], theirs["stage"] = "401-opgate", "ResponseComplete"
+    a, b = normalize(ours, theirs)
+    assert a == b, f"\nopgate:    {json.dumps(a)}\napiserver: {json.dumps(b)}"
+    assert (b["user"], b["responseStatus"]) == ({}, {"metadata": {}, "status": "Failure",
+                                                     "reason": "Unauthorized", "code": 401})
