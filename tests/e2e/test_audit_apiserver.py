@@ -6,8 +6,8 @@ ServiceAccount token and logs with ``spec.audit`` at the same levels (configmaps
 RequestResponse, deployments at Request, the rest at Metadata; the apiserver's Policy omits no
 stage, so it also writes RequestReceived, which opgate never does). Each call sends its own
 ``Audit-ID``, so the apiserver's event and opgate's for one call share it and are paired by it.
-Both are compared field by field after :func:`normalize`, which takes out exactly what
-legitimately differs (each item says why; the README's "Audit" section lists them too).
+Both are compared field by field, in the JSON's order, after :func:`normalize`, which takes out
+exactly what legitimately differs (each item says why; the README's "Audit" section lists them too).
 """
 
 from __future__ import annotations
@@ -182,6 +182,12 @@ def normalize(ours: dict[str, Any], theirs: dict[str, Any]) -> tuple[dict[str, A
     return ours, theirs
 
 
+def assert_same(ours: dict[str, Any], theirs: dict[str, Any], key: object = "") -> None:
+    """The same fields with the same values, in the same order (as JSON text)."""
+    a, b = json.dumps(ours), json.dumps(theirs)
+    assert a == b, f"{key}\nopgate:    {a}\napiserver: {b}"
+
+
 def send(setup: Setup, audit_id: str, method: str, path: str, body: Any = None,
          ctype: str | None = None, headers: dict[str, str] | None = None,
          server: str | None = None) -> int:
@@ -257,7 +263,7 @@ def test_each_event_is_the_apiservers_for_the_same_call(setup: Setup) -> None:
         (i, "RequestReceived") for i in sent}
     for key in sorted(want):
         a, b = normalize(ours[key], theirs[key])
-        assert a == b, f"{key}:\nopgate:    {json.dumps(a)}\napiserver: {json.dumps(b)}"
+        assert_same(a, b, key)
 
 
 def test_a_call_opgate_denies_is_logged_as_the_apiserver_logs_its_own_denial(
@@ -277,7 +283,7 @@ def test_a_call_opgate_denies_is_logged_as_the_apiserver_logs_its_own_denial(
     theirs["responseStatus"].pop("details")  # {"kind": "secrets"}: opgate's Status has none
     theirs["auditID"] = "deny-opgate"
     a, b = normalize(ours, theirs)
-    assert a == b, f"\nopgate:    {json.dumps(a)}\napiserver: {json.dumps(b)}"
+    assert_same(a, b)
     assert b["responseStatus"] == {"metadata": {}, "status": "Failure", "reason": "Forbidden",
                                    "code": 403}
 
@@ -302,6 +308,6 @@ def test_an_invalid_token_is_logged_as_the_apiserver_logs_its_own_401(setup: Set
     assert theirs["responseStatus"].pop("message") == "Unauthorized"
     theirs["auditID"], theirs["stage"] = "401-opgate", "ResponseComplete"
     a, b = normalize(ours, theirs)
-    assert a == b, f"\nopgate:    {json.dumps(a)}\napiserver: {json.dumps(b)}"
+    assert_same(a, b)
     assert (b["user"], b["responseStatus"]) == ({}, {"metadata": {}, "status": "Failure",
                                                      "reason": "Unauthorized", "code": 401})
