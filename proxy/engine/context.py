@@ -112,6 +112,13 @@ class RequestContext:
         return self.identity.user if self.identity else ""
 
     @property
+    def audit_id(self) -> str:
+        """The call's ``Audit-ID``: the client's header when it sent one, as the apiserver takes
+        it, else the trace id. The relay sends it upstream and on opgate's own answers, so the
+        apiserver's audit log, opgate's and the ``Audit-Id`` the client sees name the call alike."""
+        return self.headers.get("audit-id") or self.trace_id
+
+    @property
     def duration(self) -> float:
         return (self.finished or time.monotonic()) - self.started
 

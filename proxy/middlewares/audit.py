@@ -155,12 +155,6 @@ def source_ips(ctx: RequestContext) -> list[str]:
     return found
 
 
-def audit_id(ctx: RequestContext) -> str:
-    """``auditID``: the client's ``Audit-ID`` header when it sent one, as the apiserver takes it
-    (opgate forwards the header, so both logs then name the call alike); else the trace id."""
-    return ctx.headers.get("audit-id") or ctx.trace_id
-
-
 def _header_pairs(headers: Mapping[str, str]) -> list[tuple[str, str]]:
     """Every header, repeated names included, as (lower-case name, value)."""
     pairs = getattr(headers, "pairs", None)
@@ -481,7 +475,7 @@ class Audit:
         if ctx.raw_path:  # escapes as the client sent them (c%6Dq stays c%6Dq), as the apiserver
             uri = request_uri(ctx.raw_path, ctx.query, escaped=True)
         ev: dict[str, Any] = {"kind": "Event", "apiVersion": "audit.k8s.io/v1",
-                              "level": decision.level, "auditID": audit_id(ctx), "stage": stage,
+                              "level": decision.level, "auditID": ctx.audit_id, "stage": stage,
                               "requestURI": uri, "verb": info.verb}
         identity = ctx.identity
         if identity is not None:

@@ -240,8 +240,9 @@ class Relay:
         # one that never comes (an Expect: 100-continue client refused: the next request
         # would be read as it)
         unread = request.body_exists and not request.content.is_eof()
-        resp, size = await send_status(request, status, extra=ctx.response_headers,
-                                       close=close or unread)
+        resp, size = await send_status(
+            request, status, extra=(*ctx.response_headers, ("Audit-Id", ctx.audit_id)),
+            close=close or unread)
         if unread:
             request.protocol.force_close()
         ctx.bytes_out = size

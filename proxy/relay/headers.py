@@ -111,7 +111,8 @@ def for_upstream(
     authorization: str | None,
     upgrade: bool = False,
 ) -> CIMultiDict[str]:
-    """:func:`request_headers` as the call's context asks, plus opgate's ``Authorization``.
+    """:func:`request_headers` as the call's context asks, plus opgate's ``Authorization``
+    and, when the client sent none, an ``Audit-ID`` (the trace id).
 
     Impersonation passes when the policy set or a middleware allows it; either way the header
     names (never their values) are logged, as impersonation is rare and worth an audit line.
@@ -132,6 +133,8 @@ def for_upstream(
             ctx.warn(IMPERSONATION_DROPPED)
     if authorization is not None:
         out["Authorization"] = authorization
+    if "Audit-ID" not in headers:  # the apiserver's audit log names the call as opgate's does
+        out["Audit-ID"] = ctx.trace_id
     return out
 
 

@@ -311,3 +311,23 @@ def test_an_invalid_token_is_logged_as_the_apiserver_logs_its_own_401(setup: Set
     assert_same(a, b)
     assert (b["user"], b["responseStatus"]) == ({}, {"metadata": {}, "status": "Failure",
                                                      "reason": "Unauthorized", "code": 401})
+
+
+def test_a_call_without_an_audit_id_has_one_name_in_both_logs(setup: Setup) -> None:
+    """client-go and kubectl send no ``Audit-ID``: opgate sends its trace id upstream, so the
+    apiserver's event, opgate's and the ``Audit-Id`` the client gets all name the call alike;
+    opgate's own answers carry one too, as the apiserver's do."""
+    path = f"/api/v1/namespaces/{NS}/configmaps?labelSelector=audit-id%3Dnone"
+    resp = setup.cluster.call("GET", path, token=setup.token, server=setup.gate.url)
+    assert resp.status == 200
+    audit_id = {k.lower(): v for k, v in resp.headers.items()}["audit-id"]
+    key = (audit_id, "ResponseComplete")
+    ours = by_id(setup.opgate_log, {key})[key]
+    theirs = by_id(setup.apiserver_log, {key})[key]
+    assert ours["requestURI"] == theirs["requestURI"] == path
+    denied = setup.cluster.call("GET", f"/api/v1/namespaces/{NS}/secrets", token=setup.token,
+                                server=setup.gate.url)
+    assert denied.status == 403
+    audit_id = {k.lower(): v for k, v in denied.headers.items()}["audit-id"]
+    key = (audit_id, "ResponseComplete")
+    assert by_id(setup.opgate_log, {key})[key]["responseStatus"]["code"] == 403

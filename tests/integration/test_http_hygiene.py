@@ -499,8 +499,10 @@ async def test_hop_by_hop_opgate_and_impersonation_headers_never_reach_the_upstr
     assert any(n == b"warning" and b"Impersonate-* headers dropped" in v for n, v in headers)
     (seen,) = up.seen
     host = up.url.removeprefix("http://")
-    assert sorted((k.lower(), v) for k, v in seen.headers.items()) == [
-        ("host", host), ("x-kept", "yes")]
+    got = sorted((k.lower(), v) for k, v in seen.headers.items())
+    # and opgate's own Audit-ID (the client sent none): the apiserver logs the call by it
+    assert [k for k, v in got if k == "audit-id" and v] == ["audit-id"], got
+    assert [(k, v) for k, v in got if k != "audit-id"] == [("host", host), ("x-kept", "yes")]
 
 
 @pytest.mark.asyncio
@@ -582,3 +584,48 @@ async def test_a_response_nobody_asked_for_never_lends_a_connection_twice() -> N
     finally:
         await up.close()
     assert got == [p.encode() for p in paths]
+
+
+class _NamesCalls:
+    """Records each call's trace id; denies ``/denied`` paths (an answer of opgate's own)."""
+
+    name, needs_body, fail_open = "names-calls", False, False
+
+    def __init__(self) -> None:
+        self.trace_ids: list[str] = []
+
+    def entry(self, ctx: Any) -> Any:
+        from proxy.engine.context import Deny
+        from proxy.engine.status import forbidden
+
+        self.trace_ids.append(ctx.trace_id)
+        return Deny(forbidden("not here")) if ctx.path.endswith("/denied") else None
+
+
+@pytest.mark.asyncio
+async def test_the_audit_id_names_the_call_upstream_and_on_opgates_own_answers() -> None:
+    """As the apiserver takes it: the client's ``Audit-ID`` goes upstream as it is (once); a
+    call without one gets opgate's trace id, so the apiserver's audit log names it as opgate's
+    does; opgate's own answers carry ``Audit-Id`` as the apiserver's do."""
+    names = _NamesCalls()
+    up = await AiohttpUpstream(ok_handler).start()
+    try:
+        async with running_proxy(up.url, middlewares=(names,)) as proxy:
+            plain = await raw_call(proxy.url, b"GET /api/v1/pods HTTP/1.1\r\nHost: x\r\n"
+                                              b"Connection: close\r\n\r\n")
+            own = await raw_call(proxy.url, b"GET /api/v1/pods HTTP/1.1\r\nHost: x\r\n"
+                                            b"Audit-ID: mine-1\r\nConnection: close\r\n\r\n")
+            denied = await raw_call(proxy.url, b"GET /api/v1/denied HTTP/1.1\r\nHost: x\r\n"
+                                               b"Connection: close\r\n\r\n")
+            denied_own = await raw_call(proxy.url, b"GET /api/v1/denied HTTP/1.1\r\nHost: x\r\n"
+                                                   b"Audit-ID: mine-2\r\nConnection: close\r\n\r\n")
+    finally:
+        await up.close()
+    assert plain.startswith(b"HTTP/1.1 200 ") and own.startswith(b"HTTP/1.1 200 ")
+    first, second = up.seen
+    assert first.headers.getall("Audit-ID") == [names.trace_ids[0]]
+    assert second.headers.getall("Audit-ID") == ["mine-1"]
+    for raw, want in ((denied, names.trace_ids[2]), (denied_own, "mine-2")):
+        assert raw.startswith(b"HTTP/1.1 403 "), raw[:200]
+        _, headers, _ = split(raw)
+        assert [v for n, v in headers if n == b"audit-id"] == [want.encode()]

@@ -245,6 +245,8 @@ class FastRelay:
         ctx.bytes_out = len(body)
         lines = [status_line(status.code)]
         lines += map(header_line, (*status.response_headers(), *ctx.response_headers))
+        # as on the apiserver's answers (not through header_line: its memory is for repeats)
+        lines.append(b"Audit-Id: %s\r\n" % ctx.audit_id.encode("latin-1"))
         # a body not (yet) read whole ends the connection (see FastServer): say so, e.g. to a
         # client refused before it sent its Expect: 100-continue body
         if close or not req.keep_alive or not req.body_done:
@@ -274,7 +276,7 @@ class FastRelay:
             method=req.method, target=self._prefix + req.url, host=self._host,
             headers=req.headers, named=named,
             drop=ctx.drop_request_headers, allow_impersonation=allowed,
-            authorization=auth, framing=framing,
+            authorization=auth, framing=framing, audit_id=ctx.trace_id.encode("latin-1"),
             upgrade=upgrade,
         )
         if impersonating:

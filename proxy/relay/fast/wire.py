@@ -174,6 +174,7 @@ def request_head(
     allow_impersonation: bool,
     authorization: bytes | None,
     framing: bytes,
+    audit_id: bytes | None = None,
     upgrade: bool = False,
 ) -> tuple[bytes, bool]:
     """The upstream request head, and whether the client sent any ``Impersonate-*`` header.
@@ -181,7 +182,8 @@ def request_head(
     ``named`` are the client's ``Connection`` tokens, ``drop`` the lower-case ``str`` names the
     middlewares removed, ``framing`` the ``Content-Length``/``Transfer-Encoding`` line(s). With
     ``upgrade`` the client's ``Upgrade`` header is kept and ``Connection: Upgrade`` sent.
-    ``authorization`` (opgate's own) is added only when the client sent no ``Authorization``.
+    ``authorization`` (opgate's own) is added only when the client sent no ``Authorization``,
+    ``audit_id`` (the trace id) only when it sent no ``Audit-ID``.
     """
     parts = [method, b" ", target, b" HTTP/1.1\r\nHost: ", host, b"\r\n"]
     dropped = {d.encode("latin-1") for d in drop} if drop else NOTHING
@@ -199,11 +201,15 @@ def request_head(
                 continue
         if low == b"authorization":  # the client's own credentials go upstream, not opgate's,
             authorization = None  # and never opgate's instead of them (Connection: Authorization)
+        elif low == b"audit-id":  # the client's own names the call in the apiserver's audit log
+            audit_id = None
         if (named and low in named) or (dropped and low in dropped):
             continue
         parts += (name, b": ", value, b"\r\n")
     if authorization is not None:
         parts += (b"Authorization: ", authorization, b"\r\n")
+    if audit_id is not None:
+        parts += (b"Audit-ID: ", audit_id, b"\r\n")
     if upgrade:
         parts.append(b"Connection: Upgrade\r\n")
     parts += (framing, b"\r\n")
