@@ -10,7 +10,8 @@ credentials (like :mod:`proxy.relay.informer`), never the caller's token:
 - ``keys_for(issuer, kid)``: the issuer's signing keys. Other issuers are found by OIDC
   discovery at ``<issuer>/.well-known/openid-configuration`` → ``jwks_uri`` (system CAs). A key
   set is kept for ``jwks_ttl`` seconds (then refreshed; the old keys stay if that fails) and
-  fetched again at once, at most every ``retry_seconds``, when a token names an unknown ``kid``.
+  fetched again at once, at most every ``retry_seconds``, when a token names an unknown ``kid``
+  (a call with an unknown ``kid`` while a fetch is under way waits for it).
 - ``token_review(token)``: ``POST /apis/authentication.k8s.io/v1/tokenreviews``: the apiserver
   decides. ``access_review(attrs)``: a ``SubjectAccessReview``.
 
@@ -118,7 +119,10 @@ class UpstreamAuthenticator:
         now = time.monotonic()
         stale = now - ks.fetched >= self.jwks_ttl
         unknown = kid is not None and kid not in ks.keys
-        if (stale or unknown) and now - ks.attempted >= self.retry_seconds:
+        # a caller with an unknown kid waits for a fetch under way (another token's, at start
+        # or after a rotation) rather than being refused because one was just attempted
+        if (stale or unknown) and (now - ks.attempted >= self.retry_seconds
+                                   or (unknown and ks.lock.locked())):
             async with ks.lock:
                 if time.monotonic() - ks.attempted >= self.retry_seconds:  # not just done
                     await self._refresh(issuer, ks)

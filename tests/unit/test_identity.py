@@ -392,3 +392,37 @@ def test_unknown_kid_refreshes_the_key_set_rate_limited(tmp_path: Path) -> None:
     decision = run(check, ctx_for(policies, "GET", CM, sa_token(key=OTHER_KEY, kid="k3")))
     assert decision is not None and body(decision)["code"] == 401
     assert len(fetched) == 3  # an unknown kid right after a fetch does not fetch again
+
+
+def test_calls_with_a_new_kid_wait_for_the_refresh_under_way(tmp_path: Path) -> None:
+    """Two callers with distinct tokens of a key not yet known (opgate's start, or a rotation):
+    the second arrives while the first one's JWKS fetch is under way and waits for it, instead
+    of being refused (401) because a fetch was "just attempted"."""
+    auth = UpstreamAuthenticator(UpstreamConfig(url="https://127.0.0.1:1"), retry_seconds=60)
+    fetched: list[str] = []
+
+    async def go() -> list[Deny | None]:
+        release, under_way = asyncio.Event(), asyncio.Event()
+
+        async def fetch(where: str, *, upstream: bool, accept: str) -> dict[str, Any]:
+            fetched.append(where)
+            if where.endswith("openid-configuration"):
+                return {"issuer": ISSUER}
+            under_way.set()
+            await release.wait()  # the JWKS answer takes a while
+            return {"keys": [jwk(RSA_KEY.public_key(), "k1", "RS256")]}
+
+        auth._fetch = fetch  # type: ignore[method-assign]
+        check, policies = IdentityCheck(authenticator=auth), policy_set(tmp_path, policy())
+        first = asyncio.ensure_future(settle(check.entry(
+            ctx_for(policies, "GET", CM, sa_token("ops", "op")))))
+        await under_way.wait()  # the first call's fetch is under way
+        second = asyncio.ensure_future(settle(check.entry(
+            ctx_for(policies, "GET", CM, sa_token("ops", "op2")))))
+        for _ in range(50):  # the second call gets as far as it can
+            await asyncio.sleep(0)
+        release.set()
+        return [await first, await second]  # type: ignore[list-item]
+
+    assert asyncio.run(go()) == [None, None]
+    assert fetched.count("/openid/v1/jwks") == 1
