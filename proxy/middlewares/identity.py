@@ -402,9 +402,13 @@ class IdentityCheck:
         identity = identity_from_claims(issuer, iss, claims)
         if identity is None:
             raise _Invalid(f"the token's claims name no {issuer.kind} user")
-        aud = claims.get("aud")
-        audiences = (aud,) if isinstance(aud, str) else tuple(a for a in aud or ()
-                                                              if isinstance(a, str))
+        aud = claims.get("aud")  # a string or a list of strings, as the apiserver reads it
+        if isinstance(aud, list) and all(isinstance(a, str) for a in aud):
+            audiences = tuple(aud)
+        elif isinstance(aud, str) or aud is None:
+            audiences = () if aud is None else (aud,)
+        else:
+            raise _Invalid("the token's aud claim is not a string or a list of strings")
         return _Verified(identity, issuer.key, iss, audiences, self._expiry(claims))
 
     async def _review(self, token: str, claims: Mapping[str, Any]) -> _Verified:

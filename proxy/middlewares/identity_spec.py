@@ -144,7 +144,7 @@ def _parse_issuer(node: Located, what: str, errors: list[PolicyError]) -> Issuer
         k.finish()
         return Issuer(kind=KUBERNETES, audiences=audiences, source=node.where())
     o = Fields(oidc or Located(None, node.file, node.line), what=f"{what}.oidc", errors=errors)
-    url = (o.str("issuer", required=True) or "").rstrip("/")
+    url = o.str("issuer", required=True) or ""  # as written: the token's iss must equal it
     if url and not url.startswith("https://"):
         o.fail("issuer", f'must be an https:// URL (got "{url}")')
     audiences = o.str_list("audiences", required=True)
@@ -286,7 +286,8 @@ def identity_from_claims(issuer: Issuer, issuer_url: str,
     value = claims.get(issuer.username_claim)
     if not isinstance(value, str) or not value:
         return None
-    if issuer.username_claim == "email" and claims.get("email_verified") is False:
+    # as the apiserver: an email_verified claim, when present, must be the JSON true
+    if issuer.username_claim == "email" and claims.get("email_verified", True) is not True:
         return None
     prefix = issuer.username_prefix
     if prefix is None:

@@ -426,3 +426,47 @@ def test_calls_with_a_new_kid_wait_for_the_refresh_under_way(tmp_path: Path) -> 
 
     assert asyncio.run(go()) == [None, None]
     assert fetched.count("/openid/v1/jwks") == 1
+
+
+IDP = "https://idp.example.com/"  # with the trailing slash some providers' issuers carry
+OIDC_POLICY = f"""\
+apiVersion: opgate.dev/v1alpha1
+kind: Policy
+metadata: {{name: oidc}}
+spec:
+  identity:
+    issuers:
+      - oidc: {{issuer: "{IDP}", audiences: [kubernetes], claims: {{groups: groups}}}}
+    allow:
+      - group: "system:authenticated"
+    rules:
+      - {{verbs: [get, list], resources: ["*"]}}
+"""
+
+
+def oidc_token(**extra: Any) -> str:
+    now = int(time.time())
+    body = {"iss": IDP, "sub": "alice", "aud": ["kubernetes"], "iat": now, "exp": now + 600,
+            "groups": ["ops"], **extra}
+    return jwt.encode(body, RSA_KEY, algorithm="RS256", headers={"kid": "k1"})
+
+
+def test_an_oidc_issuer_is_matched_as_written(tmp_path: Path) -> None:
+    """The token's ``iss`` equals the issuer URL exactly, trailing slash included (as the
+    apiserver's ``--oidc-issuer-url``): such a token is verified here, not sent for review."""
+    auth = FakeAuth()
+    ctx = ctx_for(policy_set(tmp_path, OIDC_POLICY), "GET", CM, oidc_token())
+    assert run(IdentityCheck(authenticator=auth), ctx) is None
+    assert auth.calls == ["keys k1"]
+    assert ctx.identity == Identity(user=f"{IDP}#alice", groups=("ops", "system:authenticated"),
+                                    uid="", source="oidc")
+
+
+@pytest.mark.parametrize("aud", [{"kubernetes": 1}, 5, ["kubernetes", 5]])
+def test_an_aud_claim_of_another_type_is_401(tmp_path: Path, aud: Any) -> None:
+    """``aud`` is a string or a list of strings (the apiserver refuses anything else); an object
+    is not the list of its keys, a number not a reason for a 503."""
+    ctx = ctx_for(policy_set(tmp_path, OIDC_POLICY), "GET", CM, oidc_token(aud=aud))
+    decision = run(IdentityCheck(authenticator=FakeAuth()), ctx)
+    assert decision is not None and body(decision)["code"] == 401
+    assert "aud claim is not a string" in body(decision)["message"]

@@ -207,10 +207,14 @@ def test_oidc_claims(issuer: Issuer, claims: dict[str, object], user: str,
     assert (identity.user, identity.groups, identity.source) == (user, groups, "oidc")
 
 
-def test_unverified_email_names_nobody() -> None:
+@pytest.mark.parametrize("verified", [False, "false", "true", None, 1])
+def test_unverified_email_names_nobody(verified: object) -> None:
+    """As the apiserver: an ``email_verified`` claim, when present, must be the JSON true."""
     issuer = Issuer(kind="oidc", url="https://dex", username_claim="email")
     assert identity_from_claims(issuer, "https://dex",
-                                {"email": "a@b.c", "email_verified": False}) is None
+                                {"email": "a@b.c", "email_verified": verified}) is None
+    assert identity_from_claims(issuer, "https://dex",
+                                {"email": "a@b.c", "email_verified": True}) is not None
 
 
 def test_kubernetes_audiences() -> None:
