@@ -297,7 +297,12 @@ def identity_from_claims(issuer: Issuer, issuer_url: str,
     groups: list[str] = []
     if issuer.groups_claim:
         raw = claims.get(issuer.groups_claim)
-        items = [raw] if isinstance(raw, str) else raw if isinstance(raw, list) else []
-        groups = [issuer.groups_prefix + g for g in items if isinstance(g, str) and g]
+        if isinstance(raw, str):
+            items = [raw]
+        elif raw is None or (isinstance(raw, list) and all(isinstance(g, str) for g in raw)):
+            items = raw or []
+        else:  # as the apiserver, which refuses the token: not a string nor a list of them
+            return None
+        groups = [issuer.groups_prefix + g for g in items if g]
     groups.append(AUTHENTICATED)
     return Identity(user=prefix + value, groups=tuple(groups), uid="", source="oidc")

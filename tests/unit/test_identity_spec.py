@@ -195,7 +195,7 @@ def test_service_account_claims_that_name_nobody(claims: dict[str, object]) -> N
     (Issuer(kind="oidc", url="https://dex", username_claim="email"),
      {"sub": "1", "email": "a@b.c"}, "a@b.c", ("system:authenticated",)),
     (Issuer(kind="oidc", url="https://dex", username_prefix="dex:", groups_claim="groups",
-            groups_prefix="dex:"), {"sub": "1", "groups": ["ops", 7, "dev"]}, "dex:1",
+            groups_prefix="dex:"), {"sub": "1", "groups": ["ops", "dev"]}, "dex:1",
      ("dex:ops", "dex:dev", "system:authenticated")),
     (Issuer(kind="oidc", url="https://dex", username_prefix="-", groups_claim="groups"),
      {"sub": "1", "groups": "ops"}, "1", ("ops", "system:authenticated")),
@@ -215,6 +215,16 @@ def test_unverified_email_names_nobody(verified: object) -> None:
                                 {"email": "a@b.c", "email_verified": verified}) is None
     assert identity_from_claims(issuer, "https://dex",
                                 {"email": "a@b.c", "email_verified": True}) is not None
+
+
+@pytest.mark.parametrize("groups", [[1, "ops"], {"ops": True}, 5, True])
+def test_a_groups_claim_of_another_type_names_nobody(groups: object) -> None:
+    """As the apiserver: the groups claim is a string or a list of strings (or absent, or
+    null); anything else refuses the token rather than dropping the groups it cannot read."""
+    issuer = Issuer(kind="oidc", url="https://dex", groups_claim="groups")
+    assert identity_from_claims(issuer, "https://dex", {"sub": "1", "groups": groups}) is None
+    for fine in ("ops", ["ops"], [], None):
+        assert identity_from_claims(issuer, "https://dex", {"sub": "1", "groups": fine})
 
 
 def test_kubernetes_audiences() -> None:
