@@ -1,0 +1,168 @@
+"""An OIDC issuer, with the real apiserver (``--oidc-*`` flags) as the reference.
+
+The provider is a fake (no real one is available): discovery and JWKS over HTTPS on loopback,
+under a CA of its own that the apiserver (``--oidc-ca-file``) and opgate (``SSL_CERT_FILE``)
+trust. Its issuer ends with a slash, as some providers' do (Auth0's): the token's ``iss`` must
+equal it exactly, for the apiserver and for opgate.
+"""
+
+from __future__ import annotations
+
+import http.server
+import json
+import ssl
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import jwt
+import pytest
+from cryptography.hazmat.primitives.asymmetric import rsa
+
+from proxy.envtest import pki
+from proxy.envtest.binaries import KubeBinaries
+from proxy.envtest.cluster import LocalCluster
+from tests.e2e.conftest import Opgate, start_opgate
+
+KEY = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+REVIEW = "/apis/authentication.k8s.io/v1/selfsubjectreviews"
+POLICY = """\
+apiVersion: opgate.dev/v1alpha1
+kind: Policy
+metadata: {{name: oidc}}
+spec:
+  identity:
+    issuers:
+      - oidc: {{issuer: "{issuer}", audiences: [kubernetes], claims: {{groups: groups}}}}
+    allow:
+      - user: "{issuer}#alice"
+    rules:
+      - {{verbs: [create], apiGroups: [authentication.k8s.io], resources: [selfsubjectreviews]}}
+"""
+
+
+class FakeIdp:
+    """OIDC discovery + JWKS over HTTPS on 127.0.0.1 (a thread of this process)."""
+
+    def __init__(self, cert: Path, key: Path) -> None:
+        idp = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                docs = {"/.well-known/openid-configuration": idp.discovery(),
+                        "/jwks": {"keys": [{**json.loads(jwt.algorithms.RSAAlgorithm.to_jwk(
+                            KEY.public_key())), "kid": "idp1", "alg": "RS256", "use": "sig"}]}}
+                doc = docs.get(self.path)
+                body = json.dumps(doc).encode()
+                self.send_response(200 if doc is not None else 404)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.load_cert_chain(str(cert), str(key))
+        self.server.socket = context.wrap_socket(self.server.socket, server_side=True)
+        self.issuer = f"https://127.0.0.1:{self.server.server_address[1]}/"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def discovery(self) -> dict[str, Any]:
+        return {"issuer": self.issuer, "jwks_uri": f"{self.issuer}jwks",
+                "authorization_endpoint": f"{self.issuer}auth",
+                "token_endpoint": f"{self.issuer}token", "response_types_supported": ["code"],
+                "subject_types_supported": ["public"],
+                "id_token_signing_alg_values_supported": ["RS256"]}
+
+    def token(self, **claims: Any) -> str:
+        now = int(time.time())
+        body = {"iss": self.issuer, "sub": "alice", "aud": "kubernetes", "iat": now,
+                "exp": now + 600, "groups": ["devs"], **claims}
+        return jwt.encode(body, KEY, algorithm="RS256", headers={"kid": "idp1"})
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture(scope="module")
+def idp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[FakeIdp, Path]]:
+    files = pki.write_pki(tmp_path_factory.mktemp("idp-pki"))
+    fake = FakeIdp(files.serving_cert, files.serving_key)
+    try:
+        yield fake, files.ca_cert
+    finally:
+        fake.stop()
+
+
+@pytest.fixture(scope="module")
+def oidc_cluster(kube_binaries: KubeBinaries,
+                 idp: tuple[FakeIdp, Path]) -> Iterator[LocalCluster]:
+    fake, ca = idp
+    with LocalCluster(binaries=kube_binaries, extra_apiserver_args=(
+            f"--oidc-issuer-url={fake.issuer}", "--oidc-client-id=kubernetes",
+            f"--oidc-ca-file={ca}", "--oidc-groups-claim=groups")) as cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="module")
+def gate(oidc_cluster: LocalCluster, idp: tuple[FakeIdp, Path],
+         tmp_path_factory: pytest.TempPathFactory) -> Iterator[Opgate]:
+    fake, ca = idp
+    work = tmp_path_factory.mktemp("oidc-gate")
+    token_file = work / "opgate-token"  # opgate's own (TokenReviews)
+    token_file.write_text(oidc_cluster.admin_token)
+    token_file.chmod(0o600)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SSL_CERT_FILE", str(ca))  # opgate's process inherits it: trusts the fake
+        started = start_opgate(oidc_cluster, work / "opgate",
+                               policies={"oidc.yaml": POLICY.format(issuer=fake.issuer)},
+                               extra_args=["--token-file", str(token_file)])
+    try:
+        yield started
+    finally:
+        started.stop()
+
+
+def review(cluster: LocalCluster, token: str, server: str | None = None) -> Any:
+    body = {"apiVersion": "authentication.k8s.io/v1", "kind": "SelfSubjectReview"}
+    return cluster.call("POST", REVIEW, body=body, token=token, server=server)
+
+
+def test_a_token_of_an_issuer_with_a_trailing_slash(
+        oidc_cluster: LocalCluster, gate: Opgate, idp: tuple[FakeIdp, Path]) -> None:
+    fake, _ca = idp
+    token = fake.token()
+    deadline = time.monotonic() + 60  # the apiserver fetches the provider's keys on its own
+    while (direct := review(oidc_cluster, token)).status != 201:
+        assert direct.status == 401 and time.monotonic() < deadline, direct.body
+        time.sleep(0.5)
+    user = json.loads(direct.body)["status"]["userInfo"]
+    assert user["username"] == f"{fake.issuer}#alice"
+    through = review(oidc_cluster, token, server=gate.url)  # opgate's allow names that user
+    assert through.status == 201, through.body
+    assert json.loads(through.body)["status"]["userInfo"]["username"] == user["username"]
+    log = gate.log.read_text()
+    assert f"keys of issuer {fake.issuer}: 1" in log  # verified by opgate, not a TokenReview
+
+
+def test_a_groups_claim_the_apiserver_refuses(
+        oidc_cluster: LocalCluster, gate: Opgate, idp: tuple[FakeIdp, Path]) -> None:
+    fake, _ca = idp
+    good = fake.token()
+    deadline = time.monotonic() + 60
+    while review(oidc_cluster, good).status != 201:
+        assert time.monotonic() < deadline
+        time.sleep(0.5)
+    token = fake.token(groups=["devs", 7])
+    assert review(oidc_cluster, token).status == 401  # the reference
+    through = review(oidc_cluster, token, server=gate.url)
+    assert through.status == 401, through.body
+    assert "opgate: " in json.loads(through.body)["message"]
+    assert "claims name no oidc user" in json.loads(through.body)["message"]
