@@ -191,6 +191,7 @@ class IdentityCheck:
             self._plan = _Plan(section, oidc, kubernetes, memo)
             self._plan_for = policies
             self._tokens.clear()  # claim mappings may have changed
+            self._inflight.clear()  # (verifications under way keep to the set they began in)
         return self._plan
 
     def entry(self, ctx: RequestContext) -> Maybe[Decision | None]:
@@ -324,9 +325,11 @@ class IdentityCheck:
         if future is None:  # one verification per token, however many calls wait for it
             future = asyncio.ensure_future(self._verify_uncached(token, plan))
             self._inflight[key] = future
-            future.add_done_callback(lambda _: self._inflight.pop(key, None))
+            future.add_done_callback(
+                lambda done: self._inflight.get(key) is done and self._inflight.pop(key))
         result = await asyncio.shield(future)
-        self._remember_token(key, result)
+        if plan is self._plan:  # not a verdict of a set replaced meanwhile (see _plan_of)
+            self._remember_token(key, result)
         if result.identity is None:
             raise _Invalid("the apiserver does not accept it")
         return result

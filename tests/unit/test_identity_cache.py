@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from proxy.engine.chain import settle
 from proxy.engine.context import Identity, RequestContext
 from proxy.engine.requestinfo import parse_request_info
 from proxy.middlewares import identity
@@ -202,3 +203,38 @@ def test_concurrent_first_calls_verify_once_over_wire_headers(tmp_path: Path) ->
 
     asyncio.run(calls())
     assert auth.calls == ["keys k1"]
+
+
+def test_a_verdict_under_way_at_a_reload_is_not_kept_for_the_new_set(tmp_path: Path) -> None:
+    """A token whose verification began under the set in force before a reload (its claim
+    mappings, say) is verified again under the new one, not answered from that verdict."""
+    auth = ti.FakeAuth()
+    opaque(auth, "tok")
+    opaque(auth, "other")
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    first = ti.policy_set(tmp_path / "a", ti.policy())
+    second = ti.policy_set(tmp_path / "b", ti.policy())
+    check = IdentityCheck(authenticator=auth)
+
+    async def go() -> None:
+        release, begun = asyncio.Event(), asyncio.Event()
+        review = auth.token_review
+
+        async def slow_review(token: str) -> Any:
+            if token == "tok" and not release.is_set():
+                begun.set()
+                await release.wait()
+            return await review(token)
+
+        auth.token_review = slow_review  # type: ignore[method-assign]
+        under_way = asyncio.ensure_future(settle(check.entry(
+            ti.ctx_for(first, "GET", CM, "tok"))))
+        await asyncio.wait_for(begun.wait(), 10)
+        assert await settle(check.entry(ti.ctx_for(second, "GET", CM, "other"))) is None
+        release.set()
+        assert await under_way is None
+        assert await settle(check.entry(ti.ctx_for(second, "GET", CM, "tok"))) is None
+
+    asyncio.run(go())
+    assert auth.calls == ["review", "review", "review"]
