@@ -372,11 +372,11 @@ class IdentityCheck:
                 if await self.auth.cluster_issuer() == iss:
                     issuer = plan.kubernetes
             if issuer is not None:
-                return await self._verify_jwt(token, header or {}, issuer, iss)
+                return await self._verify_jwt(token, header or {}, claims, issuer, iss)
         return await self._review(token, claims)
 
-    async def _verify_jwt(self, token: str, header: Mapping[str, Any], issuer: Issuer,
-                          iss: str) -> _Verified:
+    async def _verify_jwt(self, token: str, header: Mapping[str, Any],
+                          unverified: Mapping[str, Any], issuer: Issuer, iss: str) -> _Verified:
         import jwt
 
         alg = header.get("alg")
@@ -385,6 +385,9 @@ class IdentityCheck:
         kid = header.get("kid") if isinstance(header.get("kid"), str) else None
         keys = await self.auth.keys_for(iss, kid)
         if not keys:
+            if issuer.kind == KUBERNETES:  # a key opgate has not fetched yet (rotated within
+                # retry_seconds of its last fetch): the apiserver knows its keys, ask it
+                return await self._review(token, unverified)
             raise _Invalid(f"no signing key of issuer {iss} matches the token's key id")
         claims: dict[str, Any] | None = None
         for key in keys:

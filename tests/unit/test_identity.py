@@ -184,7 +184,7 @@ PUBLIC_PEM = RSA_KEY.public_key().public_bytes(serialization.Encoding.PEM,
     (forged("HS256", PUBLIC_PEM), "'HS256' is not accepted"),
     (sa_token(exp_in=-120), "expired"),
     (sa_token(aud=["vault"]), "audience is not accepted"),
-    (sa_token(kid="k9"), "no signing key"),
+    (sa_token(kid="k9"), "the apiserver does not accept it"),  # asked: a key opgate lacks
     (sa_token(kid="e1"), "signature does not verify"),  # an RS256 token against an EC key
 ])
 def test_bad_tokens_are_401(tmp_path: Path, token: str, why: str) -> None:
@@ -381,17 +381,54 @@ def test_unknown_kid_refreshes_the_key_set_rate_limited(tmp_path: Path) -> None:
         assert upstream and "jwk-set+json" in accept
         return served[-1]
 
+    reviewed: list[str] = []
+
+    async def post(path: str, doc: dict[str, Any]) -> dict[str, Any]:
+        reviewed.append(doc["spec"]["token"])
+        return {"status": {"authenticated": False}}
+
     auth._fetch = fetch  # type: ignore[method-assign]
+    auth._post = post  # type: ignore[method-assign]
     check, policies = IdentityCheck(authenticator=auth), policy_set(tmp_path, policy())
     assert run(check, ctx_for(policies, "GET", CM, sa_token())) is None
     assert fetched == ["/.well-known/openid-configuration", "/openid/v1/jwks"]
     served.append({"keys": [jwk(OTHER_KEY.public_key(), "k2", "RS256")]})  # rotation
     auth._keysets[ISSUER].attempted -= 61  # the last fetch was a while ago
     assert run(check, ctx_for(policies, "GET", CM, sa_token(key=OTHER_KEY, kid="k2"))) is None
-    assert fetched[-1] == "/openid/v1/jwks" and len(fetched) == 3
-    decision = run(check, ctx_for(policies, "GET", CM, sa_token(key=OTHER_KEY, kid="k3")))
+    assert fetched[-1] == "/openid/v1/jwks" and len(fetched) == 3 and reviewed == []
+    k3 = sa_token(key=OTHER_KEY, kid="k3")
+    decision = run(check, ctx_for(policies, "GET", CM, k3))
     assert decision is not None and body(decision)["code"] == 401
-    assert len(fetched) == 3  # an unknown kid right after a fetch does not fetch again
+    assert len(fetched) == 3  # an unknown kid right after a fetch does not fetch again,
+    assert reviewed == [k3]  # the apiserver, which knows its keys, is asked instead
+
+
+def test_a_key_rotated_just_after_a_fetch_is_vouched_for_by_the_apiserver(
+        tmp_path: Path) -> None:
+    """A token of a new signing key within retry_seconds of opgate's last JWKS fetch: opgate
+    cannot fetch again yet, so a TokenReview decides (it was a 401 for up to 10 s)."""
+    auth = UpstreamAuthenticator(UpstreamConfig(url="https://127.0.0.1:1"), retry_seconds=60)
+
+    async def fetch(where: str, *, upstream: bool, accept: str) -> dict[str, Any]:
+        if where.endswith("openid-configuration"):
+            return {"issuer": ISSUER, "jwks_uri": f"{ISSUER}/openid/v1/jwks"}
+        return {"keys": [jwk(RSA_KEY.public_key(), "k1", "RS256")]}
+
+    new = sa_token(key=OTHER_KEY, kid="k2")
+
+    async def post(path: str, doc: dict[str, Any]) -> dict[str, Any]:
+        assert path.endswith("/tokenreviews") and doc["spec"]["token"] == new
+        return {"status": {"authenticated": True, "user": {
+            "username": "system:serviceaccount:ops:op",
+            "groups": ["system:serviceaccounts", "system:serviceaccounts:ops"]}}}
+
+    auth._fetch = fetch  # type: ignore[method-assign]
+    auth._post = post  # type: ignore[method-assign]
+    check, policies = IdentityCheck(authenticator=auth), policy_set(tmp_path, policy())
+    assert run(check, ctx_for(policies, "GET", CM, sa_token())) is None  # k1 fetched now
+    ctx = ctx_for(policies, "GET", CM, new)
+    assert run(check, ctx) is None
+    assert ctx.identity is not None and ctx.identity.source == "tokenreview"
 
 
 def test_calls_with_a_new_kid_wait_for_the_refresh_under_way(tmp_path: Path) -> None:
