@@ -15,7 +15,9 @@ considered.
 
 A JWT of an accepted issuer is verified here (asymmetric signatures only, ``iss``, ``aud``,
 ``exp``/``nbf`` with 30 s of leeway) with the keys the :class:`Authenticator` fetches; any other
-token goes to the apiserver (a TokenReview) and the apiserver decides.
+token goes to the apiserver (a TokenReview) and the apiserver decides, and so does a
+service-account token of a key opgate has not fetched (yet: it fetches at most every
+``retry_seconds``), so a signing-key rotation refuses no valid token.
 PyJWT (and cryptography) are imported the first time a token that looks like a JWT is verified.
 
 Then each policy with an identity section must pass, in order: the token is accepted (401
