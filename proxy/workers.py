@@ -245,9 +245,12 @@ class Supervisor:
 
     async def _spawn(self, worker: _Worker) -> None:
         read_end = self._pipe[0]
+        # process_group=0: a group of its own, so a terminal's Ctrl-C (SIGINT to the foreground
+        # group) reaches the supervisor alone, which passes it on once: the workers drain
+        # rather than take it as the second signal that cuts them
         worker.proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "proxy.workers", self.run_dir, str(worker.index), str(read_end),
-            stdin=asyncio.subprocess.DEVNULL, pass_fds=(read_end,))
+            stdin=asyncio.subprocess.DEVNULL, pass_fds=(read_end,), process_group=0)
         worker.started = asyncio.get_running_loop().time()
         worker.up = False
 

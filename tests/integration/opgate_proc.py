@@ -16,7 +16,8 @@ from proxy.envtest.procs import free_port
 class OpgateProcess:
     """An ``opgate serve`` child process with its API and admin URLs and its captured output."""
 
-    def __init__(self, *args: str, log_dir: Path, env: dict[str, str] | None = None) -> None:
+    def __init__(self, *args: str, log_dir: Path, env: dict[str, str] | None = None,
+                 session: bool = False) -> None:
         self.port = free_port()
         self.admin_port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -27,8 +28,9 @@ class OpgateProcess:
                "--admin-listen", f"127.0.0.1:{self.admin_port}", *args]
         self._out = self.stdout_path.open("wb")
         self._err = self.stderr_path.open("wb")
+        # session: a process group of its own, for a test to signal it as a terminal does
         self.proc = subprocess.Popen(cmd, stdout=self._out, stderr=self._err,
-                                     env={**os.environ, **(env or {})})
+                                     env={**os.environ, **(env or {})}, start_new_session=session)
 
     def wait_ready(self, timeout: float = 30.0, path: str = "/healthz") -> None:
         deadline = time.monotonic() + timeout

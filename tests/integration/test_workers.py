@@ -322,3 +322,40 @@ def test_refused_with_a_clear_message(args: list[str], says: str) -> None:
     assert run.returncode == 2
     assert says in run.stderr
     assert "Traceback" not in run.stderr
+
+
+@pytest.mark.asyncio
+async def test_ctrl_c_in_a_terminal_drains_the_workers(
+    upstream: str, redis_server: RedisServer, policy_file: Path, tmp_path: Path,
+) -> None:
+    """A terminal's Ctrl-C signals the whole foreground process group: the workers, each in
+    a group of its own, get it once, through the supervisor, and drain; they used to get it
+    twice (from the terminal, then passed on) and cut the calls in flight at once."""
+    proc = OpgateProcess("--upstream", upstream, "--redis-url", redis_server.url,
+                         "--redis-timeout", "2", "--policies", str(policy_file.parent),
+                         "--workers", "2", log_dir=tmp_path, session=True)
+    workers: set[int] = set()
+    try:
+        await asyncio.to_thread(proc.wait_ready)
+        await _until(lambda: _get(proc.admin_url + "/readyz"), lambda r: r[0] == 200)
+        workers = children(proc.proc.pid)
+
+        async def slow_call() -> int | str:
+            try:
+                async with aiohttp.ClientSession() as s, s.get(proc.url + SLOW) as resp:
+                    return resp.status
+            except aiohttp.ClientError as exc:
+                return type(exc).__name__
+
+        slow = asyncio.create_task(slow_call())
+        await _until(lambda: _get(proc.admin_url + "/metrics"),
+                     lambda r: "opgate_inflight_requests 1.0" in r[1])
+        os.killpg(proc.proc.pid, signal.SIGINT)  # as the terminal does it
+        assert await asyncio.wait_for(slow, 20) == 200  # drained, not cut
+        assert await asyncio.to_thread(proc.proc.wait, 20) == 0
+    finally:
+        proc.stop()
+        for pid in workers:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+    assert "again" not in proc.stderr(), proc.stderr()
