@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from proxy.engine import telemetry
+from proxy.engine.kinds import MAX_BURST, MAX_QPS, MIN_QPS
 from proxy.engine.match import Match, Patterns, parse_match
 from proxy.engine.requestinfo import RequestInfo
 from proxy.engine.schema import Fields, Located, PolicyError, sequence
@@ -104,17 +105,20 @@ def parse_rule(node: Located, what: str, errors: list[PolicyError]) -> RateLimit
     key_text = key_text or "{user}"
     key_node = f.node("key") or node
     key = parse_key(key_text, key_node, f.path("key"), errors)
-    qps = f.number("qps", required=True, minimum=0)
+    # bounds that keep a bucket's arithmetic (µs, doubles in gcra.lua) within what Redis takes
+    qps = f.number("qps", required=True, minimum=0, maximum=MAX_QPS)
     if qps is not None and qps <= 0:
         f.fail("qps", f"must be greater than 0 (got {qps})")
-    burst = f.int("burst", minimum=1)
+    elif qps is not None and qps < MIN_QPS:
+        f.fail("qps", f"must be at least {MIN_QPS:g} (one call in ~31 years; got {qps:g})")
+    burst = f.int("burst", minimum=1, maximum=MAX_BURST)
     on_exceed = f.str("onExceed", default="reject", choices=("reject", "wait")) or "reject"
     max_wait = f.duration("maxWait", default=2.0)
     max_queue = f.int("maxQueue", default=100, minimum=1)
     mode = f.str("mode", choices=("enforce", "dryrun"))
     failure = f.str("failure", choices=("open", "closed"))
     annotation = f.str("instanceAnnotation", default="") or ""
-    max_qps = f.number("maxQps", minimum=0)
+    max_qps = f.number("maxQps", minimum=0, maximum=MAX_QPS)
     if max_qps is not None and max_qps <= 0:
         f.fail("maxQps", f"must be greater than 0 (got {max_qps})")
     if max_qps is not None and not annotation:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from proxy.engine.kinds import MAX_BURST, MAX_QPS, MIN_QPS
 from proxy.stores.base import BucketRequest, Verdict
 from proxy.stores.memory import MemoryStore
 from proxy.stores.redis import RedisStore
@@ -91,6 +92,31 @@ def test_lua_matches_in_process_random(server: RedisServer) -> None:
                   if (a.allowed, a.keys) != (b.allowed, b.keys)]
     assert mismatches == []
     assert 0 < sum(a.allowed for a, _ in results) < len(results)
+
+
+@pytest.mark.parametrize(("rate", "burst"), [(MIN_QPS, MAX_BURST), (MIN_QPS, 1),
+                                             (MAX_QPS, MAX_BURST), (MAX_QPS, 1)])
+def test_the_bounds_a_policy_may_set_are_buckets_redis_keeps(
+        server: RedisServer, rate: float, burst: int) -> None:
+    """At the edges the policy schema allows (ratelimit_spec), the script's arithmetic and the
+    key's PEXPIRE stay within what Redis takes: a rate of 1e-300 (an instance's annotation
+    could say so) made every decision an error, and the breaker then tripped for every rule."""
+    async def go() -> None:
+        store = RedisStore.from_url(server.url, timeout=1.0, prefix="edge:")
+        req = BucketRequest(key=f"b-{rate:g}-{burst}", rate=rate, burst=burst, shard="u")
+        try:
+            first = await store.acquire([req])
+            # (a bucket spanning 1e21 µs is exact to ~1e5 µs: one token of rounding)
+            assert first.allowed and burst - 2 <= first.keys[0].remaining <= burst - 1
+            if rate == MIN_QPS:  # the key lives until the bucket is full again
+                assert await store.client.pttl(store.redis_key(req)) > 1e9
+            if rate == MIN_QPS and burst == 1:  # the next token in ~31.7 years
+                second = await store.acquire([req])
+                assert not second.allowed and second.keys[0].retry_after > 9e8
+        finally:
+            await store.close()
+
+    run(go())
 
 
 def test_redis_time_expiry_and_noscript(server: RedisServer) -> None:

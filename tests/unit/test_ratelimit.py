@@ -221,9 +221,12 @@ def test_instance_header_annotation_override_and_shards() -> None:
     overrides.set("a", "Widget", "slow", {"opgate.dev/qps": "0.5"})
     overrides.set("a", "Widget", "greedy", {"opgate.dev/qps": "100"})
     overrides.set("a", "Widget", "bad", {"opgate.dev/qps": "fast"})
+    # below what a bucket can hold (Redis refused its expiry: the breaker tripped for everyone)
+    overrides.set("a", "Widget", "tiny", {"opgate.dev/qps": "1e-300"})
     store = Recording()
     mw = RateLimit(store=store, overrides=overrides)
-    for instance in ("a/Widget/slow", "a/Widget/greedy", "a/Widget/bad", "a/Widget/none"):
+    for instance in ("a/Widget/slow", "a/Widget/greedy", "a/Widget/bad", "a/Widget/tiny",
+                     "a/Widget/none"):
         ctx = ctx_for(pset, headers={"Opgate-Instance": instance})
         assert asyncio.run(settle(mw.entry(ctx))) is None
         assert "opgate-instance" in ctx.drop_request_headers
@@ -234,11 +237,12 @@ def test_instance_header_annotation_override_and_shards() -> None:
         ("op/per-instance/alice/a/Widget/slow", 0.5),
         ("op/per-instance/alice/a/Widget/greedy", 5.0),  # bounded by maxQps
         ("op/per-instance/alice/a/Widget/bad", 2.0),
+        ("op/per-instance/alice/a/Widget/tiny", 2.0),  # ignored, as "fast" is
         ("op/per-instance/alice/a/Widget/none", 2.0),
         ("op/per-instance/alice/-", 2.0),
         ("op/per-instance/-/-", 2.0),
     ]
-    assert [r.shard for r in seen] == ["alice"] * 5 + ["-"]
+    assert [r.shard for r in seen] == ["alice"] * 6 + ["-"]
 
 
 def test_instance_without_header_gets_its_own_qps() -> None:

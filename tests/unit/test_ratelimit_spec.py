@@ -64,6 +64,12 @@ def test_full_rule_and_defaults() -> None:
     ("{qps: 1}", 'missing required field "name"'),
     ("{name: a, qps: 1, burst: 0}", "spec.rateLimits[0].burst: must be at least 1"),
     ("{name: a, qps: 1, burst: 1.5}", "spec.rateLimits[0].burst: expected an integer"),
+    # beyond what a bucket's arithmetic (µs, Redis PEXPIRE) holds: every decision was an error
+    ("{name: a, qps: 1e-12}", "spec.rateLimits[0].qps: must be at least 1e-09"),
+    ("{name: a, qps: 1e300}", "spec.rateLimits[0].qps: must be at most"),
+    ("{name: a, qps: 1, burst: 1000000000}", "spec.rateLimits[0].burst: must be at most"),
+    ("{name: a, qps: 1, key: '{instance}', instanceAnnotation: q, maxQps: 1e9}",
+     "maxQps: must be at most"),
     ("{name: a, qps: 1, key: '{user}/{pod}'}", "unknown placeholder {pod}"),
     ("{name: a, qps: 1, key: '{user'}", "unbalanced brace"),
     ("{name: a, qps: 1, key: ''}", "spec.rateLimits[0].key: must not be empty"),

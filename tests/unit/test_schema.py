@@ -55,12 +55,23 @@ def test_lines_of_values_and_keys() -> None:
 
 
 @pytest.mark.parametrize("scalar", [
-    "1", "-7", "0x10", "1.5", "1e3", ".inf", "true", "false", "yes", "off", "null", "~", "",
+    "1", "-7", "0x10", "1.5", "1.0e+3", ".inf", "true", "false", "yes", "off", "null", "~", "",
     "'1'", '"true"', "hello", "2026-01-01", "2026-01-01T10:00:00Z", "1_000", "0o17", "017",
 ])
 def test_scalars_resolve_like_safe_load(scalar: str) -> None:
     expected = yaml.safe_load(f"k: {scalar}\n")["k"]
     assert one(f"k: {scalar}\n").value["k"].value == expected
+
+
+@pytest.mark.parametrize(("scalar", "number"), [
+    ("1e3", 1000.0), ("5E-1", 0.5), ("-2.5e2", -250.0), ("+.5e1", 5.0), ("1e-12", 1e-12),
+])
+def test_exponents_are_numbers_as_kubernetes_reads_them(scalar: str, number: float) -> None:
+    # YAML 1.1 (PyYAML) wants a dot and a signed exponent: `qps: 1e3` was the string "1e3"
+    assert one(f"k: {scalar}\n").value["k"].value == number
+    assert yaml.safe_load(f"k: {scalar}\n")["k"] == scalar  # (yaml's own loader: unchanged)
+    for text in ("e3", "1e", "1.2.3e4", "0x1e3", "'1e3'"):
+        assert one(f"k: {text}\n").value["k"].value == yaml.safe_load(f"k: {text}\n")["k"]
 
 
 def test_dates_stay_what_safe_load_makes() -> None:
