@@ -182,6 +182,7 @@ class Tally:
         self.recent_seconds = recent_seconds
         self.recent_max = recent_max
         self.clock = clock
+        self._next_sweep = 0.0
 
     def count(self, namespace: str) -> int:
         names = self.names.get(namespace)
@@ -211,16 +212,36 @@ class Tally:
         return tuple(recent)
 
     def _note(self, namespace: str, key: str) -> None:
+        now = self.clock()
+        if now >= self._next_sweep:
+            self._sweep(now)
         recent = self.recent.setdefault(namespace, {})
         recent.pop(key, None)
-        recent[key] = self.clock()
+        recent[key] = now
         if len(recent) > self.recent_max:
             del recent[next(iter(recent))]
+
+    def _sweep(self, now: float) -> None:
+        """Forget the namespaces whose names all appeared before the horizon and those whose
+        expected creates all expired: ``seen`` and ``expect`` only tidy the namespace they are
+        asked about, and a namespace that is gone is never asked about again (at most once per
+        ``recent_seconds``, so memory follows the namespaces in use, not all there ever were)."""
+        horizon = now - self.recent_seconds
+        for namespace in [ns for ns, recent in self.recent.items()
+                          if next(reversed(recent.values()), 0.0) <= horizon]:
+            del self.recent[namespace]
+        for namespace in [ns for ns, pending in self.expected.items()
+                          if all(e.expires <= now for e in pending)]:
+            for e in self.expected.pop(namespace):
+                e.done = True
+        self._next_sweep = now + self.recent_seconds
 
     def expect(self, namespace: str, name: str, prefix: str, token: str,
                on_seen: Callable[[], None] | None = None) -> Expected:
         """Wait for the object of an admitted create: ``on_seen`` runs when it appears."""
         now = self.clock()
+        if now >= self._next_sweep:
+            self._sweep(now)
         pending = self.expected.setdefault(namespace, [])
         if pending and any(e.expires <= now for e in pending):
             for e in pending:

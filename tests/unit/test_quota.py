@@ -637,6 +637,25 @@ def test_seen_names_are_forgotten_after_a_while_and_bounded() -> None:
     assert tally.observed("ns") == 5  # counts are never forgotten
 
 
+def test_namespaces_that_are_gone_are_forgotten() -> None:
+    """Namespaces created and deleted over weeks: what is remembered of names seen lately and of
+    expected creates follows the namespaces in use, not every one there ever was."""
+    clock = Clock()
+    tally = Tally(clock=clock, recent_seconds=60, expect_seconds=60, settle_seconds=30)
+    tally.replace([])
+    for n in range(2000):
+        ns = f"ns-{n}"
+        tally.added(ns, "a")
+        tally.deleted(ns, "a")  # "/a" stays "seen" for recent_seconds
+        tally.settle(tally.expect(ns, "b", "", f"t{n}"), None)  # never shown
+        clock.now += 0.5
+    assert len(tally.recent) <= 200 and len(tally.expected) <= 200
+    clock.now += 61
+    tally.added("live", "x")
+    assert set(tally.recent) == {"live"} and tally.expected == {}
+    assert tally.names == {"live": {"x"}} and tally.seen("live") == ("x",)
+
+
 def test_expected_creates_end_when_the_watch_shows_them() -> None:
     clock = Clock()
     tally = Tally(clock=clock, settle_seconds=30, expect_seconds=60)
