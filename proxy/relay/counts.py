@@ -591,12 +591,19 @@ class QuotaCounts:
     # --- ResourceQuotas -------------------------------------------------------------------------
 
     async def _run_rq(self) -> None:
+        def drop(store: dict[str, dict[str, dict[str, int]]], namespace: str, name: str) -> None:
+            held = store.get(namespace)
+            if held is not None:
+                held.pop(name, None)
+                if not held:  # a namespace without quotas is not kept (namespaces come and go)
+                    del store[namespace]
+
         def keep(store: dict[str, dict[str, dict[str, int]]], obj: dict[str, Any]) -> None:
             meta = obj.get("metadata") or {}
             namespace, name = meta.get("namespace") or "", meta.get("name") or ""
             spec = obj.get("spec") or {}
             if spec.get("scopes") or spec.get("scopeSelector"):  # pods only: not object counts
-                store.get(namespace, {}).pop(name, None)
+                drop(store, namespace, name)
                 return
             store.setdefault(namespace, {})[name] = _hard(spec.get("hard"))
 
@@ -612,7 +619,7 @@ class QuotaCounts:
                 keep(self._rq, obj)
             elif kind == "DELETED":
                 meta = obj.get("metadata") or {}
-                self._rq.get(meta.get("namespace") or "", {}).pop(meta.get("name") or "", None)
+                drop(self._rq, meta.get("namespace") or "", meta.get("name") or "")
 
         async def path() -> str:
             return "/api/v1/resourcequotas"

@@ -656,6 +656,39 @@ def test_namespaces_that_are_gone_are_forgotten() -> None:
     assert tally.names == {"live": {"x"}} and tally.seen("live") == ("x",)
 
 
+def test_resource_quotas_of_namespaces_that_are_gone_are_forgotten() -> None:
+    """ResourceQuotas created and deleted with their namespaces: the counter keeps nothing of
+    a namespace whose quotas are all gone."""
+    counts = QuotaCounts(UpstreamConfig(url="http://127.0.0.1:9"))
+    fed: dict[str, object] = {}
+
+    async def capture(label: str, path: object, replace: object, event: object, *,
+                      metadata_only: bool) -> None:
+        fed.update(replace=replace, event=event)
+
+    counts._list_watch = capture  # type: ignore[method-assign]
+    run(counts._run_rq())
+    replace, event = fed["replace"], fed["event"]
+    replace([])  # type: ignore[operator]
+
+    def rq(ns: str, scoped: bool = False) -> dict[str, object]:
+        spec: dict[str, object] = {"hard": {"count/configmaps": "5"}}
+        if scoped:
+            spec["scopes"] = ["BestEffort"]
+        return {"metadata": {"namespace": ns, "name": "q"}, "spec": spec}
+
+    for n in range(1000):
+        event("ADDED", rq(f"ns-{n}"))  # type: ignore[operator]
+        event("DELETED", rq(f"ns-{n}"))  # type: ignore[operator]
+        event("ADDED", rq(f"sc-{n}"))  # type: ignore[operator]
+        event("MODIFIED", rq(f"sc-{n}", scoped=True))  # type: ignore[operator]
+    event("ADDED", rq("live"))  # type: ignore[operator]
+    assert set(counts._rq) == {"live"}
+    assert counts.aligned("ns-1", resource_quotas=True, cluster_quotas=False) == []
+    assert counts.aligned("live", resource_quotas=True, cluster_quotas=False) == [
+        ("ResourceQuota", "q", {"count/configmaps": 5})]
+
+
 def test_expected_creates_end_when_the_watch_shows_them() -> None:
     clock = Clock()
     tally = Tally(clock=clock, settle_seconds=30, expect_seconds=60)
