@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import os
+import time
 from bisect import bisect_left
 from collections.abc import Iterable
 from typing import Any
@@ -335,11 +336,34 @@ QUOTA_USAGE = Gauge(
     registry=REGISTRY, multiprocess_mode="livemax",  # every worker counts the same objects
 )
 _QUOTA_USAGE_SET: set[tuple[str, str]] = set()  # the label sets this process has set
+QUOTA_USAGE_ZERO_SECONDS = 300.0  # a series at 0 this long is removed (its namespace may be gone)
+_quota_zero: dict[tuple[str, str], float] = {}  # label sets at 0, since when (monotonic)
+_quota_zero_sweep = 0.0
+_clock = time.monotonic
 
 
 def set_quota_usage(namespace: str, resource: str, count: int) -> None:
+    """Set a namespace's usage. One that stays at 0 for ``QUOTA_USAGE_ZERO_SECONDS`` loses its
+    series (as one that never held an object has none): namespaces come and go over the weeks
+    a sidecar runs, and each kept a series forever. Removed at the next update after that (in
+    multiprocess mode, where prometheus_client cannot remove one, it only stays at 0)."""
+    global _quota_zero_sweep
+    labels = (namespace, resource)
     QUOTA_USAGE.labels(namespace, resource).set(count)
-    _QUOTA_USAGE_SET.add((namespace, resource))
+    _QUOTA_USAGE_SET.add(labels)
+    now = _clock()
+    if count:
+        _quota_zero.pop(labels, None)
+    elif labels not in _quota_zero:
+        _quota_zero[labels] = now
+    if now >= _quota_zero_sweep:
+        _quota_zero_sweep = now + QUOTA_USAGE_ZERO_SECONDS / 2
+        horizon = now - QUOTA_USAGE_ZERO_SECONDS
+        for stale in [k for k, since in _quota_zero.items() if since <= horizon]:
+            del _quota_zero[stale]
+            _QUOTA_USAGE_SET.discard(stale)
+            if not _MULTIPROCESS:
+                QUOTA_USAGE.remove(*stale)
 
 
 def clear_quota_usage() -> None:
@@ -351,6 +375,7 @@ def clear_quota_usage() -> None:
     else:
         QUOTA_USAGE.clear()
     _QUOTA_USAGE_SET.clear()
+    _quota_zero.clear()
 
 
 IDENTITY_DENIALS = Counter(

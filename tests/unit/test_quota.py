@@ -791,3 +791,31 @@ def test_quota_usage_series_are_zeroed_not_cleared_under_workers(
     telemetry.clear_quota_usage()
     assert telemetry.REGISTRY.get_sample_value(
         "opgate_quota_usage", {"namespace": "gone-ns", "resource": "configmaps"}) == 0
+
+
+def test_quota_usage_series_of_namespaces_left_at_zero_go_away(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Namespaces created and deleted over the weeks a sidecar runs: a series at 0 shows 0 for
+    a while, then goes (as a namespace that never held an object has none), so the series
+    follow the namespaces in use, not every one there ever was."""
+    clock = Clock()
+    monkeypatch.setattr(telemetry, "_clock", clock, raising=False)
+    monkeypatch.setattr(telemetry, "_quota_zero_sweep", 0.0, raising=False)
+    telemetry.clear_quota_usage()
+
+    def series() -> dict[str, float]:
+        return {s.labels["namespace"]: s.value for m in telemetry.REGISTRY.collect()
+                if m.name == "opgate_quota_usage" for s in m.samples}
+
+    telemetry.set_quota_usage("live", "configmaps", 3)
+    for n in range(1000):
+        telemetry.set_quota_usage(f"ns-{n}", "configmaps", 1)
+        telemetry.set_quota_usage(f"ns-{n}", "configmaps", 0)  # its objects, then it, deleted
+        clock.now += 0.1
+    assert series()["ns-999"] == 0  # at 0 for now (what the e2e tests read after a delete)
+    clock.now += 300  # telemetry.QUOTA_USAGE_ZERO_SECONDS
+    telemetry.set_quota_usage("live", "configmaps", 4)
+    telemetry.set_quota_usage("emptied", "configmaps", 0)
+    assert series() == {"live": 4, "emptied": 0}
+    telemetry.clear_quota_usage()
