@@ -426,3 +426,19 @@ def test_the_schema_names_every_value() -> None:
 
     values = yaml.safe_load((CHART / "values.yaml").read_text())
     assert walk(values, schema, "") == []
+
+
+def test_an_existing_service_account(helm: Path) -> None:
+    """serviceAccount.create=false: the pod runs as an existing ServiceAccount, the namespace's
+    ``default`` unless named, and the ClusterRole is bound to that one (not to a
+    ServiceAccount the chart did not create)."""
+    for sets, name in ((("serviceAccount.create=false",), "default"),
+                       (("serviceAccount.create=false", "serviceAccount.name=ops"), "ops"),
+                       ((), "demo-opgate"), (("serviceAccount.name=ops",), "ops")):
+        docs = _render(helm, *sets)
+        pod = _one(docs, "Deployment")["spec"]["template"]["spec"]
+        assert pod["serviceAccountName"] == name, sets
+        [subject] = _one(docs, "ClusterRoleBinding")["subjects"]
+        assert subject["name"] == name, sets
+        created = [d["metadata"]["name"] for d in docs if d["kind"] == "ServiceAccount"]
+        assert created == ([] if sets[:1] == ("serviceAccount.create=false",) else [name])

@@ -19,8 +19,17 @@ that the whole still fits 63 characters (a Service name is a DNS label).
 {{- printf "%s-%s" $base $suffix -}}
 {{- end -}}
 
+{{/*
+The operator's ServiceAccount: the one the chart creates (serviceAccount.name, default the full
+name), or with serviceAccount.create=false an existing one (serviceAccount.name, default the
+namespace's "default", as in charts made by helm create).
+*/}}
 {{- define "opgate.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
 {{- default (include "opgate.fullname" .) .Values.serviceAccount.name -}}
+{{- else -}}
+{{- default "default" .Values.serviceAccount.name -}}
+{{- end -}}
 {{- end -}}
 
 {{- define "opgate.labels" -}}
