@@ -1,0 +1,177 @@
+"""The Helm chart installed, upgraded, rolled back and uninstalled in the real kube-apiserver.
+
+There is no kubelet (pods never run), but helm's releases, the objects the apiserver accepts and
+its RBAC answers (``kubectl auth can-i`` as the chart's ServiceAccount) are real. Rendering-only
+checks live in ``test_helm.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from proxy.cli import build_parser
+from proxy.envtest.cluster import LocalCluster
+
+pytestmark = pytest.mark.e2e
+
+CHART = Path(__file__).resolve().parents[2] / "helm" / "opgate"
+
+
+class Kube:
+    """helm and kubectl against ``cluster``, in one namespace."""
+
+    def __init__(self, helm: Path, kubectl: Path, cluster: LocalCluster, namespace: str) -> None:
+        self.helm, self.kubectl, self.cluster, self.ns = helm, kubectl, cluster, namespace
+        cluster.create_namespace(namespace)
+
+    def run_helm(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        out = subprocess.run([str(self.helm), "--kubeconfig", self.cluster.kubeconfig_path,
+                              "-n", self.ns, *args], capture_output=True, text=True)
+        if check:
+            assert out.returncode == 0, out.stdout + out.stderr
+        return out
+
+    def get(self, kind: str, name: str) -> dict[str, Any]:
+        out = subprocess.run([str(self.kubectl), "--kubeconfig", self.cluster.kubeconfig_path,
+                              "-n", self.ns, "get", kind, name, "-o", "json"],
+                             capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr
+        doc: dict[str, Any] = json.loads(out.stdout)
+        return doc
+
+    def names(self, kinds: str) -> list[str]:
+        out = subprocess.run([str(self.kubectl), "--kubeconfig", self.cluster.kubeconfig_path,
+                              "-n", self.ns, "get", kinds, "-l",
+                              "app.kubernetes.io/managed-by=Helm", "-o", "name"],
+                             capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr
+        return sorted(out.stdout.split())
+
+    def can_i(self, sa: str, verb: str, what: str, *, namespace: str = "") -> bool:
+        """Whether the apiserver lets the ServiceAccount ``sa`` of this namespace (with the
+        groups its token carries) do ``verb`` on ``what`` (``resource[.group]`` in
+        ``namespace``, every one when empty, or a ``/path``): a SubjectAccessReview."""
+        attrs: dict[str, Any]
+        if what.startswith("/"):
+            attrs = {"nonResourceAttributes": {"verb": verb, "path": what}}
+        else:
+            resource, _, group = what.partition(".")
+            attrs = {"resourceAttributes": {"verb": verb, "resource": resource, "group": group,
+                                            "namespace": namespace}}
+        review = {"apiVersion": "authorization.k8s.io/v1", "kind": "SubjectAccessReview",
+                  "spec": {"user": f"system:serviceaccount:{self.ns}:{sa}",
+                           "groups": ["system:serviceaccounts",
+                                      f"system:serviceaccounts:{self.ns}",
+                                      "system:authenticated"], **attrs}}
+        out = subprocess.run([str(self.kubectl), "--kubeconfig", self.cluster.kubeconfig_path,
+                              "create", "-o", "json", "-f", "-"], input=json.dumps(review),
+                             capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr
+        return bool(json.loads(out.stdout)["status"].get("allowed"))
+
+
+def _sidecar_args(deployment: dict[str, Any]) -> list[str]:
+    [sidecar] = [c for c in deployment["spec"]["template"]["spec"]["containers"]
+                 if c["name"] == "opgate"]
+    return list(sidecar["args"])
+
+
+def test_install_upgrade_rollback_uninstall(
+    helm: Path, kubectl: Path, cluster: LocalCluster, tmp_path: Path
+) -> None:
+    """A policies-only upgrade changes the ConfigMap and leaves the pod template alone (opgate
+    hot-reloads it; no rollout); a flag change rolls the pods; rollback and uninstall too."""
+    kube = Kube(helm, kubectl, cluster, "helm-life")
+    out = kube.run_helm("install", "life", str(CHART), "--set", "redis.url=redis://r:6379/0")
+    assert "life-opgate-policies" in out.stdout  # NOTES name the ConfigMap to edit
+    assert kube.names("deploy,cm,svc,sa") == [
+        "configmap/life-opgate-kubeconfig", "configmap/life-opgate-policies",
+        "deployment.apps/life-opgate", "service/life-opgate-metrics",
+        "serviceaccount/life-opgate"]
+    first = kube.get("deployment", "life-opgate")
+    build_parser().parse_args(_sidecar_args(first))
+
+    policy = tmp_path / "values.yaml"
+    policy.write_text(yaml.safe_dump({"policies": {"operator.yaml": (
+        "apiVersion: opgate.dev/v1alpha1\nkind: Policy\nmetadata: {name: operator}\n"
+        "spec:\n  mode: observe\n")}}))
+    kube.run_helm("upgrade", "life", str(CHART), "--reuse-values", "-f", str(policy))
+    after_policy = kube.get("deployment", "life-opgate")
+    assert after_policy["metadata"]["generation"] == first["metadata"]["generation"]
+    assert after_policy["spec"]["template"] == first["spec"]["template"]
+    cm = kube.get("configmap", "life-opgate-policies")
+    assert "mode: observe" in cm["data"]["operator.yaml"]
+
+    kube.run_helm("upgrade", "life", str(CHART), "--reuse-values", "--set",
+                  "sidecar.logLevel=debug")
+    after_flag = kube.get("deployment", "life-opgate")
+    assert after_flag["metadata"]["generation"] == first["metadata"]["generation"] + 1
+    assert build_parser().parse_args(_sidecar_args(after_flag)).log_level == "debug"
+
+    kube.run_helm("rollback", "life", "1")
+    rolled = kube.get("deployment", "life-opgate")
+    assert rolled["spec"]["template"] == first["spec"]["template"]
+    assert "mode: enforce" in kube.get("configmap", "life-opgate-policies")["data"][
+        "operator.yaml"]
+
+    kube.run_helm("uninstall", "life")
+    assert kube.names("deploy,cm,svc,sa") == []
+    assert kube.names("clusterrole,clusterrolebinding") == []
+
+
+def test_no_policies_notes_name_no_configmap(
+    helm: Path, kubectl: Path, cluster: LocalCluster
+) -> None:
+    kube = Kube(helm, kubectl, cluster, "helm-nopol")
+    out = kube.run_helm("install", "bare", str(CHART), "--set", "policies=null")
+    assert kube.names("cm") == ["configmap/bare-opgate-kubeconfig"]
+    assert "bare-opgate-policies" not in out.stdout, out.stdout  # no such ConfigMap to edit
+    assert "without --policies" in out.stdout
+    kube.run_helm("uninstall", "bare")
+
+
+def _documented_sidecar_rules() -> list[dict[str, Any]]:
+    """The rbac.sidecarRules that values.yaml's comment lists (``#     - {apiGroups: ...}``)."""
+    text = (CHART / "values.yaml").read_text()
+    rules = [yaml.safe_load(m) for m in re.findall(r"^ *# +- (\{apiGroups:.*\})$", text, re.M)]
+    assert len(rules) >= 5, rules
+    return rules
+
+
+def test_documented_sidecar_rules_cover_opgates_calls(
+    helm: Path, kubectl: Path, cluster: LocalCluster, tmp_path: Path
+) -> None:
+    """Each call opgate makes with the pod's ServiceAccount (identity: TokenReview,
+    SubjectAccessReview, the cluster's JWKS; spec.quotas: list/watch of the counted resources,
+    ResourceQuotas, namespaces, ClusterResourceQuotas) is allowed with the rules values.yaml
+    documents, and none of them without (the chart grants nothing it is not given)."""
+    kube = Kube(helm, kubectl, cluster, "helm-rbac")
+    calls = [("create", "tokenreviews.authentication.k8s.io"),
+             ("create", "subjectaccessreviews.authorization.k8s.io"),
+             ("list", "configmaps"), ("watch", "configmaps"),
+             ("list", "resourcequotas"), ("watch", "resourcequotas"),
+             ("list", "namespaces"), ("watch", "namespaces"),
+             ("list", "clusterresourcequotas.quota.openshift.io"),
+             ("watch", "clusterresourcequotas.quota.openshift.io")]
+    kube.run_helm("install", "plain", str(CHART))
+    for call in calls:
+        assert not kube.can_i("plain-opgate", *call), call
+    # the cluster's OIDC discovery, for identity's service-account tokens: any ServiceAccount
+    for url in ("/.well-known/openid-configuration", "/openid/v1/jwks"):
+        assert kube.can_i("plain-opgate", "get", url), url
+    values = tmp_path / "rbac.yaml"
+    values.write_text(yaml.safe_dump({"rbac": {"sidecarRules": _documented_sidecar_rules()}}))
+    kube.run_helm("upgrade", "plain", str(CHART), "-f", str(values))
+    for call in calls:
+        assert kube.can_i("plain-opgate", *call), call
+    # the operator's own rules (the sample reconciler's) still hold, nothing more
+    assert kube.can_i("plain-opgate", "patch", "widgets.demo.opgate.dev")
+    assert not kube.can_i("plain-opgate", "get", "secrets")
+    kube.run_helm("uninstall", "plain")
