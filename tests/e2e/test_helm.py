@@ -97,6 +97,7 @@ def test_sidecar_sigterm_waits_for_the_operator_to_stop(helm: Path) -> None:
     grace = _one(docs, "Deployment")["spec"]["template"]["spec"].get(
         "terminationGracePeriodSeconds", 30)
     assert grace >= 5 + drain + 5  # the delay, opgate's drain, slack for the operator
+    assert grace == 30
     shorter = _sidecar(_render(helm, "sidecar.shutdownGraceSeconds=3"))
     assert build_parser().parse_args(shorter["args"]).shutdown_grace == 3
     assert "lifecycle" not in _sidecar(_render(helm, "sidecar.shutdownDelaySeconds=0"))
@@ -442,3 +443,20 @@ def test_an_existing_service_account(helm: Path) -> None:
         assert subject["name"] == name, sets
         created = [d["metadata"]["name"] for d in docs if d["kind"] == "ServiceAccount"]
         assert created == ([] if sets[:1] == ("serviceAccount.create=false",) else [name])
+
+
+def test_a_longer_shutdown_gets_a_longer_grace_period(
+    helm: Path, kubectl: Path, cluster: LocalCluster, tmp_path: Path
+) -> None:
+    """The pod's terminationGracePeriodSeconds is a value: a longer shutdownDelaySeconds
+    (an operator with a slow stop) needs a longer one, and less than the delay + opgate's drain
+    is refused (kubelet would SIGKILL opgate mid-drain)."""
+    err = _render_error(helm, "sidecar.shutdownDelaySeconds=25")
+    assert "terminationGracePeriodSeconds" in err and "(35)" in err, err
+    docs = _render(helm, "sidecar.shutdownDelaySeconds=25", "terminationGracePeriodSeconds=60")
+    pod = _one(docs, "Deployment")["spec"]["template"]["spec"]
+    assert pod["terminationGracePeriodSeconds"] == 60
+    assert _sidecar(docs)["lifecycle"]["preStop"]["exec"]["command"] == ["sleep", "25"]
+    _dry_run(kubectl, cluster, tmp_path, docs)
+    assert "terminationGracePeriodSeconds" in _render_error(
+        helm, "terminationGracePeriodSeconds=soon")
