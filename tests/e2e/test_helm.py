@@ -460,3 +460,34 @@ def test_a_longer_shutdown_gets_a_longer_grace_period(
     _dry_run(kubectl, cluster, tmp_path, docs)
     assert "terminationGracePeriodSeconds" in _render_error(
         helm, "terminationGracePeriodSeconds=soon")
+
+
+@pytest.mark.parametrize(("key", "text", "says"), [
+    ("ratelimits", "kind: Policy", '"ratelimits"'),       # opgate skips a file not *.yaml/*.yml
+    ("operator\\.json", "{}", '"operator.json"'),
+    ("\\.hidden\\.yaml", "kind: Policy", '".hidden.yaml"'),  # hidden: skipped too
+    ("bad\\.yaml", "spec: [unclosed", "bad.yaml is not YAML"),
+    ("two\\.yaml", "kind: Policy\n---\nspec: {rateLimits: [}", "two.yaml is not YAML"),
+])
+def test_a_policy_file_opgate_would_not_read_fails_the_install(
+    helm: Path, tmp_path: Path, key: str, text: str, says: str
+) -> None:
+    source = tmp_path / "policy.txt"
+    source.write_text(text)
+    out = subprocess.run([str(helm), "template", "demo", str(CHART), "--set-file",
+                          f"policies.{key}={source}"], capture_output=True, text=True)
+    assert out.returncode != 0 and says in out.stderr, out.stderr
+
+
+def test_every_shipped_policy_passes_the_charts_check(helm: Path) -> None:
+    """No false alarm: the example and demo policy files (multi-document ones too) render."""
+    files = sorted((CHART.parents[1] / "policies").glob("*/*.yaml"))
+    assert len(files) >= 5
+    args = [str(helm), "template", "demo", str(CHART)]
+    for f in files:
+        args += ["--set-file", "policies.{}={}".format(f.name.replace(".", "\\."), f)]
+    out = subprocess.run(args, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    docs = [d for d in yaml.safe_load_all(out.stdout) if d]
+    assert sorted(_one(docs, "ConfigMap", "-policies")["data"]) == sorted(
+        ["operator.yaml", *(f.name for f in files)])
