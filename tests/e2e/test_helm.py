@@ -70,7 +70,8 @@ def _sidecar(docs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def test_lint(helm: Path) -> None:
-    out = subprocess.run([str(helm), "lint", str(CHART)], capture_output=True, text=True)
+    out = subprocess.run([str(helm), "lint", "--strict", str(CHART)], capture_output=True,
+                         text=True)
     assert out.returncode == 0, out.stdout + out.stderr
 
 
@@ -491,3 +492,52 @@ def test_every_shipped_policy_passes_the_charts_check(helm: Path) -> None:
     docs = [d for d in yaml.safe_load_all(out.stdout) if d]
     assert sorted(_one(docs, "ConfigMap", "-policies")["data"]) == sorted(
         ["operator.yaml", *(f.name for f in files)])
+
+
+EVERYTHING_ON = (
+    "redis.url=rediss://redis.redis:6380/1", "redis.replicas=2",
+    "redis.passwordSecret.name=redis-auth", "redis.passwordSecret.key=pw",
+    "sidecar.audit.enabled=true", "sidecar.capture.enabled=true",
+    "sidecar.extraArgs={--workers,2}", "sidecar.logLevel=debug", "sidecar.accessLog=false",
+    "sidecar.adminListen=[::]:9500", "sidecar.env[0].name=PYTHONFAULTHANDLER",
+    "sidecar.env[0].value=x", "sidecar.resources.limits.cpu=1",
+    "operator.env[0].name=WATCH_NAMESPACE", "operator.env[0].value=apps",
+    "operator.resources.requests.memory=32Mi", "operator.replicas=2",
+    "nodeSelector.kubernetes\\.io/os=linux", "tolerations[0].key=dedicated",
+    "tolerations[0].operator=Exists", "tolerations[0].effect=NoSchedule",
+    "affinity.nodeAffinity.requiredDuringSchedulingIgnoredDuringExecution"
+    ".nodeSelectorTerms[0].matchExpressions[0].key=kubernetes.io/arch",
+    "affinity.nodeAffinity.requiredDuringSchedulingIgnoredDuringExecution"
+    ".nodeSelectorTerms[0].matchExpressions[0].operator=In",
+    "affinity.nodeAffinity.requiredDuringSchedulingIgnoredDuringExecution"
+    ".nodeSelectorTerms[0].matchExpressions[0].values[0]=amd64",
+    "podAnnotations.team=platform", "serviceAccount.annotations.owner=platform",
+    "podSecurityContext.fsGroup=65532", "metrics.podAnnotations=false",
+    "rbac.sidecarRules[0].apiGroups[0]=authentication.k8s.io",
+    "rbac.sidecarRules[0].resources[0]=tokenreviews", "rbac.sidecarRules[0].verbs[0]=create",
+    "extraVolumes[0].name=tls", "extraVolumes[0].secret.secretName=opgate-tls",
+    "sidecar.extraVolumeMounts[0].name=tls", "sidecar.extraVolumeMounts[0].mountPath=/etc/tls",
+)
+
+
+def test_everything_on_is_accepted_and_parses(
+    helm: Path, kubectl: Path, cluster: LocalCluster, tmp_path: Path
+) -> None:
+    """Most values at once (a TLS listener through extraArgs and a mounted Secret, workers,
+    Redis with a password, audit + capture, scheduling, annotations): the flags parse, the
+    lint is clean and the apiserver takes every object."""
+    sets = (*EVERYTHING_ON, "sidecar.extraArgs[2]=--tls-cert=/etc/tls/tls.crt",
+            "sidecar.extraArgs[3]=--tls-key=/etc/tls/tls.key")
+    docs = _render(helm, *sets)
+    sidecar = _sidecar(docs)
+    args = build_parser().parse_args(sidecar["args"])
+    assert (args.workers, args.tls_cert, args.redis_password_file, args.admin_listen) == (
+        2, "/etc/tls/tls.crt", "/etc/opgate/redis/pw", "[::]:9500")
+    assert sidecar["ports"][0]["containerPort"] == 9500
+    pod = _one(docs, "Deployment")["spec"]["template"]
+    assert pod["metadata"]["annotations"] == {"team": "platform"}
+    lint = subprocess.run([str(helm), "lint", "--strict", str(CHART),
+                           *[a for s in sets for a in ("--set", s)]],
+                          capture_output=True, text=True)
+    assert lint.returncode == 0, lint.stdout + lint.stderr
+    _dry_run(kubectl, cluster, tmp_path, docs)
