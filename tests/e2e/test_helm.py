@@ -526,8 +526,12 @@ def test_everything_on_is_accepted_and_parses(
     """Most values at once (a TLS listener through extraArgs and a mounted Secret, workers,
     Redis with a password, audit + capture, scheduling, annotations): the flags parse, the
     lint is clean and the apiserver takes every object."""
-    sets = (*EVERYTHING_ON, "sidecar.extraArgs[2]=--tls-cert=/etc/tls/tls.crt",
-            "sidecar.extraArgs[3]=--tls-key=/etc/tls/tls.key")
+    tls = ("sidecar.extraArgs[2]=--tls-cert=/etc/tls/tls.crt",
+           "sidecar.extraArgs[3]=--tls-key=/etc/tls/tls.key")
+    # the chart's kubeconfig names http://, which a TLS listener does not answer
+    err = _render_error(helm, *EVERYTHING_ON, *tls)
+    assert "--tls-cert" in err and "operator.kubeconfig=false" in err, err
+    sets = (*EVERYTHING_ON, *tls, "operator.kubeconfig=false")
     docs = _render(helm, *sets)
     sidecar = _sidecar(docs)
     args = build_parser().parse_args(sidecar["args"])
