@@ -391,6 +391,16 @@ def test_the_schema_refuses_bad_values(helm: Path, setting: str) -> None:
     assert "values don't meet the specifications of the schema" in err and key in err, err
 
 
+@pytest.mark.parametrize("env", ["sidecar.env", "operator.env"])
+def test_an_env_value_must_be_a_string(helm: Path, env: str) -> None:
+    """``--set env[0].value=1`` is an integer, which the apiserver refuses in an EnvVar (a
+    BadRequest at install); the schema says so first, naming the value."""
+    for value in ("1", "true"):
+        err = _render_error(helm, f"{env}[0].name=N", f"{env}[0].value={value}")
+        assert "schema" in err and "/env/0/value" in err, err
+    _render(helm, f"{env}[0].name=N", f"{env}[0].value=x")
+
+
 def test_the_schema_takes_what_helm_users_write(helm: Path) -> None:
     _render(helm, "image.tag=123", "operator.image.tag=2", "sidecar.headerTimeout=0",
             "sidecar.logLevel=debug", "operator.replicas=0", "sidecar.audit.enabled=true",
@@ -517,6 +527,7 @@ EVERYTHING_ON = (
     "rbac.sidecarRules[0].resources[0]=tokenreviews", "rbac.sidecarRules[0].verbs[0]=create",
     "extraVolumes[0].name=tls", "extraVolumes[0].secret.secretName=opgate-tls",
     "sidecar.extraVolumeMounts[0].name=tls", "sidecar.extraVolumeMounts[0].mountPath=/etc/tls",
+    "imagePullSecrets[0].name=regcred",
 )
 
 
@@ -540,6 +551,8 @@ def test_everything_on_is_accepted_and_parses(
     assert sidecar["ports"][0]["containerPort"] == 9500
     pod = _one(docs, "Deployment")["spec"]["template"]
     assert pod["metadata"]["annotations"] == {"team": "platform"}
+    assert pod["spec"]["imagePullSecrets"] == [{"name": "regcred"}]
+    assert "/imagePullSecrets/0" in _render_error(helm, "imagePullSecrets[0]=regcred")
     lint = subprocess.run([str(helm), "lint", "--strict", str(CHART),
                            *[a for s in sets for a in ("--set", s)]],
                           capture_output=True, text=True)
