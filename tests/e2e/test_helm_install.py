@@ -175,3 +175,29 @@ def test_documented_sidecar_rules_cover_opgates_calls(
     assert kube.can_i("plain-opgate", "patch", "widgets.demo.opgate.dev")
     assert not kube.can_i("plain-opgate", "get", "secrets")
     kube.run_helm("uninstall", "plain")
+
+
+def test_policy_files_reach_the_configmap_as_written(
+    helm: Path, kubectl: Path, cluster: LocalCluster, tmp_path: Path
+) -> None:
+    """What opgate reads under --policies is each file byte for byte: one starting with an
+    indented comment (which broke the chart's ``|`` block), one without a final newline, one
+    with trailing spaces."""
+    files = {
+        "indented.yaml": "  # the team's header, indented\napiVersion: opgate.dev/v1alpha1\n"
+                         "kind: Policy\nmetadata: {name: indented}\nspec: {mode: enforce}\n",
+        "bare.yaml": "apiVersion: opgate.dev/v1alpha1\nkind: Policy\nmetadata: {name: bare}\n"
+                     "spec: {mode: observe}",
+        "spaces.yaml": "apiVersion: opgate.dev/v1alpha1  \nkind: Policy\n"
+                       "metadata: {name: spaces}\nspec: {mode: enforce}\n",
+    }
+    values = tmp_path / "policies.yaml"
+    values.write_text(yaml.safe_dump({"policies": files}))
+    kube = Kube(helm, kubectl, cluster, "helm-files")
+    kube.run_helm("install", "files", str(CHART), "-f", str(values))
+    data = kube.get("configmap", "files-opgate-policies")["data"]
+    assert {k: data[k] for k in files} == files
+    deployment = kube.get("deployment", "files-opgate")
+    assert build_parser().parse_args(_sidecar_args(deployment)).policies == (
+        "/etc/opgate/policies")
+    kube.run_helm("uninstall", "files")
