@@ -384,6 +384,16 @@ def test_a_shared_socket_directory(
     "image.pullPolicy=Sometimes",
     "operator.kubeconfig=maybe",
     "sidecar.accessLog=yes please",
+    # a misspelt key is refused, not silently ignored
+    "sidecar.logLevl=debug",
+    "sidecar.audit.maxSize=5",
+    "sidecar.capture.maxBackup=2",
+    "redis.passwordSecret.nam=redis-auth",
+    "operator.replica=2",
+    "image.tags=1.2",
+    "serviceAccount.nam=ops",
+    "rbac.creat=false",
+    "metrics.podAnnotation=false",
 ])
 def test_the_schema_refuses_bad_values(helm: Path, setting: str) -> None:
     err = _render_error(helm, setting)
