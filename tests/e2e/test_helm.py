@@ -116,6 +116,11 @@ def test_redis_and_password_secret(helm: Path) -> None:
     assert {"name": "opgate-redis", "secret": {"secretName": "redis-auth"}} in pod["volumes"]
 
 
+def test_a_redis_password_without_redis_is_refused(helm: Path) -> None:
+    err = _render_error(helm, "redis.passwordSecret.name=redis-auth")
+    assert "redis.passwordSecret.name" in err and "redis.url" in err, err
+
+
 def test_sidecar_rules_join_the_operators_cluster_role(helm: Path) -> None:
     plain = _one(_render(helm), "ClusterRole")["rules"]
     docs = _render(helm, "rbac.sidecarRules[0].apiGroups[0]=authentication.k8s.io",

@@ -105,6 +105,9 @@ chart's root context, they use the opgate subchart's (.Subcharts.opgate: the val
 {{- $r := dict -}}
 {{- include "opgate.context" (dict "in" . "out" $r) -}}
 {{- with $r.ctx -}}
+{{- if and .Values.redis.passwordSecret.name (not .Values.redis.url) -}}
+{{- fail (printf "redis.passwordSecret.name=%s without redis.url: opgate would not use Redis (nor the password) and the pod would wait for that Secret; set redis.url too, or drop redis.passwordSecret.name" .Values.redis.passwordSecret.name) -}}
+{{- end -}}
 - name: opgate
   image: "{{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}"
   imagePullPolicy: {{ .Values.image.pullPolicy }}
