@@ -486,6 +486,14 @@ def test_a_longer_shutdown_gets_a_longer_grace_period(
     _dry_run(kubectl, cluster, tmp_path, docs)
     assert "terminationGracePeriodSeconds" in _render_error(
         helm, "terminationGracePeriodSeconds=soon")
+    # a release of a chart without the value, upgraded with --reuse-values (which keeps the old
+    # chart's values, not the new defaults): kubelet's default, not a failed upgrade
+    pod = _one(_render(helm, "terminationGracePeriodSeconds=null"), "Deployment")
+    assert pod["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 30
+    quick = ("terminationGracePeriodSeconds=0", "sidecar.shutdownDelaySeconds=0",
+             "sidecar.shutdownGraceSeconds=0")
+    pod = _one(_render(helm, *quick), "Deployment")
+    assert pod["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 0
 
 
 @pytest.mark.parametrize(("key", "text", "says"), [
