@@ -581,3 +581,20 @@ def test_everything_on_is_accepted_and_parses(
                           capture_output=True, text=True)
     assert lint.returncode == 0, lint.stdout + lint.stderr
     _dry_run(kubectl, cluster, tmp_path, docs)
+
+
+def test_a_chart_version_with_build_metadata(
+    helm: Path, kubectl: Path, cluster: LocalCluster, tmp_path: Path
+) -> None:
+    """A platform team repackages the chart as 0.1.0+acme.3 (SemVer build metadata): the
+    helm.sh/chart label cannot hold a "+", so it becomes "_" (as in charts made by helm create)
+    and the apiserver takes the labels."""
+    import shutil
+
+    chart = tmp_path / "opgate"
+    shutil.copytree(CHART, chart)
+    meta = chart / "Chart.yaml"
+    meta.write_text(meta.read_text().replace("version: 0.1.0", "version: 0.1.0+acme.3", 1))
+    docs = _render(helm, chart=chart)
+    assert {d["metadata"]["labels"]["helm.sh/chart"] for d in docs} == {"opgate-0.1.0_acme.3"}
+    _dry_run(kubectl, cluster, tmp_path, docs)
