@@ -598,3 +598,24 @@ def test_a_chart_version_with_build_metadata(
     docs = _render(helm, chart=chart)
     assert {d["metadata"]["labels"]["helm.sh/chart"] for d in docs} == {"opgate-0.1.0_acme.3"}
     _dry_run(kubectl, cluster, tmp_path, docs)
+
+
+def test_name_overrides(
+    helm: Path, kubectl: Path, cluster: LocalCluster, tmp_path: Path
+) -> None:
+    """fullnameOverride and nameOverride, as in charts made by helm create: every object, the
+    references between them and the selector follow."""
+    docs = _render(helm, "fullnameOverride=gate")
+    assert sorted(d["metadata"]["name"] for d in docs) == [
+        "gate", "gate", "gate", "gate", "gate-kubeconfig", "gate-metrics",
+        "gate-policies"]
+    pod = _one(docs, "Deployment")["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == "gate"
+    assert {v["configMap"]["name"] for v in pod["volumes"] if "configMap" in v} == {
+        "gate-policies", "gate-kubeconfig"}
+    _dry_run(kubectl, cluster, tmp_path, docs)
+    docs = _render(helm, "nameOverride=proxy")
+    assert _one(docs, "Deployment")["metadata"]["name"] == "demo-proxy"
+    selector = _one(docs, "Deployment")["spec"]["selector"]["matchLabels"]
+    assert selector["app.kubernetes.io/name"] == "proxy"
+    assert _one(docs, "Service")["spec"]["selector"] == selector
