@@ -619,3 +619,19 @@ def test_name_overrides(
     selector = _one(docs, "Deployment")["spec"]["selector"]["matchLabels"]
     assert selector["app.kubernetes.io/name"] == "proxy"
     assert _one(docs, "Service")["spec"]["selector"] == selector
+
+
+@pytest.mark.parametrize("listen", ["0.0.0.0:8001", ":8001", "[::]:8001", "10.1.2.3:8001"])
+def test_the_api_port_stays_in_the_pod(helm: Path, listen: str) -> None:
+    """opgate adds the pod's ServiceAccount token to what it relays: an API port on the pod IP
+    would lend the operator's rights to anyone who reaches the pod."""
+    err = _render_error(helm, f"sidecar.listen={listen}")
+    assert "sidecar.listen" in err and "loopback" in err, err
+
+
+@pytest.mark.parametrize("listen", ["127.0.0.1:8080", "[::1]:8001", "localhost:8001"])
+def test_a_loopback_api_port(helm: Path, listen: str) -> None:
+    docs = _render(helm, f"sidecar.listen={listen}")
+    assert build_parser().parse_args(_sidecar(docs)["args"]).listen == listen
+    config = yaml.safe_load(_one(docs, "ConfigMap", "-kubeconfig")["data"]["config"])
+    assert config["clusters"][0]["cluster"]["server"] == f"http://{listen}"

@@ -114,6 +114,10 @@ chart's root context, they use the opgate subchart's (.Subcharts.opgate: the val
 {{- $r := dict -}}
 {{- include "opgate.context" (dict "in" . "out" $r) -}}
 {{- with $r.ctx -}}
+{{- $listen := toString .Values.sidecar.listen -}}
+{{- if not (or (hasPrefix "unix:" $listen) (regexMatch "^(127\\.[0-9.]+|\\[::1\\]|localhost):[0-9]+$" $listen)) -}}
+{{- fail (printf "sidecar.listen=%s is not a loopback address: opgate adds the pod's ServiceAccount token to the calls it relays, so its API port must stay inside the pod (127.0.0.1:PORT, [::1]:PORT, localhost:PORT or unix:/path)" $listen) -}}
+{{- end -}}
 {{- if and .Values.redis.passwordSecret.name (not .Values.redis.url) -}}
 {{- fail (printf "redis.passwordSecret.name=%s without redis.url: opgate would not use Redis (nor the password) and the pod would wait for that Secret; set redis.url too, or drop redis.passwordSecret.name" .Values.redis.passwordSecret.name) -}}
 {{- end -}}
