@@ -163,8 +163,10 @@ def test_documented_sidecar_rules_cover_opgates_calls(
     kube.run_helm("install", "plain", str(CHART))
     for call in calls:
         assert not kube.can_i("plain-opgate", *call), call
-    # the cluster's OIDC discovery, for identity's service-account tokens: any ServiceAccount
-    for url in ("/.well-known/openid-configuration", "/openid/v1/jwks"):
+    # the cluster's OIDC discovery, for identity's service-account tokens, and API discovery
+    # (the quota counter's and the instanceAnnotation informers'): any ServiceAccount
+    for url in ("/.well-known/openid-configuration", "/openid/v1/jwks", "/apis",
+                "/apis/demo.opgate.dev/v1", "/api/v1"):
         assert kube.can_i("plain-opgate", "get", url), url
     values = tmp_path / "rbac.yaml"
     values.write_text(yaml.safe_dump({"rbac": {"sidecarRules": _documented_sidecar_rules()}}))
