@@ -3,7 +3,8 @@
 It runs on its own port (default ``127.0.0.1:9091``) because the API port belongs to the
 apiserver: ``/healthz`` and ``/metrics`` there are forwarded to it, as clients expect.
 ``/readyz`` follows the apiserver's convention: 200 ``ok`` when every check passes, else 503
-and the failing check; ``?verbose`` lists every check with ``[+]``/``[-]``.
+and the failing check; ``?verbose`` lists every check with ``[+]``/``[-]``; ``?exclude=NAME``
+(repeatable) skips a check (``[+]NAME excluded: ok``, a ``warn:`` line for a name no check has).
 
 The app is given its checks, its policy view and its metrics: in one process they are the
 process's own; under the ``--workers`` supervisor (:mod:`proxy.workers`) each check asks one
@@ -167,8 +168,10 @@ class AdminApp:
         url = req.url.decode("latin-1")
         path, _, query = url.partition("?")
         route = self._routes.get(path)
+        extra = ""
         if req.method not in (b"GET", b"HEAD"):
             answer: Answer = (405, "text/plain", b"method not allowed\n")
+            extra = "Allow: GET, HEAD\r\n"  # a 405 must say what is allowed (RFC 9110)
         elif route is None:
             answer = (404, "text/plain", b"not found\n")
         else:
@@ -176,7 +179,7 @@ class AdminApp:
         code, content_type, body = answer
         close = "" if req.keep_alive else "Connection: close\r\n"
         head = (f"HTTP/1.1 {code} {HTTPStatus(code).phrase}\r\nContent-Type: {content_type}\r\n"
-                f"Content-Length: {len(body)}\r\n{close}\r\n").encode("latin-1")
+                f"Content-Length: {len(body)}\r\n{extra}{close}\r\n").encode("latin-1")
         req.conn.write(head if req.method == b"HEAD" else head + body)
 
     async def _metrics(self, _: dict[str, list[str]]) -> Answer:
@@ -192,19 +195,34 @@ class AdminApp:
             ok, detail = False, f"{type(exc).__name__}: {exc}"
         return named.name, ok, detail
 
+    async def _excluded(self, named: NamedCheck) -> tuple[str, bool, str]:
+        return named.name, True, ""
+
     async def _readyz(self, query: dict[str, list[str]]) -> Answer:
-        results = await asyncio.gather(*(self._run(named) for named in self._checks))
-        results.append(("shutdown", not self._stopping,
-                        "shutting down: calls in flight finish, new connections are refused"
-                        if self._stopping else ""))
+        # ?exclude=NAME as the apiserver's /readyz: the check is skipped and shown as passed
+        excluded = set(query.get("exclude", ()))
+        checks = [*self._checks, NamedCheck("shutdown", self._shutdown_check)]
+        results = await asyncio.gather(*(
+            self._excluded(named) if named.name in excluded else self._run(named)
+            for named in checks))
         ready = all(ok for _, ok, _ in results)
         if "verbose" in query or not ready:
-            lines = [f"[{'+' if ok else '-'}]{name} {'ok' if ok else 'failed'}"
+            lines = [f"[{'+' if ok else '-'}]{name}"
+                     + (" excluded: ok" if name in excluded else " ok" if ok else " failed")
                      + (f": {detail}" if detail else "") for name, ok, detail in results]
+            unknown = excluded.difference(named.name for named in checks)
+            if unknown:
+                lines.append("warn: some health checks cannot be excluded: no matches for "
+                             + ",".join(f'"{name}"' for name in sorted(unknown)))
             lines.append("readyz check passed" if ready else "readyz check failed")
             text = "\n".join(lines) + "\n"
             return 200 if ready else 503, "text/plain; charset=utf-8", text.encode()
         return 200, "text/plain; charset=utf-8", b"ok"
+
+    async def _shutdown_check(self) -> tuple[bool, str]:
+        if self._stopping:
+            return False, "shutting down: calls in flight finish, new connections are refused"
+        return True, ""
 
     async def _policies(self, _: dict[str, list[str]]) -> Answer:
         view = await self._describe()

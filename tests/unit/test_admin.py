@@ -1,0 +1,77 @@
+"""The admin listener's routes over a real socket: ``/readyz`` as the apiserver's (``?verbose``,
+``?exclude=``) and what a method other than GET/HEAD gets."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+from proxy.admin import AdminListener, NamedCheck, build_admin_app, serve_admin
+
+
+async def _passes() -> tuple[bool, str]:
+    return True, ""
+
+
+async def _fails() -> tuple[bool, str]:
+    return False, "upstream /readyz answered 500"
+
+
+async def _no_policies() -> dict[str, Any]:
+    return {}
+
+
+@pytest.fixture
+async def admin() -> AsyncIterator[AdminListener]:
+    app = build_admin_app(checks=[NamedCheck("policies", _passes), NamedCheck("upstream", _fails)],
+                          describe_policies=_no_policies, render_metrics=lambda: b"")
+    listener = await serve_admin(app, listen="127.0.0.1:0")
+    try:
+        yield listener
+    finally:
+        await listener.cleanup()
+
+
+async def call(listener: AdminListener, target: str, method: str = "GET") -> tuple[str, str]:
+    """The head and the body of the admin's answer to ``method target``."""
+    host, _, port = listener.address.rpartition(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        writer.write(f"{method} {target} HTTP/1.1\r\nHost: admin\r\nContent-Length: 0\r\n"
+                     "Connection: close\r\n\r\n".encode())
+        raw = await asyncio.wait_for(reader.read(-1), 10)
+    finally:
+        writer.close()
+    head, _, body = raw.decode().partition("\r\n\r\n")
+    return head, body
+
+
+async def test_readyz_exclude_skips_a_check_as_the_apiservers_does(admin: AdminListener) -> None:
+    head, body = await call(admin, "/readyz")
+    assert head.startswith("HTTP/1.1 503") and "[-]upstream failed: upstream /readyz" in body
+    head, body = await call(admin, "/readyz?exclude=upstream")
+    assert head.startswith("HTTP/1.1 200") and body == "ok"
+    head, body = await call(admin, "/readyz?verbose&exclude=upstream&exclude=etcd")
+    assert head.startswith("HTTP/1.1 200")
+    assert body.splitlines() == [
+        "[+]policies ok", "[+]upstream excluded: ok", "[+]shutdown ok",
+        'warn: some health checks cannot be excluded: no matches for "etcd"',
+        "readyz check passed"]
+
+
+async def test_readyz_exclude_of_shutdown(admin: AdminListener) -> None:
+    admin.shutting_down()
+    head, body = await call(admin, "/readyz?exclude=upstream")
+    assert head.startswith("HTTP/1.1 503") and "[-]shutdown failed: shutting down" in body
+    head, _ = await call(admin, "/readyz?exclude=upstream&exclude=shutdown")
+    assert head.startswith("HTTP/1.1 200")
+
+
+@pytest.mark.parametrize("method", ["POST", "PUT", "DELETE"])
+async def test_other_methods_get_405_with_allow(admin: AdminListener, method: str) -> None:
+    head, body = await call(admin, "/metrics", method)
+    assert head.startswith("HTTP/1.1 405") and body == "method not allowed\n"
+    assert "\r\nAllow: GET, HEAD" in head
