@@ -19,8 +19,9 @@ What a flow holds: the request as the client sent it (method, path and query, he
 up to the rule's ``maxBodyBytes``), the response (the apiserver's status, headers and body up
 to the bound; a watch's events up to the bound) or opgate's own Status, timestamps, an error
 when the call broke, a one-line ``comment`` (mitmweb shows it) when opgate answered itself or a
-body was cut, and ``metadata["opgate"]``: trace id, verb, decision, user, rule, sizes, what was
-truncated or left out.
+body was cut (a cut gzip response is kept decoded as far as it goes), and
+``metadata["opgate"]``: trace id, verb, decision, user, rule, sizes, what was truncated or left
+out.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import io
 import json
 import logging
 import time
+import zlib
 from collections.abc import Callable, Sequence
 from typing import Any
 from urllib.parse import quote, urlsplit
@@ -96,6 +98,26 @@ def _redact_body(call: CapturedCall, body: bytes | None, notes: dict[str, Any],
                       separators=(",", ":")).encode()
 
 
+def _decode_cut(call: CapturedCall, headers: tuple[tuple[bytes, bytes], ...],
+                notes: dict[str, Any]) -> tuple[bytes | None, tuple[tuple[bytes, bytes], ...]]:
+    """A gzip response body cut by the bound, decoded as far as it goes, and the headers
+    without its ``Content-Encoding``: mitmproxy cannot decode a cut gzip stream and would show
+    the compressed bytes (client-go asks for gzip; the apiserver sends it past 128 KiB)."""
+    body = call.response_body
+    if not body or not call.response_truncated:
+        return body, headers
+    encoding = [value for name, value in headers if name.lower() == b"content-encoding"]
+    if [value.strip().lower() for value in encoding] != [b"gzip"]:
+        return body, headers
+    try:  # at most 64 times what was kept: JSON compresses ~50:1, a bomb stops here
+        decoded = zlib.decompressobj(16 + zlib.MAX_WBITS).decompress(body, 64 * len(body))
+    except zlib.error:
+        return body, headers
+    notes["response_decoded"] = (f"gzip, cut: the {len(body)} compressed bytes kept decode to "
+                                 f"{len(decoded)} bytes (Content-Encoding removed)")
+    return decoded, tuple(pair for pair in headers if pair[0].lower() != b"content-encoding")
+
+
 def to_flow(call: CapturedCall, *, upstream: str, mitm: Any = None) -> Any:
     """The mitmproxy ``HTTPFlow`` of one captured call (redacted)."""
     connection, http, _, mflow = mitm or load_mitmproxy()
@@ -121,12 +143,14 @@ def to_flow(call: CapturedCall, *, upstream: str, mitm: Any = None) -> Any:
         content=request_body, trailers=None, timestamp_start=call.started,
         timestamp_end=max(call.request_done, call.started))
     if call.status:
-        response_body = _redact_body(call, call.response_body, notes, "response")
+        response_body, response_headers = _decode_cut(call, _headers(call.response_headers),
+                                                      notes)
+        response_body = _redact_body(call, response_body, notes, "response")
         reason = call.reason if isinstance(call.reason, bytes) else call.reason.encode(
             "latin-1", "replace")
         flow.response = http.Response(
             http_version=b"HTTP/1.1", status_code=call.status, reason=reason,
-            headers=_headers(call.response_headers), content=response_body, trailers=None,
+            headers=response_headers, content=response_body, trailers=None,
             timestamp_start=call.response_started or call.finished,
             timestamp_end=max(call.finished, call.response_started))
     if call.error:

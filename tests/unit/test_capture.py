@@ -6,6 +6,7 @@ no token ever, Secret bodies left out, a writer that drops whole flows instead o
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
 import os
 import stat
@@ -273,6 +274,31 @@ def test_bodies_beyond_the_bound_are_truncated_and_marked(tmp_path: Path) -> Non
     assert meta["response_truncated"] is True
     assert meta["response_bytes"] == sum(map(len, events))
     assert "response body truncated: 40 of 145 bytes captured" in flow.comment
+
+
+def test_a_cut_gzip_response_is_decoded_as_far_as_it_goes(tmp_path: Path) -> None:
+    """client-go asks for gzip and the apiserver compresses a big LIST: a cut gzip stream is
+    one mitmproxy cannot decode, so the flow holds the decoded start, not compressed bytes."""
+    items = [{"metadata": {"name": f"c{i}"}, "data": {"k": os.urandom(40).hex()}}
+             for i in range(3000)]
+    plain = json.dumps({"kind": "ConfigMapList", "items": items}).encode()
+    packed = gzip.compress(plain)
+    assert len(packed) > 4096
+    headers = [(b"Content-Type", b"application/json"), (b"Content-Encoding", b"gzip")]
+    whole, cut = (
+        tapped_call(make_ctx("GET", "/api/v1/configmaps"), headers=headers,
+                    response=[packed[:1000], packed[1000:]], limit=limit)
+        for limit in ("- {maxBodyBytes: 1048576}\n", "- {maxBodyBytes: 4096}\n"))
+    kept_whole, kept_cut = write_and_read(tmp_path, whole, cut)
+    # a whole one stays as sent: mitmproxy decodes it itself
+    assert kept_whole.response.headers["Content-Encoding"] == "gzip"
+    assert kept_whole.response.raw_content == packed and kept_whole.response.content == plain
+    resp, meta = kept_cut.response, kept_cut.metadata["opgate"]
+    assert "Content-Encoding" not in resp.headers
+    assert len(resp.content) > 4096 and plain.startswith(resp.content)
+    assert meta["response_truncated"] is True and meta["response_bytes"] == len(packed)
+    assert "gzip" in meta["response_decoded"]
+    assert f"response body truncated: 4096 of {len(packed)} bytes" in kept_cut.comment
 
 
 def test_opgate_own_answer_is_the_response_with_the_decision(tmp_path: Path) -> None:
