@@ -1,4 +1,5 @@
-"""The admin listener: ``/metrics``, ``/healthz``, ``/readyz`` and ``/debug/policies``.
+"""The admin listener: ``/metrics`` (OpenMetrics when ``Accept`` asks), ``/healthz``, ``/readyz``
+and ``/debug/policies``.
 
 It runs on its own port (default ``127.0.0.1:9091``) because the API port belongs to the
 apiserver: ``/healthz`` and ``/metrics`` there are forwarded to it, as clients expect.
@@ -25,14 +26,16 @@ from http import HTTPStatus
 from typing import Any, Protocol
 from urllib.parse import parse_qs
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry
+from prometheus_client.exposition import choose_encoder
 
 from proxy.relay.fast.request import Request
 from proxy.relay.fast.server import FastServer
 
 ReadyCheck = Callable[[], Awaitable[tuple[bool, str]]]
 PolicyView = Callable[[], Awaitable[dict[str, Any]]]  # what /debug/policies shows
-MetricsRenderer = Callable[[], bytes]  # the /metrics body
+# the /metrics content type and body for the scraper's Accept header: OpenMetrics when asked
+MetricsRenderer = Callable[[str], tuple[str, bytes]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,9 +44,14 @@ class NamedCheck:
     check: ReadyCheck
 
 
+def _exposition(registry: CollectorRegistry, accept: str) -> tuple[str, bytes]:
+    encode, content_type = choose_encoder(accept)
+    return content_type, encode(registry)
+
+
 def registry_metrics(registry: CollectorRegistry) -> MetricsRenderer:
     """``/metrics`` of this process: the metrics in ``registry``."""
-    return lambda: generate_latest(registry)
+    return lambda accept: _exposition(registry, accept)
 
 
 def multiprocess_metrics(path: str) -> MetricsRenderer:
@@ -52,10 +60,10 @@ def multiprocess_metrics(path: str) -> MetricsRenderer:
     ``multiprocess_mode`` says."""
     from prometheus_client import multiprocess
 
-    def render() -> bytes:
+    def render(accept: str) -> tuple[str, bytes]:
         registry = CollectorRegistry()
         multiprocess.MultiProcessCollector(registry, path=path)  # type: ignore[no-untyped-call]
-        return generate_latest(registry)
+        return _exposition(registry, accept)
 
     return render
 
@@ -153,7 +161,7 @@ class AdminApp:
         self._stopping = False
         self._describe = describe_policies
         self._render = render_metrics
-        self._routes: dict[str, Callable[[dict[str, list[str]]], Awaitable[Answer]]] = {
+        self._routes: dict[str, Callable[[dict[str, list[str]], Request], Awaitable[Answer]]] = {
             "/metrics": self._metrics, "/healthz": self._healthz, "/livez": self._healthz,
             "/readyz": self._readyz, "/debug/policies": self._policies,
         }
@@ -175,17 +183,18 @@ class AdminApp:
         elif route is None:
             answer = (404, "text/plain", b"not found\n")
         else:
-            answer = await route(parse_qs(query, keep_blank_values=True))
+            answer = await route(parse_qs(query, keep_blank_values=True), req)
         code, content_type, body = answer
         close = "" if req.keep_alive else "Connection: close\r\n"
         head = (f"HTTP/1.1 {code} {HTTPStatus(code).phrase}\r\nContent-Type: {content_type}\r\n"
                 f"Content-Length: {len(body)}\r\n{extra}{close}\r\n").encode("latin-1")
         req.conn.write(head if req.method == b"HEAD" else head + body)
 
-    async def _metrics(self, _: dict[str, list[str]]) -> Answer:
-        return 200, CONTENT_TYPE_LATEST, self._render()
+    async def _metrics(self, _: dict[str, list[str]], req: Request) -> Answer:
+        accept = b", ".join(value for name, value in req.headers if name.lower() == b"accept")
+        return 200, *self._render(accept.decode("latin-1"))
 
-    async def _healthz(self, _: dict[str, list[str]]) -> Answer:
+    async def _healthz(self, *_: object) -> Answer:
         return 200, "text/plain; charset=utf-8", b"ok"
 
     async def _run(self, named: NamedCheck) -> tuple[str, bool, str]:
@@ -198,7 +207,7 @@ class AdminApp:
     async def _excluded(self, named: NamedCheck) -> tuple[str, bool, str]:
         return named.name, True, ""
 
-    async def _readyz(self, query: dict[str, list[str]]) -> Answer:
+    async def _readyz(self, query: dict[str, list[str]], _: Request) -> Answer:
         # ?exclude=NAME as the apiserver's /readyz: the check is skipped and shown as passed
         excluded = set(query.get("exclude", ()))
         checks = [*self._checks, NamedCheck("shutdown", self._shutdown_check)]
@@ -224,7 +233,7 @@ class AdminApp:
             return False, "shutting down: calls in flight finish, new connections are refused"
         return True, ""
 
-    async def _policies(self, _: dict[str, list[str]]) -> Answer:
+    async def _policies(self, *_: object) -> Answer:
         view = await self._describe()
         return 200, "application/json", (json.dumps(view, indent=2, default=str) + "\n").encode()
 

@@ -1,5 +1,6 @@
 """The admin listener's routes over a real socket: ``/readyz`` as the apiserver's (``?verbose``,
-``?exclude=``) and what a method other than GET/HEAD gets."""
+``?exclude=``), ``/metrics`` in the format the scraper asks for, and what a method other than
+GET/HEAD gets."""
 
 from __future__ import annotations
 
@@ -8,8 +9,19 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
+from prometheus_client import CollectorRegistry, Counter
+from prometheus_client.openmetrics.parser import (
+    text_string_to_metric_families as openmetrics_families,
+)
+from prometheus_client.parser import text_string_to_metric_families
 
-from proxy.admin import AdminListener, NamedCheck, build_admin_app, serve_admin
+from proxy.admin import (
+    AdminListener,
+    NamedCheck,
+    build_admin_app,
+    registry_metrics,
+    serve_admin,
+)
 
 
 async def _passes() -> tuple[bool, str]:
@@ -24,10 +36,15 @@ async def _no_policies() -> dict[str, Any]:
     return {}
 
 
+REGISTRY = CollectorRegistry()
+Counter("opgate_requests_total", "Calls.", ["verb"], registry=REGISTRY).labels("get").inc(3)
+
+
 @pytest.fixture
 async def admin() -> AsyncIterator[AdminListener]:
     app = build_admin_app(checks=[NamedCheck("policies", _passes), NamedCheck("upstream", _fails)],
-                          describe_policies=_no_policies, render_metrics=lambda: b"")
+                          describe_policies=_no_policies,
+                          render_metrics=registry_metrics(REGISTRY))
     listener = await serve_admin(app, listen="127.0.0.1:0")
     try:
         yield listener
@@ -35,13 +52,14 @@ async def admin() -> AsyncIterator[AdminListener]:
         await listener.cleanup()
 
 
-async def call(listener: AdminListener, target: str, method: str = "GET") -> tuple[str, str]:
+async def call(listener: AdminListener, target: str, method: str = "GET",
+               extra: str = "") -> tuple[str, str]:
     """The head and the body of the admin's answer to ``method target``."""
     host, _, port = listener.address.rpartition(":")
     reader, writer = await asyncio.open_connection(host, int(port))
     try:
         writer.write(f"{method} {target} HTTP/1.1\r\nHost: admin\r\nContent-Length: 0\r\n"
-                     "Connection: close\r\n\r\n".encode())
+                     f"{extra}Connection: close\r\n\r\n".encode())
         raw = await asyncio.wait_for(reader.read(-1), 10)
     finally:
         writer.close()
@@ -75,3 +93,20 @@ async def test_other_methods_get_405_with_allow(admin: AdminListener, method: st
     head, body = await call(admin, "/metrics", method)
     assert head.startswith("HTTP/1.1 405") and body == "method not allowed\n"
     assert "\r\nAllow: GET, HEAD" in head
+
+
+def _samples(families: Any) -> dict[str, float]:
+    return {sample.name: sample.value for family in families for sample in family.samples}
+
+
+async def test_metrics_in_the_text_format_or_openmetrics_when_asked(admin: AdminListener) -> None:
+    head, body = await call(admin, "/metrics")
+    assert "\r\nContent-Type: text/plain; version=" in head
+    assert _samples(text_string_to_metric_families(body)) == {"opgate_requests_total": 3.0}
+    # Prometheus asks for OpenMetrics first; its parser refuses the text format's counters
+    head, body = await call(admin, "/metrics", extra=(
+        "Accept: application/openmetrics-text;version=1.0.0;q=0.5,"
+        "text/plain;version=0.0.4;q=0.3\r\n"))
+    assert "\r\nContent-Type: application/openmetrics-text; version=1.0.0" in head
+    assert body.endswith("# EOF\n")
+    assert _samples(openmetrics_families(body)) == {"opgate_requests_total": 3.0}
