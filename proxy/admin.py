@@ -21,10 +21,11 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Awaitable, Callable, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any, Protocol
-from urllib.parse import parse_qs
+from urllib.parse import parse_qs, quote
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
@@ -42,6 +43,11 @@ MetricsRenderer = Callable[[str], tuple[str, bytes]]
 class NamedCheck:
     name: str
     check: ReadyCheck
+    forwards_exclude: bool = False  # asks another /readyz, passing it ``?exclude=`` (EXCLUDED)
+
+
+# the ``?exclude=`` names of the /readyz being answered, for checks that ask a worker's /readyz
+EXCLUDED: ContextVar[frozenset[str]] = ContextVar("opgate_readyz_excluded", default=frozenset())
 
 
 def _exposition(registry: CollectorRegistry, accept: str) -> tuple[str, bytes]:
@@ -101,14 +107,16 @@ class WorkerView(Protocol):
 
 def worker_checks(workers: Sequence[WorkerView]) -> list[NamedCheck]:
     """``/readyz`` of the supervisor: ``worker-N`` passes while N runs and its ``/readyz``
-    passes; else the detail names the worker's failing checks."""
+    passes (with the same ``?exclude=``); else the detail names the worker's failing checks."""
 
     def check_of(worker: WorkerView) -> ReadyCheck:
         async def check() -> tuple[bool, str]:
             pid = worker.pid
             if pid is None:
                 return False, f"not running ({worker.last_exit}; restarting)"
-            status, body = await unix_get(worker.socket, "/readyz?verbose")
+            path = "/readyz?verbose" + "".join(f"&exclude={quote(name, safe='')}"
+                                               for name in sorted(EXCLUDED.get()))
+            status, body = await unix_get(worker.socket, path)
             if status == 200:
                 return True, f"pid {pid}"
             failing = [line for line in body.splitlines() if line.startswith("[-]")]
@@ -116,7 +124,8 @@ def worker_checks(workers: Sequence[WorkerView]) -> list[NamedCheck]:
 
         return check
 
-    return [NamedCheck(f"worker-{w.index}", check_of(w)) for w in workers]
+    return [NamedCheck(f"worker-{w.index}", check_of(w), forwards_exclude=True)
+            for w in workers]
 
 
 def worker_policies(workers: Sequence[WorkerView]) -> PolicyView:
@@ -211,6 +220,7 @@ class AdminApp:
         # ?exclude=NAME as the apiserver's /readyz: the check is skipped and shown as passed
         excluded = set(query.get("exclude", ()))
         checks = [*self._checks, NamedCheck("shutdown", self._shutdown_check)]
+        EXCLUDED.set(frozenset(excluded))  # seen by the checks' tasks (a copy of this context)
         results = await asyncio.gather(*(
             self._excluded(named) if named.name in excluded else self._run(named)
             for named in checks))
@@ -220,7 +230,7 @@ class AdminApp:
                      + (" excluded: ok" if name in excluded else " ok" if ok else " failed")
                      + (f": {detail}" if detail else "") for name, ok, detail in results]
             unknown = excluded.difference(named.name for named in checks)
-            if unknown:
+            if unknown and not any(named.forwards_exclude for named in checks):
                 lines.append("warn: some health checks cannot be excluded: no matches for "
                              + ",".join(f'"{name}"' for name in sorted(unknown)))
             lines.append("readyz check passed" if ready else "readyz check failed")

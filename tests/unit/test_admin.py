@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,6 +23,7 @@ from proxy.admin import (
     build_admin_app,
     registry_metrics,
     serve_admin,
+    worker_checks,
 )
 
 
@@ -110,3 +113,35 @@ async def test_metrics_in_the_text_format_or_openmetrics_when_asked(admin: Admin
     assert "\r\nContent-Type: application/openmetrics-text; version=1.0.0" in head
     assert body.endswith("# EOF\n")
     assert _samples(openmetrics_families(body)) == {"opgate_requests_total": 3.0}
+
+
+@dataclass
+class FakeWorker:
+    index: int
+    socket: str
+    last_exit: str = ""
+    pid: int | None = 4242
+
+
+async def test_supervisor_readyz_passes_exclude_on_to_the_workers(tmp_path: Path) -> None:
+    """With --workers, the supervisor's /readyz asks each worker's: ``?exclude=upstream`` must
+    reach them, or a probe that excludes a worker's check still fails on it."""
+    sock = str(tmp_path / "worker-0.sock")
+    worker = await serve_admin(build_admin_app(
+        checks=[NamedCheck("policies", _passes), NamedCheck("upstream", _fails)],
+        describe_policies=_no_policies, render_metrics=registry_metrics(REGISTRY)),
+        listen=f"unix:{sock}")
+    supervisor = await serve_admin(build_admin_app(
+        checks=worker_checks([FakeWorker(0, sock)]), describe_policies=_no_policies,
+        render_metrics=registry_metrics(REGISTRY)), listen="127.0.0.1:0")
+    try:
+        head, body = await call(supervisor, "/readyz")
+        assert head.startswith("HTTP/1.1 503")
+        assert "[-]worker-0 failed: pid 4242: [-]upstream" in body
+        head, body = await call(supervisor, "/readyz?verbose&exclude=upstream")
+        assert head.startswith("HTTP/1.1 200"), body
+        assert body.splitlines() == ["[+]worker-0 ok: pid 4242", "[+]shutdown ok",
+                                     "readyz check passed"]
+    finally:
+        await supervisor.cleanup()
+        await worker.cleanup()
