@@ -113,6 +113,8 @@ def _decode_cut(call: CapturedCall, headers: tuple[tuple[bytes, bytes], ...],
         decoded = zlib.decompressobj(16 + zlib.MAX_WBITS).decompress(body, 64 * len(body))
     except zlib.error:
         return body, headers
+    if not decoded:  # cut inside the gzip header: nothing to show either way
+        return body, headers
     notes["response_decoded"] = (f"gzip, cut: the {len(body)} compressed bytes kept decode to "
                                  f"{len(decoded)} bytes (Content-Encoding removed)")
     return decoded, tuple(pair for pair in headers if pair[0].lower() != b"content-encoding")

@@ -299,6 +299,14 @@ def test_a_cut_gzip_response_is_decoded_as_far_as_it_goes(tmp_path: Path) -> Non
     assert meta["response_truncated"] is True and meta["response_bytes"] == len(packed)
     assert "gzip" in meta["response_decoded"]
     assert f"response body truncated: 4096 of {len(packed)} bytes" in kept_cut.comment
+    # cut inside the gzip header: nothing decodes, the bytes stay as they came
+    (tmp_path / "tiny").mkdir()
+    (tiny,) = write_and_read(tmp_path / "tiny", tapped_call(
+        make_ctx("GET", "/api/v1/configmaps"), headers=headers, response=[packed],
+        limit="- {maxBodyBytes: 8}\n"))
+    assert tiny.response.headers["Content-Encoding"] == "gzip"
+    assert tiny.response.raw_content == packed[:8]
+    assert "response_decoded" not in tiny.metadata["opgate"]
 
 
 def test_opgate_own_answer_is_the_response_with_the_decision(tmp_path: Path) -> None:
