@@ -136,6 +136,13 @@ class CapturedCall:
         return self.response_body is not None and len(self.response_body) < self.response_size
 
 
+def _is_upgrade(ctx: RequestContext) -> bool:
+    """``Upgrade`` with ``Connection: upgrade``: the relay tunnels the call after a 101 (exec,
+    attach, port-forward, or a WebSocket to a ``proxy`` subresource)."""
+    headers = ctx.headers
+    return "Upgrade" in headers and "upgrade" in (headers.get("Connection") or "").lower()
+
+
 def _is_secret(ctx: RequestContext) -> bool:
     info = ctx.info
     return info.resource == "secrets" and info.api_group == "" and info.is_resource_request
@@ -168,7 +175,7 @@ class Capture:
         if _is_secret(ctx) and not rule.secret_bodies:
             omit = "Secret bodies are not captured (secretBodies: true on the rule captures them)"
         elif ctx.info.verb in ("exec", "attach", "portforward") or (
-                ctx.info.subresource in ("exec", "attach", "portforward")):
+                ctx.info.subresource in ("exec", "attach", "portforward")) or _is_upgrade(ctx):
             omit = "upgrade: only the request and the 101 are captured"
         return CallTap(rule, omit=omit)
 

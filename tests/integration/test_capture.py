@@ -220,14 +220,19 @@ async def test_opgate_answers_are_flows_with_their_decision(tmp_path: Path) -> N
 
 
 @pytest.mark.usefixtures("each_relay")
-async def test_an_upgrade_is_its_request_and_101_only(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("target", "protocol"), [
+    ("/api/v1/namespaces/a/pods/p/exec?command=sh&stdin=true", "SPDY/3.1"),
+    ("/api/v1/namespaces/a/services/s/proxy/ws?x=1", "websocket"),  # any upgrade, not just exec
+])
+async def test_an_upgrade_is_its_request_and_101_only(tmp_path: Path, target: str,
+                                                      protocol: str) -> None:
     greeting = b"\x80\x03\x00\x02tunnelled-bytes-not-captured"
 
     async def upgrader(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await read_head(reader)
         writer.write(b"HTTP/1.1 101 Switching Protocols\r\nConnection: Upgrade\r\n"
-                     b"Upgrade: SPDY/3.1\r\nX-Stream-Protocol-Version: v4.channel.k8s.io\r\n\r\n"
-                     + greeting)
+                     b"Upgrade: " + protocol.encode() + b"\r\n"
+                     b"X-Stream-Protocol-Version: v4.channel.k8s.io\r\n\r\n" + greeting)
         while data := await reader.read(65536):
             writer.write(data)
             await writer.drain()
@@ -238,8 +243,8 @@ async def test_an_upgrade_is_its_request_and_101_only(tmp_path: Path) -> None:
         async with running_proxy(up.url, middlewares=(Capture(write=rec.write),)) as proxy:
             host, port = proxy.listener.address.rsplit(":", 1)
             reader, writer = await asyncio.open_connection(host, int(port))
-            writer.write(b"POST /api/v1/namespaces/a/pods/p/exec?command=sh&stdin=true HTTP/1.1"
-                         b"\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: SPDY/3.1\r\n"
+            writer.write(b"POST " + target.encode() + b" HTTP/1.1\r\nHost: x\r\n"
+                         b"Connection: Upgrade\r\nUpgrade: " + protocol.encode() + b"\r\n"
                          b"Authorization: Bearer " + TOKEN.encode() + b"\r\n"
                          b"Content-Length: 0\r\n\r\n")
             status, _ = await read_head(reader)
@@ -251,10 +256,13 @@ async def test_an_upgrade_is_its_request_and_101_only(tmp_path: Path) -> None:
             (flow,) = await rec.flows(1)
     finally:
         await up.close()
-    assert flow.request.path == "/api/v1/namespaces/a/pods/p/exec?command=sh&stdin=true"
+    assert flow.request.path == target
     assert flow.response.status_code == 101
-    assert flow.response.headers["Upgrade"] == "SPDY/3.1"
+    assert flow.response.headers["Upgrade"] == protocol
     assert flow.response.content == b""
+    meta = flow.metadata["opgate"]  # says why there are no bodies, and nothing else
+    assert meta["bodies_omitted"] == "upgrade: only the request and the 101 are captured"
+    assert "request_body" not in meta
     raw = (tmp_path / "u.flows").read_bytes()
     assert greeting not in raw and b"typed-into-the-shell" not in raw
     assert TOKEN.encode() not in raw
