@@ -20,6 +20,9 @@ from pathlib import Path
 import aiohttp
 import pytest
 from aiohttp import web
+from prometheus_client.openmetrics.parser import (
+    text_string_to_metric_families as openmetrics_families,
+)
 
 from tests.integration.opgate_proc import OpgateProcess
 from tests.integration.redis_server import RedisServer
@@ -127,8 +130,8 @@ def alive(pid: int) -> bool:
         return False
 
 
-async def _get(url: str) -> tuple[int, str]:
-    async with aiohttp.ClientSession() as s, s.get(url) as r:
+async def _get(url: str, headers: dict[str, str] | None = None) -> tuple[int, str]:
+    async with aiohttp.ClientSession() as s, s.get(url, headers=headers) as r:
         return r.status, await r.text()
 
 
@@ -188,6 +191,13 @@ async def test_both_workers_serve_and_metrics_add_up(opgate: OpgateProcess) -> N
     assert _requests_total(metrics) == 200
     assert "opgate_inflight_requests 0.0" in metrics  # a live-sum gauge, no per-pid label
     assert 'opgate_ratelimit_backend{backend="redis"} 1.0' in metrics
+    # the same sums in OpenMetrics, which Prometheus asks for first
+    status, text = await _get(opgate.admin_url + "/metrics",
+                              {"Accept": "application/openmetrics-text; version=1.0.0"})
+    assert status == 200 and text.endswith("# EOF\n")
+    assert sum(sample.value for family in openmetrics_families(text) for sample in family.samples
+               if sample.name == "opgate_requests_total"
+               and sample.labels["resource"] == "configmaps") == 200
     status, ready = await _get(opgate.admin_url + "/readyz?verbose")
     assert status == 200
     for pid in workers:
