@@ -23,6 +23,7 @@ import pytest
 import redis.asyncio as aioredis
 from aiohttp import web
 
+from bench.soak import POLICY  # the soak harness's whole chain
 from proxy.app import section_parsers
 from proxy.engine import requestinfo
 from proxy.engine.policies import build_policy_set
@@ -38,29 +39,6 @@ pytestmark = pytest.mark.redis
 
 BOUND = 64  # every memo's size in these tests
 CALLS = 2000  # distinct calls: ~30 times what each memo may hold
-
-POLICY = """\
-apiVersion: opgate.dev/v1alpha1
-kind: Policy
-metadata: {name: soak}
-spec:
-  mode: enforce
-  failure: open
-  identity:
-    issuers: [{kubernetes: {}}]
-    allow: [{user: "*"}]
-    rules: [{verbs: ["*"], resources: ["*"]}]
-  rateLimits:
-    - {name: per-name, key: "{user}/{name}", qps: 100000, burst: 100000, lease: true}
-    - {name: per-ns, key: "{namespace}", qps: 100000, burst: 100000}
-  quotas:
-    - {name: cms, resources: [configmaps], namespaces: ["*"], max: 1000000}
-  faults:
-    - {name: never, match: {verbs: [update]}, probability: 0.0, respond: {code: 409}}
-  audit:
-    level: Metadata
-"""
-
 
 @pytest.fixture
 def server() -> Iterator[RedisServer]:
