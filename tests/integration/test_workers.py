@@ -96,6 +96,15 @@ async def opgate(upstream: str, redis_server: RedisServer, policy_file: Path,
     assert "Traceback" not in proc.stderr()
 
 
+async def _status_of(url: str) -> int | str:
+    """A GET's status, or the name of the client error that ended it (a call cut short)."""
+    try:
+        async with aiohttp.ClientSession() as s, s.get(url) as resp:
+            return resp.status
+    except aiohttp.ClientError as exc:
+        return type(exc).__name__
+
+
 def children(pid: int) -> set[int]:
     """The live child processes of ``pid``."""
     found = set()
@@ -266,15 +275,7 @@ async def test_a_second_sigterm_reaches_the_workers_and_cuts_their_drain(
     opgate: OpgateProcess,
 ) -> None:
     workers = children(opgate.proc.pid)
-
-    async def stuck_call() -> int | str:
-        try:
-            async with aiohttp.ClientSession() as s, s.get(opgate.url + STUCK) as resp:
-                return resp.status
-        except aiohttp.ClientError as exc:
-            return type(exc).__name__
-
-    stuck = asyncio.create_task(stuck_call())
+    stuck = asyncio.create_task(_status_of(opgate.url + STUCK))
     await _until(lambda: _get(opgate.admin_url + "/metrics"),
                  lambda r: "opgate_inflight_requests 1.0" in r[1])
     opgate.proc.send_signal(signal.SIGTERM)
@@ -349,15 +350,7 @@ async def test_ctrl_c_in_a_terminal_drains_the_workers(
         await asyncio.to_thread(proc.wait_ready)
         await _until(lambda: _get(proc.admin_url + "/readyz"), lambda r: r[0] == 200)
         workers = children(proc.proc.pid)
-
-        async def slow_call() -> int | str:
-            try:
-                async with aiohttp.ClientSession() as s, s.get(proc.url + SLOW) as resp:
-                    return resp.status
-            except aiohttp.ClientError as exc:
-                return type(exc).__name__
-
-        slow = asyncio.create_task(slow_call())
+        slow = asyncio.create_task(_status_of(proc.url + SLOW))
         await _until(lambda: _get(proc.admin_url + "/metrics"),
                      lambda r: "opgate_inflight_requests 1.0" in r[1])
         os.killpg(proc.proc.pid, signal.SIGINT)  # as the terminal does it
