@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
+import aiohttp
 from aiohttp import web
 
 from proxy.engine.chain import Chain
@@ -76,6 +77,17 @@ class AiohttpUpstream:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
+
+
+async def status_of(url: str) -> int | str:
+    """A GET's status (its body read), or the name of the client error that ended it: a call
+    cut short."""
+    try:
+        async with aiohttp.ClientSession() as s, s.get(url) as resp:
+            await resp.read()
+            return resp.status
+    except aiohttp.ClientError as exc:
+        return type(exc).__name__
 
 
 async def ok_handler(request: web.BaseRequest) -> web.StreamResponse:

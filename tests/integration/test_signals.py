@@ -16,6 +16,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from tests.integration.fakes import AiohttpUpstream, status_of
 from tests.integration.opgate_proc import OpgateProcess
 
 SLOW = "/api/v1/namespaces/slow/configmaps"
@@ -27,21 +28,9 @@ async def upstream() -> AsyncIterator[str]:
         await asyncio.sleep(float(request.query.get("sleep", "0")))
         return web.json_response({"kind": "ConfigMapList", "apiVersion": "v1", "items": []})
 
-    runner = web.ServerRunner(web.Server(handle), shutdown_timeout=0.5)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    yield f"http://127.0.0.1:{runner.addresses[0][1]}"
-    await runner.cleanup()
-
-
-async def _call(url: str) -> int | str:
-    try:
-        async with aiohttp.ClientSession() as s, s.get(url) as resp:
-            await resp.read()
-            return resp.status
-    except aiohttp.ClientError as exc:
-        return type(exc).__name__
+    up = await AiohttpUpstream(handle).start()
+    yield up.url
+    await up.close()
 
 
 async def _until_in_flight(opgate: OpgateProcess, calls: int) -> None:
@@ -63,7 +52,7 @@ async def test_a_second_signal_cuts_the_drain_short_and_exits_cleanly(
     opgate = OpgateProcess("--upstream", upstream, "--relay", relay, log_dir=tmp_path)
     try:
         await asyncio.to_thread(opgate.wait_ready)
-        slow = asyncio.create_task(_call(opgate.url + SLOW + "?sleep=60"))
+        slow = asyncio.create_task(status_of(opgate.url + SLOW + "?sleep=60"))
         await _until_in_flight(opgate, 1)
         opgate.proc.send_signal(sig)
         deadline = time.monotonic() + 20
@@ -92,7 +81,7 @@ async def test_sigint_drains_like_sigterm(upstream: str, tmp_path: Path, relay: 
     opgate = OpgateProcess("--upstream", upstream, "--relay", relay, log_dir=tmp_path)
     try:
         await asyncio.to_thread(opgate.wait_ready)
-        slow = asyncio.create_task(_call(opgate.url + SLOW + "?sleep=1.5"))
+        slow = asyncio.create_task(status_of(opgate.url + SLOW + "?sleep=1.5"))
         await _until_in_flight(opgate, 1)
         opgate.proc.send_signal(signal.SIGINT)
         assert await asyncio.wait_for(slow, 20) == 200
@@ -112,7 +101,7 @@ async def test_shutdown_grace_bounds_the_drain(upstream: str, tmp_path: Path, re
                            log_dir=tmp_path)
     try:
         await asyncio.to_thread(opgate.wait_ready)
-        slow = asyncio.create_task(_call(opgate.url + SLOW + "?sleep=60"))
+        slow = asyncio.create_task(status_of(opgate.url + SLOW + "?sleep=60"))
         await _until_in_flight(opgate, 1)
         opgate.proc.send_signal(signal.SIGTERM)
         signalled = time.monotonic()

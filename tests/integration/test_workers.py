@@ -24,6 +24,7 @@ from prometheus_client.openmetrics.parser import (
     text_string_to_metric_families as openmetrics_families,
 )
 
+from tests.integration.fakes import AiohttpUpstream, status_of
 from tests.integration.opgate_proc import OpgateProcess
 from tests.integration.redis_server import RedisServer
 
@@ -53,19 +54,16 @@ def redis_server() -> Iterator[RedisServer]:
 
 @pytest.fixture
 async def upstream() -> AsyncIterator[str]:
-    async def handle(request: web.Request) -> web.Response:
+    async def handle(request: web.BaseRequest) -> web.StreamResponse:
         if request.path == SLOW:
             await asyncio.sleep(3.0)
         elif request.path == STUCK:
             await asyncio.sleep(60.0)
         return web.json_response({"kind": "ConfigMapList", "apiVersion": "v1", "items": []})
 
-    runner = web.ServerRunner(web.Server(handle), shutdown_timeout=0.5)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    yield f"http://127.0.0.1:{runner.addresses[0][1]}"
-    await runner.cleanup()
+    up = await AiohttpUpstream(handle).start()
+    yield up.url
+    await up.close()
 
 
 @pytest.fixture
@@ -94,15 +92,6 @@ async def opgate(upstream: str, redis_server: RedisServer, policy_file: Path,
             if alive(pid):
                 os.kill(pid, signal.SIGKILL)
     assert "Traceback" not in proc.stderr()
-
-
-async def _status_of(url: str) -> int | str:
-    """A GET's status, or the name of the client error that ended it (a call cut short)."""
-    try:
-        async with aiohttp.ClientSession() as s, s.get(url) as resp:
-            return resp.status
-    except aiohttp.ClientError as exc:
-        return type(exc).__name__
 
 
 def children(pid: int) -> set[int]:
@@ -275,7 +264,7 @@ async def test_a_second_sigterm_reaches_the_workers_and_cuts_their_drain(
     opgate: OpgateProcess,
 ) -> None:
     workers = children(opgate.proc.pid)
-    stuck = asyncio.create_task(_status_of(opgate.url + STUCK))
+    stuck = asyncio.create_task(status_of(opgate.url + STUCK))
     await _until(lambda: _get(opgate.admin_url + "/metrics"),
                  lambda r: "opgate_inflight_requests 1.0" in r[1])
     opgate.proc.send_signal(signal.SIGTERM)
@@ -350,7 +339,7 @@ async def test_ctrl_c_in_a_terminal_drains_the_workers(
         await asyncio.to_thread(proc.wait_ready)
         await _until(lambda: _get(proc.admin_url + "/readyz"), lambda r: r[0] == 200)
         workers = children(proc.proc.pid)
-        slow = asyncio.create_task(_status_of(proc.url + SLOW))
+        slow = asyncio.create_task(status_of(proc.url + SLOW))
         await _until(lambda: _get(proc.admin_url + "/metrics"),
                      lambda r: "opgate_inflight_requests 1.0" in r[1])
         os.killpg(proc.proc.pid, signal.SIGINT)  # as the terminal does it
