@@ -611,14 +611,15 @@ async def test_the_audit_id_names_the_call_upstream_and_on_opgates_own_answers()
     up = await AiohttpUpstream(ok_handler).start()
     try:
         async with running_proxy(up.url, middlewares=(names,)) as proxy:
-            plain = await raw_call(proxy.url, b"GET /api/v1/pods HTTP/1.1\r\nHost: x\r\n"
-                                              b"Connection: close\r\n\r\n")
-            own = await raw_call(proxy.url, b"GET /api/v1/pods HTTP/1.1\r\nHost: x\r\n"
-                                            b"Audit-ID: mine-1\r\nConnection: close\r\n\r\n")
-            denied = await raw_call(proxy.url, b"GET /api/v1/denied HTTP/1.1\r\nHost: x\r\n"
-                                               b"Connection: close\r\n\r\n")
-            denied_own = await raw_call(proxy.url, b"GET /api/v1/denied HTTP/1.1\r\nHost: x\r\n"
-                                                   b"Audit-ID: mine-2\r\nConnection: close\r\n\r\n")
+            def get(path: bytes, audit_id: bytes = b"") -> Any:
+                own = b"Audit-ID: %b\r\n" % audit_id if audit_id else b""
+                return raw_call(proxy.url, b"GET %b HTTP/1.1\r\nHost: x\r\n%b"
+                                           b"Connection: close\r\n\r\n" % (path, own))
+
+            plain = await get(b"/api/v1/pods")
+            own = await get(b"/api/v1/pods", b"mine-1")
+            denied = await get(b"/api/v1/denied")
+            denied_own = await get(b"/api/v1/denied", b"mine-2")
     finally:
         await up.close()
     assert plain.startswith(b"HTTP/1.1 200 ") and own.startswith(b"HTTP/1.1 200 ")
