@@ -20,6 +20,11 @@ if TYPE_CHECKING:
     from proxy.engine.policies import PolicySet
 
 
+def media_type(content_type: str | None) -> str:
+    """A ``Content-Type`` without its parameters, lower-case ("" for none)."""
+    return "" if content_type is None else content_type.partition(";")[0].strip().lower()
+
+
 @dataclass(frozen=True, slots=True)
 class Identity:
     """Who is calling, once a middleware has verified it (never the token itself)."""
@@ -110,6 +115,11 @@ class RequestContext:
     @property
     def user(self) -> str:
         return self.identity.user if self.identity else ""
+
+    @property
+    def media_type(self) -> str:
+        """The request's ``Content-Type`` without its parameters, lower-case ("" for none)."""
+        return media_type(self.headers.get("Content-Type"))
 
     @property
     def audit_id(self) -> str:

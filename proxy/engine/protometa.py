@@ -15,6 +15,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from proxy.engine.context import media_type
+
 MAGIC = b"k8s\x00"
 PROTOBUF = "application/vnd.kubernetes.protobuf"
 
@@ -96,8 +98,7 @@ def _owner(buf: memoryview) -> tuple[str, str, bool]:
 
 
 def is_protobuf(content_type: str | None) -> bool:
-    return content_type is not None and (
-        content_type.partition(";")[0].strip().lower() == PROTOBUF)
+    return media_type(content_type) == PROTOBUF
 
 
 def read_meta(body: bytes) -> ProtoMeta | None:

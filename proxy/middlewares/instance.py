@@ -33,7 +33,7 @@ from typing import Any, Protocol
 
 from proxy.engine.context import RequestContext
 from proxy.engine.kinds import is_custom_group, parse_qps
-from proxy.engine.protometa import is_protobuf, read_meta
+from proxy.engine.protometa import PROTOBUF, read_meta
 
 __all__ = ["INSTANCE_HEADER", "InstanceOverrides", "InstanceResolver", "MemoryInstanceOverrides",
            "header_instance", "is_custom_group", "is_readable_write"]
@@ -114,17 +114,15 @@ def header_instance(ctx: RequestContext) -> str | None:
     return "/".join(parts)
 
 
-def _is_json(ctype: str | None) -> bool:
-    return ctype is not None and ctype.partition(";")[0].strip().lower() == "application/json"
-
 
 def is_readable_write(ctx: RequestContext) -> bool:
     """A create (POST) or update (PUT) whose body is JSON, or protobuf to a built-in kind (the
     apiserver serves custom resources no protobuf): the bodies opgate reads."""
     if ctx.method != "POST" and ctx.method != "PUT":
         return False
-    ctype = ctx.headers.get("Content-Type")
-    return _is_json(ctype) or (is_protobuf(ctype) and not is_custom_group(ctx.info.api_group))
+    kind = ctx.media_type
+    return kind == "application/json" or (kind == PROTOBUF
+                                          and not is_custom_group(ctx.info.api_group))
 
 
 def _load(body: bytes) -> dict[str, Any] | None:
@@ -177,7 +175,7 @@ class InstanceResolver:
             return None
         body = ctx.body if ctx.body is not None and is_readable_write(ctx) else None
         doc: dict[str, Any] | None = None
-        if body is not None and not _is_json(ctx.headers.get("Content-Type")):
+        if body is not None and ctx.media_type != "application/json":
             # protobuf: a built-in kind, so only its controlling owner can name an instance
             meta = read_meta(body)
             owner = _checked(meta.controller) if meta is not None else None

@@ -213,8 +213,7 @@ _NAMED_TYPES = frozenset({"application/json", "application/vnd.kubernetes.protob
 def _names_in_body(ctx: RequestContext) -> bool:
     """Whether the create's body is one whose name :func:`_body_name` reads: JSON, or the
     protobuf that client-go's typed clients send by default."""
-    ctype = ctx.headers.get("Content-Type")
-    return ctype is not None and ctype.partition(";")[0].strip().lower() in _NAMED_TYPES
+    return ctx.media_type in _NAMED_TYPES
 
 
 _APPLY_TYPES = frozenset({"application/apply-patch+yaml", "application/apply-patch+json",
@@ -223,8 +222,7 @@ _APPLY_TYPES = frozenset({"application/apply-patch+yaml", "application/apply-pat
 
 def _is_apply(ctx: RequestContext) -> bool:
     """A server-side apply: a PATCH whose body is an apply configuration."""
-    ctype = ctx.headers.get("Content-Type")
-    return ctype is not None and ctype.partition(";")[0].strip().lower() in _APPLY_TYPES
+    return ctx.media_type in _APPLY_TYPES
 
 
 def _dry_run(ctx: RequestContext) -> bool:
