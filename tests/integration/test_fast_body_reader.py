@@ -1,13 +1,16 @@
-"""Long length-framed bodies through the fast relay's BodyReader (proxy/relay/fast/upstream.py).
+"""Long length-framed bodies through the fast relay: BodyReader and SplicePump.
 
 A body of at least ``LONG_BODY`` bytes is read into a buffer of the upstream connection's own and
-written to the client as views of it. These tests run on both event loops the relay runs on
-(uvloop picks its read callbacks when reading starts, asyncio switches at once), over plain HTTP
-and TLS, with a client that reads at once and one that reads slowly through a small window (the
-relay's write buffer then holds views): every byte must arrive intact and in order, the
-connection must go back to the pool, and a call after the long body must be parsed as usual.
-That a view still held sends the next read to a fresh buffer is checked deterministically in
-tests/unit/test_fast_upstream.py.
+written to the client as views of it (``BodyReader``, proxy/relay/fast/upstream.py), or, when
+both sockets are plain TCP, moved socket to socket with splice(2) (``SplicePump``,
+proxy/relay/fast/splice.py). These tests run on both event loops the relay runs on (uvloop picks
+its read callbacks when reading starts, asyncio switches at once), over TLS (BodyReader) and
+plain HTTP (SplicePump, and BodyReader with splicing off), with a client that reads at once and
+one that reads slowly through a small window (the relay's write buffer then holds views; the
+pump's pipe fills): every byte must arrive intact and in order, the connection must go back to
+the pool, and a call after the long body must be parsed as usual. That a view still held sends
+the next read to a fresh buffer is checked deterministically in tests/unit/test_fast_upstream.py;
+the pump's other endings in tests/integration/test_fast_splice.py.
 """
 
 from __future__ import annotations
@@ -49,17 +52,23 @@ async def handler(request: web.BaseRequest) -> web.StreamResponse:
 
 
 class Counting:
-    """Counts the BodyReaders the relay starts (the real class does the work)."""
+    """Counts the BodyReaders and SplicePumps the relay starts (the real classes do the work)."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.started = 0
-        real = upstream.BodyReader
+        self.pumps = 0
+        reader, pump = upstream.BodyReader, upstream.SplicePump
 
         def start(*args: Any) -> upstream.BodyReader:
             self.started += 1
-            return real(*args)
+            return reader(*args)
+
+        def start_pump(*args: Any) -> upstream.SplicePump:
+            self.pumps += 1
+            return pump(*args)
 
         monkeypatch.setattr(upstream, "BodyReader", start)
+        monkeypatch.setattr(upstream, "SplicePump", start_pump)
 
 
 async def fetch(url: str, path: str, *, slow: bool) -> tuple[dict[str, str], bytes]:
@@ -86,12 +95,16 @@ async def fetch(url: str, path: str, *, slow: bool) -> tuple[dict[str, str], byt
 
 
 @pytest.mark.parametrize("loop", LOOPS)
-@pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls"])
+@pytest.mark.parametrize(("tls", "splice"), [(False, True), (False, False), (True, True)],
+                         ids=["plain", "plain-nosplice", "tls"])
 @pytest.mark.parametrize("slow", [False, True], ids=["fast-client", "slow-client"])
 def test_long_body_arrives_intact_and_the_connection_is_reused(
-    loop: str, tls: bool, slow: bool, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+    loop: str, tls: bool, splice: bool, slow: bool, tmp_path: Any,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     readers = Counting(monkeypatch)
+    if not splice:
+        monkeypatch.setattr(upstream, "SPLICE_AVAILABLE", False)
 
     async def main() -> None:
         context, options = tls_upstream(tls, str(tmp_path))
@@ -110,14 +123,18 @@ def test_long_body_arrives_intact_and_the_connection_is_reused(
             await up.close()
 
     run_on(loop, main)
-    assert readers.started == 2
+    spliced = splice and not tls
+    assert (readers.pumps, readers.started) == ((2, 0) if spliced else (0, 2))
 
 
 @pytest.mark.parametrize("loop", LOOPS)
+@pytest.mark.parametrize("splice", [True, False], ids=["splice", "nosplice"])
 def test_client_leaving_mid_body_closes_the_upstream_connection(
-    loop: str, monkeypatch: pytest.MonkeyPatch
+    loop: str, splice: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     readers = Counting(monkeypatch)
+    if not splice:
+        monkeypatch.setattr(upstream, "SPLICE_AVAILABLE", False)
     gone = asyncio.Event  # made per loop below
 
     async def main() -> None:
@@ -149,4 +166,4 @@ def test_client_leaving_mid_body_closes_the_upstream_connection(
             await up.close()
 
     run_on(loop, main)
-    assert readers.started == 1
+    assert (readers.pumps, readers.started) == ((1, 0) if splice else (0, 1))

@@ -82,6 +82,9 @@ class Peer(Transport):
     def close(self) -> None:
         self.closed = True
 
+    def is_closing(self) -> bool:
+        return self.closed
+
     def pause_reading(self) -> None:
         pass
 

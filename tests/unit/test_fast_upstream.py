@@ -47,6 +47,15 @@ class Recorder:
         self.raw_body += data
         self.raw_size += size
 
+    def splice_to(self) -> int | None:
+        return None  # no client socket here: long bodies go to on_view
+
+    def on_spliced(self, size: int) -> None:
+        raise AssertionError("splice_to answered None")
+
+    def abort_client(self) -> None:
+        raise AssertionError("splice_to answered None")
+
     def on_complete(self) -> None:
         self.complete = True
 

@@ -93,6 +93,15 @@ class _Exchange:
     def pass_chunked(self) -> None:
         return None  # its reader wants the data alone
 
+    def splice_to(self) -> None:
+        return None  # ... and keeps it
+
+    def on_spliced(self, size: int) -> None:
+        raise AssertionError("never called: splice_to answers None")
+
+    def abort_client(self) -> None:
+        raise AssertionError("never called: splice_to answers None")
+
     def on_raw(self, data: bytes, size: int) -> None:
         raise AssertionError("never called: pass_chunked answers None")
 

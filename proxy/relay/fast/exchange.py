@@ -27,6 +27,7 @@ from collections.abc import Iterable
 
 from proxy.relay.fast.chunked import ChunkedFraming
 from proxy.relay.fast.server import ClientConnection
+from proxy.relay.fast.splice import tcp_socket_fd
 from proxy.relay.fast.upstream import UpstreamConnection
 from proxy.relay.fast.wire import Headers, response_head, switch_head
 
@@ -40,6 +41,7 @@ class Exchange:
     """Receives one upstream response and writes it to ``client``."""
 
     PASSES_CHUNKED = True  # whether a chunked body may go through as it came (pass_chunked)
+    SPLICES = True  # whether a long length-framed body may go socket to socket (splice_to)
 
     __slots__ = (
         "_chunked",
@@ -229,6 +231,31 @@ class Exchange:
     def on_view(self, view: memoryview) -> bool:
         self.on_body(view)  # written as is, or framed into new bytes
         return self.client.holds_writes()  # then the transport may still refer to it
+
+    def splice_to(self) -> int | None:
+        """The client's socket when the rest of a long length-framed body may be spliced to it:
+        plain TCP, and nothing of this call waiting in its write buffer (the held-back head is
+        written first: the spliced bytes must follow it). ``None``: through ``on_view``."""
+        if not self.SPLICES or self._chunked or self.done.done() or not self.head.done():
+            return None
+        client = self.client
+        if client.closed:
+            return None
+        fd = tcp_socket_fd(client.transport)
+        if fd is None:
+            return None
+        if self._pending:
+            client.write(self._pending)
+            self._pending = b""
+        return None if client.holds_writes() else fd
+
+    def on_spliced(self, size: int) -> None:
+        self.sent += size
+        if self._idle:
+            self._last = self._loop.time()
+
+    def abort_client(self) -> None:
+        self.client.abort()
 
     def pass_chunked(self) -> ChunkedFraming | None:
         """The upstream's chunked body goes to the client chunked anyway: as it came."""

@@ -390,7 +390,9 @@ class ClientConnection(FlowForwarding, asyncio.Protocol):
     def close(self) -> None:
         """Close after what was written is flushed."""
         self._cancel_idle()
-        if self.transport is not None:
+        # once: asyncio's TLS transport forgets its protocol on a second close() and then
+        # fails get_write_buffer_size() (holds_writes), which shutdown asks again and again
+        if self.transport is not None and not self.transport.is_closing():
             self.transport.close()
 
     def abort(self) -> None:

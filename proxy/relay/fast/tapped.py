@@ -19,6 +19,7 @@ class TappedExchange(Exchange):
     __slots__ = ("tap",)
 
     PASSES_CHUNKED = False  # the tap is shown the body's data, so the parser takes the framing
+    SPLICES = False  # ... and it is shown every byte of a long body, which splicing never sees
 
     def __init__(self, tap: BodyTap, client: ClientConnection, *args: Any,
                  **options: Any) -> None:

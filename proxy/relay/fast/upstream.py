@@ -53,6 +53,8 @@ import httptools
 from proxy.relay.errors import ConnectTimeout
 from proxy.relay.fast.chunked import ChunkedFraming, FramingError
 from proxy.relay.fast.request import Flow, FlowForwarding
+from proxy.relay.fast.splice import AVAILABLE as SPLICE_AVAILABLE
+from proxy.relay.fast.splice import SplicePump
 from proxy.relay.fast.wire import Headers
 from proxy.relay.lazytimer import LazyTimer
 
@@ -87,6 +89,14 @@ class Exchange(Protocol):
         """A read of a chunked body passed through, framing included (``size``: the data
         bytes in it)."""
         ...
+    def splice_to(self) -> int | None:
+        """Asked once the head of a long length-framed body from a plain-HTTP upstream is in:
+        the client's socket when the rest may go there socket to socket
+        (:class:`~proxy.relay.fast.splice.SplicePump`, which then calls ``on_spliced``), else
+        ``None`` (``on_view`` per read)."""
+        ...
+    def on_spliced(self, size: int) -> None: ...
+    def abort_client(self) -> None: ...
     def on_complete(self) -> None: ...
     def on_lost(self, exc: BaseException) -> None: ...
     def on_deadline(self) -> None:
@@ -121,6 +131,8 @@ class UpstreamConnection(FlowForwarding, asyncio.Protocol):
         self._before = b""  # meanwhile: the response's reads so far (its head may span reads)
         self._heads = 0  # heads of the current response so far (interim ones too)
         self.paused = False  # reading paused: the client's write buffer was full (backpressure)
+        self.pump: SplicePump | None = None  # moving a long body socket to socket, meanwhile
+        self._splices = SPLICE_AVAILABLE and pool.tls is None  # (plain TCP: nothing to decrypt)
 
     def send(
         self,
@@ -147,6 +159,8 @@ class UpstreamConnection(FlowForwarding, asyncio.Protocol):
         self.closed = True
         self.exchange = None
         self.timer.close()
+        if self.pump is not None:
+            self.pump.stop()
 
     def _deadline(self) -> None:
         exchange = self.exchange  # the one lent now: a finished one is no longer here
@@ -186,7 +200,7 @@ class UpstreamConnection(FlowForwarding, asyncio.Protocol):
         try:
             self._parser.feed_data(data)
             if self._left >= LONG_BODY and not self.closed and self.transport is not None:
-                BodyReader(self, self.transport)
+                self._long_body(exchange, self.transport)
             if not self._in_body:  # the head goes on in the next read (rare: kept whole)
                 self._before += data
                 if len(self._before) > MAX_HEAD:
@@ -204,6 +218,19 @@ class UpstreamConnection(FlowForwarding, asyncio.Protocol):
             self.close()
             if exchange is not None:
                 exchange.on_lost(e)
+
+    def _long_body(self, exchange: Exchange, transport: asyncio.Transport) -> None:
+        """The rest of a long length-framed body: socket to socket when both are plain TCP and
+        the exchange agrees, else through a :class:`BodyReader`."""
+        if self._splices:
+            client_fd = exchange.splice_to()
+            if client_fd is not None:
+                try:
+                    SplicePump(self, exchange, transport, client_fd)
+                    return
+                except OSError:  # no descriptors left for the pipe: read it the usual way
+                    pass
+        BodyReader(self, transport)
 
     def _chunks_after_head(self, exchange: Exchange, data: bytes) -> None:
         """The parser stopped right after the head of a chunked body passed through. The body
@@ -268,6 +295,12 @@ class UpstreamConnection(FlowForwarding, asyncio.Protocol):
         exchange.on_view(last)
         self._end_body(extra)
 
+    def body_spliced(self) -> None:
+        """A :class:`SplicePump` moved the body's last byte (the transport reads on in the pool,
+        or closes)."""
+        self._left = 0
+        self._end_body(False)
+
     def _end_body(self, extra: bool) -> None:
         self._parser = httptools.HttpResponseParser(self)  # the old one stopped mid-body
         self.on_message_complete()
@@ -277,6 +310,8 @@ class UpstreamConnection(FlowForwarding, asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self.timer.close()
+        if self.pump is not None:
+            self.pump.stop()
         self._pool.discard(self)
         exchange, self.exchange = self.exchange, None
         if exchange is None:
@@ -446,7 +481,7 @@ class UpstreamPool:
         keepalive: float = 30.0,
         max_idle: int = 64,
     ) -> None:
-        self._host, self._port, self._tls = host, port, tls
+        self._host, self._port, self.tls = host, port, tls
         self._server_hostname = server_hostname
         self._connect_timeout = connect_timeout or None
         self._keepalive = keepalive
@@ -482,7 +517,7 @@ class UpstreamPool:
     async def connect(self) -> UpstreamConnection:
         """A new connection (for the pool, or for an upgrade's tunnel)."""
         loop = asyncio.get_running_loop()
-        tls = self._tls
+        tls = self.tls
         try:
             async with asyncio.timeout(self._connect_timeout):
                 _, conn = await loop.create_connection(
