@@ -13,7 +13,10 @@ most ``BUDGET`` bytes per wake-up so other connections get their turn. The clien
 is left alone: the pump starts only while its write buffer is empty (so nothing written before
 can come after the spliced bytes) and nothing else writes to the client until the body ends.
 Backpressure is the pipe's: when the client does not read, the pipe fills and the pump stops
-reading the upstream.
+reading the upstream. While the client's socket is full, the upstream is watched only if the
+pipe is nearly empty (below ``REFILL``): a pump faster than its client otherwise wakes up for
+each few kilobytes the upstream sends, and spends more CPU on waking than on moving bytes
+(measured: ~0.45 s of CPU per GB that way, ~0.25 s this way).
 
 Endings: the body's last byte out → the descriptors are closed and the connection ends its
 response as after any other body (back to the pool, or closed). The upstream closing or
@@ -34,12 +37,12 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:
     from proxy.relay.fast.upstream import UpstreamConnection
 
-__all__ = ["AVAILABLE", "BUDGET", "PIPE_SIZE", "SplicePump", "Spliced", "tcp_socket_fd"]
+__all__ = ["AVAILABLE", "BUDGET", "PIPE_SIZE", "REFILL", "SplicePump", "Spliced", "tcp_socket_fd"]
 
 AVAILABLE = hasattr(os, "splice")  # Linux
 PIPE_SIZE = 1024 * 1024  # asked of the kernel (its default: 64 KiB; /proc/sys/fs/pipe-max-size)
 BUDGET = 2 * PIPE_SIZE  # bytes moved per wake-up at most, then the loop's other callbacks
-LOWAT = 128 * 1024  # wake up for no less while more than this is due (SO_RCVLOWAT)
+REFILL = 4  # while the client is full, watch the upstream only below 1/REFILL of the pipe
 _F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
 _F_GETPIPE_SZ = getattr(fcntl, "F_GETPIPE_SZ", 1032)
 _FLAGS = getattr(os, "SPLICE_F_MOVE", 1) | getattr(os, "SPLICE_F_NONBLOCK", 2)
@@ -80,8 +83,8 @@ class SplicePump:
     """Moves the rest of ``conn``'s length-framed body (``conn._left`` bytes) to ``client_fd``."""
 
     __slots__ = (
-        "_cap", "_conn", "_dst", "_exchange", "_in_pipe", "_left", "_loop", "_lowat", "_pipe_r",
-        "_pipe_w", "_reading", "_sock", "_src", "_writing",
+        "_cap", "_conn", "_dst", "_exchange", "_in_pipe", "_left", "_loop", "_pipe_r", "_pipe_w",
+        "_reading", "_refill", "_src", "_writing",
     )
 
     def __init__(
@@ -93,10 +96,9 @@ class SplicePump:
         self._left = conn._left
         self._in_pipe = 0
         self._reading = self._writing = False
-        self._sock = transport.get_extra_info("socket")
         self._src = self._dst = self._pipe_r = self._pipe_w = -1
         try:
-            self._src = os.dup(self._sock.fileno())
+            self._src = os.dup(transport.get_extra_info("socket").fileno())
             self._dst = os.dup(client_fd)
             self._pipe_r, self._pipe_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         except OSError:
@@ -107,9 +109,7 @@ class SplicePump:
         except OSError:  # over pipe-max-size, or the user's pipe pages spent: the default
             pass
         self._cap = fcntl.fcntl(self._pipe_w, _F_GETPIPE_SZ)
-        self._lowat = 1
-        if self._left > 2 * LOWAT:
-            self._set_lowat(LOWAT)
+        self._refill = self._cap // REFILL
         conn.pump = self
         conn.pause_reading()  # the pump reads the socket now (the pool resumes it afterwards)
         self._pump()
@@ -139,8 +139,6 @@ class SplicePump:
                     self._left -= n
                     self._in_pipe += n
                     progress = True
-                    if self._left < self._lowat:  # never wait for bytes that will not come
-                        self._set_lowat(1)
             if self._in_pipe:
                 try:
                     n = os.splice(self._pipe_r, self._dst, self._in_pipe, flags=_FLAGS)
@@ -159,8 +157,9 @@ class SplicePump:
                 return
             if not progress:
                 break
-        # level-triggered: each fires while its side is ready, so a spent budget resumes next turn
-        self._watch(read=self._left > 0 and self._in_pipe < self._cap, write=self._in_pipe > 0)
+        # level-triggered: each fires while its side is ready, so a spent budget resumes next
+        # turn; bytes left in the pipe mean the client is full (or the budget spent)
+        self._watch(read=self._left > 0 and self._in_pipe < self._refill, write=self._in_pipe > 0)
 
     def _watch(self, *, read: bool, write: bool) -> None:
         if read != self._reading:
@@ -176,22 +175,10 @@ class SplicePump:
             else:
                 self._loop.remove_writer(self._dst)
 
-    def _set_lowat(self, size: int) -> None:
-        """Wake up only once ``size`` bytes are queued: fewer, fuller splices (see
-        :class:`~proxy.relay.fast.upstream.BodyReader`). Never more than is still due."""
-        try:
-            self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, size)
-        except (OSError, AttributeError):
-            size = 1
-        self._lowat = size
-
     # --- endings -------------------------------------------------------------------
     def _finish(self) -> None:
-        conn = self._conn
-        if self._lowat > 1:
-            self._set_lowat(1)
         self.stop()
-        conn.body_spliced()
+        self._conn.body_spliced()
 
     def _upstream_failed(self, exc: BaseException) -> None:
         conn, exchange = self._conn, self._exchange
