@@ -31,7 +31,7 @@ from proxy.engine import telemetry
 from proxy.engine.chain import Chain
 from proxy.engine.check import check
 from proxy.engine.policies import PolicyStore
-from proxy.engine.reload import watch_policies
+from proxy.engine.reload import reload_now, watch_policies
 from proxy.engine.schema import SectionParser
 from proxy.middlewares import audit, capture, faults, identity, quota, ratelimit
 from proxy.middlewares.accesslog import AccessLog, AccessWriter
@@ -305,7 +305,8 @@ async def _serve(settings: Settings, *, reuse_port: bool, parent_fd: int | None,
     tasks: list[asyncio.Task[None]] = []
     admin = None
     listener = None
-    signals = _Signals(parent_fd)  # from here on: a SIGTERM during startup stops it cleanly
+    # from here on: a SIGTERM during startup stops it cleanly, a SIGHUP reloads the policies
+    signals = _Signals(parent_fd, store if settings.policies.paths else None)
     try:
         try:
             listener = await serve_api(relay, listen=settings.listen.listen,
@@ -420,15 +421,19 @@ class _Signals:
     """SIGTERM and SIGINT while serving: the first stops it (the calls in flight get their
     grace), a second one during that cuts the grace short (``again``), and the shutdown goes
     on as usual (logs flushed, exit 0) rather than dying of the signal. In a worker, the
-    supervisor's pipe closing (it died) stops it too."""
+    supervisor's pipe closing (it died) stops it too. SIGHUP reloads the policy files now (as
+    Prometheus and nginx read their configuration again), whatever the file watch saw."""
 
-    def __init__(self, parent_fd: int | None) -> None:
+    def __init__(self, parent_fd: int | None, store: PolicyStore | None) -> None:
         self.stop = asyncio.Event()
         self.again: Callable[[], None] | None = None
         self._parent_fd = parent_fd
+        self._store = store
+        self._reloads: set[asyncio.Task[None]] = set()
         self._loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             self._loop.add_signal_handler(sig, self._signalled, sig)
+        self._loop.add_signal_handler(signal.SIGHUP, self._hangup)
         if parent_fd is not None:  # readable only at EOF: nobody writes to it
             self._loop.add_reader(parent_fd, self._parent_gone)
 
@@ -440,6 +445,15 @@ class _Signals:
             self.again()
             self.again = None
 
+    def _hangup(self) -> None:
+        if self._store is None:
+            log.info("SIGHUP: no policy files to reload (--policies)")
+            return
+        log.info("SIGHUP: reloading the policy files")
+        task = self._loop.create_task(reload_now(self._store))
+        self._reloads.add(task)
+        task.add_done_callback(self._reloads.discard)
+
     def _parent_gone(self) -> None:
         if not self.stop.is_set():
             log.warning("the supervisor is gone; shutting down")
@@ -449,7 +463,7 @@ class _Signals:
             self._parent_fd = None
 
     def close(self) -> None:
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             self._loop.remove_signal_handler(sig)
         if self._parent_fd is not None:
             self._loop.remove_reader(self._parent_fd)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import signal
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
@@ -358,6 +359,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"opgate: {exc}", file=sys.stderr)
             return 2
     settings = settings_from(args)
+    # a SIGHUP reloads the policies once serving (proxy/app.py); until then the files are
+    # about to be read anyway, and it must not end the process (its default)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     if settings.log.capture:
         from proxy.capture import MitmproxyMissing, load_mitmproxy
 

@@ -20,7 +20,8 @@ relay), all listening on the API address with ``SO_REUSEPORT`` so the kernel spr
 * SIGTERM/SIGINT go on to the workers as SIGTERM; each finishes its in-flight calls (a second
   signal is passed on too: each cuts what still runs); the supervisor exits when all have
   stopped. Workers also stop when the pipe whose write end only
-  the supervisor holds reads EOF, so even a SIGKILLed supervisor leaves no orphan.
+  the supervisor holds reads EOF, so even a SIGKILLed supervisor leaves no orphan. SIGHUP goes
+  on to the workers too: each reloads its policy files.
 """
 
 from __future__ import annotations
@@ -189,6 +190,7 @@ class Supervisor:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._signalled)
+        loop.add_signal_handler(signal.SIGHUP, self._hangup)
         keepers: list[asyncio.Task[None]] = []
         admin = None
         try:
@@ -223,7 +225,7 @@ class Supervisor:
             await self._stop_workers()
             if admin is not None:
                 await admin.cleanup()
-            for sig in (signal.SIGTERM, signal.SIGINT):
+            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
                 loop.remove_signal_handler(sig)
             for fd in self._pipe:
                 os.close(fd)
@@ -239,6 +241,13 @@ class Supervisor:
             if worker.pid is not None and worker.proc is not None:
                 with contextlib.suppress(ProcessLookupError):
                     worker.proc.send_signal(signal.SIGTERM)
+
+    def _hangup(self) -> None:
+        """SIGHUP: each worker reloads its policy files (it is passed on)."""
+        for worker in self.workers:
+            if worker.pid is not None and worker.proc is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    worker.proc.send_signal(signal.SIGHUP)
 
     def _pids(self) -> list[str]:
         return [str(w.proc.pid) for w in self.workers if w.proc is not None]
@@ -359,6 +368,7 @@ def _configure_logging(settings: Settings) -> None:
 
 def worker_main(argv: list[str]) -> int:
     """One worker: ``RUN_DIR INDEX FD`` (FD: the pipe that reads EOF when the supervisor dies)."""
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # until serving: see proxy/cli.py
     run_dir, index, parent_fd = argv[0], int(argv[1]), int(argv[2])
     settings = Settings.from_json(Path(run_dir, "settings.json").read_text("utf-8"))
     settings = replace(settings, listen=replace(

@@ -118,7 +118,8 @@ def _identity(path: str) -> tuple[str, int, int]:
     return (path, st.st_dev, st.st_ino)
 
 
-async def _reload(store: PolicyStore) -> None:
+async def reload_now(store: PolicyStore) -> None:
+    """Reload ``store`` now, in a worker thread (as a file event does; SIGHUP asks for it)."""
     try:
         await asyncio.to_thread(store.reload)
     except Exception:  # reload() reports policy errors itself; this is anything unexpected
@@ -133,7 +134,7 @@ async def _poll(store: PolicyStore) -> None:
         return
     if changed:
         log.info("policy files changed without a file event; reloading")
-        await _reload(store)
+        await reload_now(store)
 
 
 async def _watch(store: PolicyStore, stop: asyncio.Event, debounce_ms: int,
@@ -161,7 +162,7 @@ async def _watch(store: PolicyStore, stop: asyncio.Event, debounce_ms: int,
                 relevant = sorted(p for c, p in changes if targets.matters(c, p))
                 if relevant:
                     log.debug("policy files changed: %s", relevant)
-                    await _reload(store)
+                    await reload_now(store)
                     next_poll = time.monotonic() + poll_seconds
                 elif time.monotonic() >= next_poll:
                     await _poll(store)

@@ -2,7 +2,8 @@
 
 A real opgate process relays to a small local upstream while a client sends requests without
 pause; the policy file is rewritten 20 times, 5 of them invalid. Not one request may fail, an
-invalid version never becomes active, and ``/debug/policies`` shows the last error.
+invalid version never becomes active, and ``/debug/policies`` shows the last error. SIGHUP
+reloads at once what the file watch cannot see.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
+import signal
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -213,3 +215,55 @@ async def test_emptied_policy_file_is_an_error(upstream: str, tmp_path: Path) ->
     finally:
         opgate.stop()
     assert "no policy document in this file" in opgate.stderr()
+
+
+def hidden_policy(tmp_path: Path, name: str) -> tuple[Path, Path]:
+    """A policy directory whose ``policy.yaml`` is a symlink to a file elsewhere: writes to that
+    file make no event the watch sees (only its 10 s safety poll would notice them). Returns
+    (the directory, the file the link points to)."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    target = elsewhere / "real.yaml"
+    target.write_text(VALID.format(n=name))
+    policies = tmp_path / "policies"
+    policies.mkdir()
+    (policies / "policy.yaml").symlink_to(target)
+    return policies, target
+
+
+@pytest.mark.asyncio
+async def test_sighup_reloads_the_policies_at_once(upstream: str, tmp_path: Path) -> None:
+    policies, target = hidden_policy(tmp_path, "0")
+    opgate = OpgateProcess("--upstream", upstream, "--policies", str(policies),
+                           "--no-access-log", log_dir=tmp_path)
+    try:
+        await asyncio.to_thread(opgate.wait_ready)
+        async with aiohttp.ClientSession() as admin:
+            await _until_active(admin, opgate.admin_url, ["version-0"], within=5)
+            for n in (1, 2):
+                target.write_text(VALID.format(n=n))
+                opgate.proc.send_signal(signal.SIGHUP)
+                await _until_active(admin, opgate.admin_url, [f"version-{n}"], within=2)
+        assert opgate.proc.poll() is None
+    finally:
+        code = opgate.stop()
+    assert code == 0, opgate.stderr()
+    assert opgate.stderr().count("SIGHUP: reloading the policy files") == 2
+    assert "Traceback" not in opgate.stderr()
+
+
+@pytest.mark.asyncio
+async def test_sighup_without_policies_changes_nothing(upstream: str, tmp_path: Path) -> None:
+    opgate = OpgateProcess("--upstream", upstream, "--no-access-log", log_dir=tmp_path)
+    try:
+        await asyncio.to_thread(opgate.wait_ready)
+        opgate.proc.send_signal(signal.SIGHUP)
+        await asyncio.sleep(0.5)
+        assert opgate.proc.poll() is None, opgate.stderr()
+        async with aiohttp.ClientSession() as s, \
+                s.get(opgate.url + "/api/v1/namespaces/a/configmaps") as r:
+            assert r.status == 200
+    finally:
+        code = opgate.stop()
+    assert code == 0
+    assert "SIGHUP: no policy files to reload" in opgate.stderr()

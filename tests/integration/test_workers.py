@@ -351,3 +351,48 @@ async def test_ctrl_c_in_a_terminal_drains_the_workers(
             if alive(pid):
                 os.kill(pid, signal.SIGKILL)
     assert "again" not in proc.stderr(), proc.stderr()
+
+
+@pytest.mark.asyncio
+async def test_sighup_reaches_every_worker(upstream: str, redis_server: RedisServer,
+                                           tmp_path: Path) -> None:
+    """The supervisor passes SIGHUP on: every worker reloads its policies at once, a change
+    made where the file watch cannot see it (a symlink's target elsewhere)."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    target = elsewhere / "real.yaml"
+    target.write_text(POLICY.format(name="v1", burst=100000))
+    policies = tmp_path / "policies"
+    policies.mkdir()
+    (policies / "policy.yaml").symlink_to(target)
+    proc = OpgateProcess("--upstream", upstream, "--redis-url", redis_server.url,
+                         "--policies", str(policies), "--workers", "2", log_dir=tmp_path)
+    workers: set[int] = set()
+    try:
+        await asyncio.to_thread(proc.wait_ready)
+        workers = children(proc.proc.pid)
+
+        def state(reply: tuple[int, str]) -> tuple[list[str], set[str]]:
+            """The first worker's policy names, and every worker's digest."""
+            view = json.loads(reply[1])
+            return ([p["name"] for p in view["policies"]],
+                    {str(w.get("digest")) for w in view["workers"]})
+
+        before = await _until(lambda: _get(proc.admin_url + "/debug/policies"),
+                             lambda r: r[0] == 200 and state(r)[0] == ["v1"])
+        (old,) = state(before)[1]  # one digest: both workers run v1
+        target.write_text(POLICY.format(name="v2", burst=100000))
+        proc.proc.send_signal(signal.SIGHUP)
+        after = await _until(
+            lambda: _get(proc.admin_url + "/debug/policies"),
+            lambda r: r[0] == 200 and state(r)[0] == ["v2"] and len(state(r)[1]) == 1,
+            within=3)
+        assert state(after)[1] != {old}
+        assert children(proc.proc.pid) == workers  # none died of it
+    finally:
+        code = proc.stop()
+        for pid in workers:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+    assert code == 0, proc.stderr()
+    assert proc.stderr().count("SIGHUP: reloading the policy files") == 2, proc.stderr()
