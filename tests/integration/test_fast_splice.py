@@ -175,6 +175,31 @@ def test_the_head_goes_first_the_count_is_right_and_the_next_call_is_served(
 
 
 @pytest.mark.parametrize("loop", LOOPS)
+def test_an_http10_client_gets_the_whole_body_then_the_end_of_the_connection(
+    loop: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pumps = Pumps(monkeypatch)
+
+    async def main() -> None:
+        up = await RawUpstream(serve_body).start()
+        try:
+            async with running_proxy(up.url, relay_kind="fast") as proxy:
+                reader, writer = await asyncio.open_connection(*address(proxy.url))
+                writer.write(b"GET /api/v1/configmaps HTTP/1.0\r\n\r\n")
+                line, headers = await read_head(reader)
+                assert line.endswith("200 OK") and headers["content-length"] == str(SIZE)
+                assert headers["connection"] == "close"
+                rest = await asyncio.wait_for(reader.read(), 10)  # up to the connection's end
+                assert hashlib.sha256(rest).digest() == hashlib.sha256(BODY).digest()
+                writer.close()
+        finally:
+            await up.close()
+
+    run_on(loop, main)
+    assert pumps.started == 1
+
+
+@pytest.mark.parametrize("loop", LOOPS)
 def test_the_upstream_closing_mid_body_cuts_the_client_short(
     loop: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
