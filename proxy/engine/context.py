@@ -25,14 +25,31 @@ def media_type(content_type: str | None) -> str:
     return "" if content_type is None else content_type.partition(";")[0].strip().lower()
 
 
+Extra = tuple[tuple[str, tuple[str, ...]], ...]  # Identity.extra: (key, values), by key
+
+
 @dataclass(frozen=True, slots=True)
 class Identity:
-    """Who is calling, once a middleware has verified it (never the token itself)."""
+    """Who is calling, once a middleware has verified it (never the token itself).
+
+    ``extra`` is the user's extra information as the apiserver's authenticator would give it
+    (``user.extra`` in its audit log): ``(key, values)`` pairs sorted by key, as the apiserver's
+    JSON writes a Go map; empty for none (see :func:`user_extra`)."""
 
     user: str
     groups: tuple[str, ...] = ()
     uid: str = ""
     source: str = ""  # serviceaccount | oidc | tokenreview
+    extra: Extra = ()
+
+
+def user_extra(pairs: Iterable[tuple[str, Iterable[str]]]) -> Extra:
+    """:attr:`Identity.extra` from ``(key, values)`` pairs: sorted by key, a repeated key's
+    values joined."""
+    merged: dict[str, list[str]] = {}
+    for key, values in pairs:
+        merged.setdefault(key, []).extend(values)
+    return tuple((key, tuple(merged[key])) for key in sorted(merged))
 
 
 @dataclass(frozen=True, slots=True)

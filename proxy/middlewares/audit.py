@@ -11,12 +11,15 @@ the tools that read its ``--audit-log-path`` files read opgate's too:
   ``delete``, ``deletecollection``; the lower-case HTTP method for non-resource URLs);
   ``requestURI`` path and query as sent (a query parameter whose name contains ``token`` is
   redacted).
-* ``user`` is the identity opgate verified (``spec.identity``): ``{}`` when none was verified,
-  with the annotation ``opgate.dev/user: unverified``. ``impersonatedUser`` when the call
-  forwards ``Impersonate-User``: the user the apiserver switches to (groups, uid, extra from
-  the ``Impersonate-*`` headers, as :func:`impersonated_user`). ``sourceIPs`` as the
-  apiserver lists them: ``X-Forwarded-For``, ``X-Real-Ip``, then the caller's address (on a
-  loopback sidecar the controller's 127.0.0.1; none on a Unix socket).
+* ``user`` is the identity opgate verified (``spec.identity``), with the ``extra`` the
+  apiserver's authenticator gives the same token (a service-account token's credential id and
+  the pod or node it is bound to, an OIDC token's credential id, a TokenReview's ``extra``):
+  ``{}`` when none was verified, with the annotation ``opgate.dev/user: unverified``.
+  ``impersonatedUser`` when the call forwards ``Impersonate-User``: the user the apiserver
+  switches to (groups, uid, extra from the ``Impersonate-*`` headers, as
+  :func:`impersonated_user`). ``sourceIPs`` as the apiserver lists them: ``X-Forwarded-For``,
+  ``X-Real-Ip``, then the caller's address (on a loopback sidecar the controller's 127.0.0.1;
+  none on a Unix socket).
 * ``responseStatus`` has the code; for an answer opgate gave itself (a denial, throttling, a
   fault, a quota, the relay's own 4xx/5xx) also ``status``, ``message``, ``reason``, ``details``
   of the Status it sent. The apiserver's own error bodies are not read (only their code).
@@ -484,6 +487,8 @@ class Audit:
                 user["uid"] = identity.uid
             if identity.groups:
                 user["groups"] = list(identity.groups)
+            if identity.extra:  # by key, as Go writes a map
+                user["extra"] = {key: list(values) for key, values in identity.extra}
             ev["user"] = user
         else:
             ev["user"] = {}

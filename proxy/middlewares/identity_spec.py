@@ -21,7 +21,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from proxy.engine.context import Identity
+from proxy.engine.context import Extra, Identity
 from proxy.engine.match import Match, Patterns, parse_match
 from proxy.engine.schema import Fields, Located, PolicyError, sequence
 
@@ -35,6 +35,13 @@ TOKENREVIEW = "tokenreview"  # the issuer key of identities the apiserver vouche
 DEFAULT_KUBERNETES_AUDIENCES = ("https://kubernetes.default.svc",
                                 "https://kubernetes.default.svc.cluster.local")
 SA_PREFIX = "system:serviceaccount:"
+# the keys of user.extra the apiserver's authenticators fill (k8s.io/apiserver
+# pkg/authentication/user and serviceaccount/util.go)
+CREDENTIAL_ID = "authentication.kubernetes.io/credential-id"
+POD_NAME = "authentication.kubernetes.io/pod-name"
+POD_UID = "authentication.kubernetes.io/pod-uid"
+NODE_NAME = "authentication.kubernetes.io/node-name"
+NODE_UID = "authentication.kubernetes.io/node-uid"
 AUTHENTICATED = "system:authenticated"
 _DNS_LABEL = re.compile(r"[a-z0-9*?\[\]]([-a-z0-9.*?\[\]]*[a-z0-9*?\[\]])?")
 
@@ -269,13 +276,51 @@ def _service_account(claims: Mapping[str, Any]) -> Identity | None:
         return None
     uid = ""
     k8s = claims.get("kubernetes.io")
+    pairs: list[tuple[str, str]] = []
     if isinstance(k8s, dict):
         sa = k8s.get("serviceaccount")
         if k8s.get("namespace") != namespace or not isinstance(sa, dict) or sa.get("name") != name:
             return None
         uid = str(sa.get("uid") or "")
+        pairs = _bound_to(k8s)
     groups = ("system:serviceaccounts", f"system:serviceaccounts:{namespace}", AUTHENTICATED)
-    return Identity(user=sub, groups=groups, uid=uid, source="serviceaccount")
+    return Identity(user=sub, groups=groups, uid=uid, source="serviceaccount",
+                    extra=_extra(claims, pairs))
+
+
+def _ref(k8s: Mapping[str, Any], kind: str) -> tuple[str, str] | None:
+    """The name and uid of the object a token is bound to (``kubernetes.io.pod`` …)."""
+    ref = k8s.get(kind)
+    if not isinstance(ref, dict):
+        return None
+    name, uid = ref.get("name"), ref.get("uid")
+    return (name if isinstance(name, str) else "", uid if isinstance(uid, str) else "")
+
+
+def _bound_to(k8s: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """``user.extra`` of a service-account token's binding, as the apiserver's validator
+    (pkg/serviceaccount/claims.go) and ``ServiceAccountInfo.UserInfo`` fill it: the pod's name
+    and uid when both are set, the node's name (and uid, when set) of a pod- or node-bound
+    token; nothing for a secret-bound one."""
+    pairs: list[tuple[str, str]] = []
+    pod = _ref(k8s, "pod")
+    if pod is not None and pod[0] and pod[1]:
+        pairs += [(POD_NAME, pod[0]), (POD_UID, pod[1])]
+    node = _ref(k8s, "node")
+    if node is not None and node[0]:
+        pairs.append((NODE_NAME, node[0]))
+        if node[1]:
+            pairs.append((NODE_UID, node[1]))
+    return pairs
+
+
+def _extra(claims: Mapping[str, Any], pairs: list[tuple[str, str]]) -> Extra:
+    """``user.extra`` by key: ``pairs`` and the credential id ``JTI=<jti>`` of a token with a
+    ``jti`` (the apiserver's service-account and OIDC authenticators both add it)."""
+    jti = claims.get("jti")
+    if isinstance(jti, str) and jti:
+        pairs = [*pairs, (CREDENTIAL_ID, f"JTI={jti}")]
+    return tuple(sorted((key, (value,)) for key, value in pairs))
 
 
 def identity_from_claims(issuer: Issuer, issuer_url: str,
@@ -305,4 +350,5 @@ def identity_from_claims(issuer: Issuer, issuer_url: str,
             return None
         groups = [issuer.groups_prefix + g for g in items if g]
     groups.append(AUTHENTICATED)
-    return Identity(user=prefix + value, groups=tuple(groups), uid="", source="oidc")
+    return Identity(user=prefix + value, groups=tuple(groups), uid="", source="oidc",
+                    extra=_extra(claims, []))

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from yarl import URL
 
-from proxy.engine.context import Identity
+from proxy.engine.context import Identity, user_extra
 from proxy.relay.endpoint import Endpoint, TokenSource, make_ssl_context
 from proxy.relay.errors import describe
 from proxy.relay.fast.client import UpstreamClient
@@ -144,8 +144,12 @@ class UpstreamAuthenticator:
             return None
         groups = tuple(g for g in user.get("groups") or () if isinstance(g, str))
         audiences = tuple(a for a in status.get("audiences") or () if isinstance(a, str))
+        extra = user.get("extra")  # as the apiserver gave it (its audit log records the same)
+        pairs = ((k, [v for v in values if isinstance(v, str)])
+                 for k, values in (extra.items() if isinstance(extra, dict) else ())
+                 if isinstance(k, str) and isinstance(values, list))
         return Identity(user=username, groups=groups, uid=str(user.get("uid") or ""),
-                        source="tokenreview"), audiences
+                        source="tokenreview", extra=user_extra(pairs)), audiences
 
     async def access_review(self, attrs: Mapping[str, Any]) -> tuple[bool, str]:
         """``attrs``: user, groups, uid, and either ``resourceAttributes`` or

@@ -149,6 +149,34 @@ def test_metadata_event_for_a_verified_caller() -> None:
     }
 
 
+# a pod-bound service-account token's user as kube-apiserver v1.35 logs it (keys sorted)
+POD_BOUND_EXTRA = {
+    "authentication.kubernetes.io/credential-id": ["JTI=7f0c2d1e-5b"],
+    "authentication.kubernetes.io/node-name": ["node-1"],
+    "authentication.kubernetes.io/node-uid": ["9e8d-77"],
+    "authentication.kubernetes.io/pod-name": ["op-7d9f"],
+    "authentication.kubernetes.io/pod-uid": ["c0ffee-01"]}
+POD_BOUND = Identity(user=SA.user, uid=SA.uid, groups=SA.groups, source="serviceaccount",
+                     extra=tuple((k, tuple(v)) for k, v in POD_BOUND_EXTRA.items()))
+
+
+def test_user_extra_is_recorded_after_the_groups_only_when_there_is_some() -> None:
+    """``user`` in authentication/v1 UserInfo's field order (username, uid, groups, extra),
+    ``extra`` by key as Go writes a map; none at all for an identity without any."""
+    out = Lines()
+    auditor = Audit(write=out)
+    for identity in (POD_BOUND, SA):
+        ctx = make_ctx("GET", "/api/v1/namespaces/team-a/configmaps/c")
+        ctx.identity = identity
+        run_call(auditor, ctx)
+    bound, plain = out.events
+    check_shape(bound)
+    assert list(bound["user"]) == ["username", "uid", "groups", "extra"]
+    assert bound["user"]["extra"] == POD_BOUND_EXTRA
+    assert list(bound["user"]["extra"]) == sorted(POD_BOUND_EXTRA)
+    assert list(plain["user"]) == ["username", "uid", "groups"]
+
+
 _ODD_AGENT = 'kubectl "quoted" \\ \u00e9\u4e2d\x01'
 
 
@@ -158,7 +186,7 @@ _ODD_AGENT = 'kubectl "quoted" \\ \u00e9\u4e2d\x01'
     "create-from-body", "denied", "error", "request-level", "impersonated", "no-status",
     "next-second", "forwarded", "unix-socket", "ipv6", "real-ip", "impersonation-allowed",
     "impersonation-allowed-per-call", "end-of-second", "before-received", "throttled-200",
-    "odd-decision", "before-1970", "early-seconds", "audit-id",
+    "odd-decision", "before-1970", "early-seconds", "audit-id", "extra",
 ])
 @pytest.mark.parametrize("wire", [False, True], ids=["aiohttp-headers", "wire-headers"])
 def test_joined_lines_equal_the_encoded_event(case: str, wire: bool) -> None:
@@ -208,7 +236,7 @@ def test_joined_lines_equal_the_encoded_event(case: str, wire: bool) -> None:
     ctx.allow_impersonation = case == "impersonation-allowed-per-call"
     ctx.remote = {"unix-socket": "", "ipv6": "::1"}.get(case, "127.0.0.1")
     if case != "unverified":
-        ctx.identity = SA
+        ctx.identity = POD_BOUND if case == "extra" else SA
     ctx.wall_time = 1_764_480_600.25
     finish(ctx, 0 if case == "no-status" else code)
     if case == "denied":
@@ -245,6 +273,8 @@ def test_joined_lines_equal_the_encoded_event(case: str, wire: bool) -> None:
             "username": "jane", "groups": ["system:authenticated"]}
     if case == "impersonated":  # not allowed: the header is not logged
         assert "impersonatedUser" not in json.loads(expected)
+    if case == "extra":
+        assert json.loads(expected)["user"]["extra"] == POD_BOUND_EXTRA
 
 
 @pytest.mark.parametrize("wire", [False, True], ids=["aiohttp-headers", "wire-headers"])

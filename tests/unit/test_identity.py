@@ -431,6 +431,30 @@ def test_a_key_rotated_just_after_a_fetch_is_vouched_for_by_the_apiserver(
     assert ctx.identity is not None and ctx.identity.source == "tokenreview"
 
 
+def test_a_token_reviews_user_extra_is_the_identitys() -> None:
+    """``status.user.extra`` as the apiserver returned it (its audit log records the same),
+    keys sorted as Go writes a map, values in order; what is not a list of strings left out."""
+    auth = UpstreamAuthenticator(UpstreamConfig(url="https://127.0.0.1:1"))
+    extra = {"scopes.example.com/z": ["b", "a"], "authentication.kubernetes.io/pod-uid": ["u"],
+             "authentication.kubernetes.io/credential-id": ["JTI=j"], "odd": "text",
+             "mixed": ["x", 1]}
+
+    async def post(path: str, doc: dict[str, Any]) -> dict[str, Any]:
+        return {"status": {"authenticated": True, "audiences": ["api"], "user": {
+            "username": "jane", "uid": "7", "groups": ["dev"], "extra": extra}}}
+
+    auth._post = post  # type: ignore[method-assign]
+    result = asyncio.run(auth.token_review("opaque"))
+    assert result == (Identity(user="jane", groups=("dev",), uid="7", source="tokenreview",
+                               extra=(("authentication.kubernetes.io/credential-id", ("JTI=j",)),
+                                      ("authentication.kubernetes.io/pod-uid", ("u",)),
+                                      ("mixed", ("x",)),
+                                      ("scopes.example.com/z", ("b", "a")))), ("api",))
+    extra.clear()
+    result = asyncio.run(auth.token_review("opaque"))
+    assert result is not None and result[0].extra == ()
+
+
 def test_calls_with_a_new_kid_wait_for_the_refresh_under_way(tmp_path: Path) -> None:
     """Two callers with distinct tokens of a key not yet known (opgate's start, or a rotation):
     the second arrives while the first one's JWKS fetch is under way and waits for it, instead

@@ -179,6 +179,56 @@ def test_service_account_claims() -> None:
         groups=("system:serviceaccounts", "system:serviceaccounts:ops", "system:authenticated"))
 
 
+CRED = "authentication.kubernetes.io/credential-id"
+POD_NAME, POD_UID = "authentication.kubernetes.io/pod-name", "authentication.kubernetes.io/pod-uid"
+NODE_NAME = "authentication.kubernetes.io/node-name"
+NODE_UID = "authentication.kubernetes.io/node-uid"
+
+
+def _bound(**refs: object) -> dict[str, object]:
+    return {**SA_CLAIMS, "jti": "j-1",
+            "kubernetes.io": {**SA_CLAIMS["kubernetes.io"], **refs}}  # type: ignore[dict-item]
+
+
+@pytest.mark.parametrize(("claims", "extra"), [
+    (SA_CLAIMS, {}),  # no jti (a token of an apiserver before v1.29): none
+    ({**SA_CLAIMS, "jti": "j-1"}, {CRED: ["JTI=j-1"]}),
+    ({**SA_CLAIMS, "jti": ""}, {}),
+    ({**SA_CLAIMS, "jti": 7}, {}),
+    (_bound(pod={"name": "p", "uid": "pu"}),
+     {CRED: ["JTI=j-1"], POD_NAME: ["p"], POD_UID: ["pu"]}),
+    # a pod on a node: its node too (ServiceAccountTokenPodNodeInfo, GA in v1.32); a node
+    # TokenRequest did not find has no uid in the token, so none in extra
+    (_bound(pod={"name": "p", "uid": "pu"}, node={"name": "n", "uid": "nu"}),
+     {CRED: ["JTI=j-1"], NODE_NAME: ["n"], NODE_UID: ["nu"], POD_NAME: ["p"], POD_UID: ["pu"]}),
+    (_bound(pod={"name": "p", "uid": "pu"}, node={"name": "n"}),
+     {CRED: ["JTI=j-1"], NODE_NAME: ["n"], POD_NAME: ["p"], POD_UID: ["pu"]}),
+    (_bound(node={"name": "n", "uid": "nu"}), {CRED: ["JTI=j-1"], NODE_NAME: ["n"],
+                                               NODE_UID: ["nu"]}),
+    (_bound(secret={"name": "s", "uid": "su"}), {CRED: ["JTI=j-1"]}),
+    (_bound(pod={"name": "p"}), {CRED: ["JTI=j-1"]}),  # the apiserver wants both
+])
+def test_service_account_extra_is_the_apiservers(claims: dict[str, object],
+                                                  extra: dict[str, list[str]]) -> None:
+    """``user.extra`` as kube-apiserver v1.35's service-account authenticator fills it
+    (pkg/serviceaccount/claims.go, k8s.io/apiserver serviceaccount/util.go), keys sorted."""
+    identity = identity_from_claims(Issuer(kind=KUBERNETES), "https://k", claims)
+    assert identity is not None
+    assert identity.extra == tuple((k, tuple(v)) for k, v in extra.items())
+    assert [k for k, _ in identity.extra] == sorted(extra)
+
+
+@pytest.mark.parametrize(("jti", "extra"), [
+    ("abc", ((CRED, ("JTI=abc",)),)), ("", ()), (None, ()), (5, ()), (["abc"], ())])
+def test_oidc_extra_is_the_credential_id(jti: object, extra: object) -> None:
+    """The apiserver's OIDC authenticator adds only the credential id of a string ``jti``
+    (without an AuthenticationConfiguration's CEL ``extra`` mappings, which opgate has not)."""
+    issuer = Issuer(kind="oidc", url="https://dex")
+    claims = {"sub": "1"} if jti is None else {"sub": "1", "jti": jti}
+    identity = identity_from_claims(issuer, issuer.url, claims)
+    assert identity is not None and identity.extra == extra
+
+
 @pytest.mark.parametrize("claims", [
     {"sub": "alice"},
     {"sub": "system:serviceaccount:ops"},
