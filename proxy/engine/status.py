@@ -13,8 +13,11 @@ import json
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
+
+if TYPE_CHECKING:
+    from proxy.engine.requestinfo import RequestInfo
 
 _REASONS: dict[int, str] = {
     400: "BadRequest",
@@ -34,6 +37,8 @@ class StatusError:
     """An error response opgate sends instead of relaying the call.
 
     ``headers`` are extra response headers (``Retry-After``, ``RateLimit-*``, ``Warning``).
+    ``details`` is sent when not ``None``, even empty (the apiserver's 403 of a non-resource
+    path has ``"details":{}``).
     """
 
     code: int
@@ -50,10 +55,10 @@ class StatusError:
             "status": "Failure",
             "message": self.message,
             "reason": self.reason or _REASONS.get(self.code, ""),
-            "code": self.code,
         }
-        if self.details:
+        if self.details is not None:  # metav1.Status' field order: details before code
             obj["details"] = self.details
+        obj["code"] = self.code
         return json.dumps(obj, separators=(",", ":")).encode() + b"\n"
 
     def response_headers(self) -> list[tuple[str, str]]:
@@ -69,7 +74,29 @@ def unauthorized(message: str = "Unauthorized") -> StatusError:
 
 
 def forbidden(message: str, *, details: dict[str, Any] | None = None) -> StatusError:
+    """A 403; ``details``: :func:`object_details` (or :func:`call_details`), as the apiserver's
+    Forbidden has them (client-go's ``IsForbidden`` reads the reason and code only)."""
     return StatusError(403, message, "Forbidden", details)
+
+
+def object_details(*, group: str, resource: str, name: str = "") -> dict[str, Any]:
+    """``details`` as the apiserver's ``apierrors.NewForbidden`` fills them: the object's
+    ``name``, its API ``group`` and, as ``kind``, the resource (without its subresource), in
+    ``metav1.StatusDetails``' order, empty ones left out."""
+    details: dict[str, Any] = {"name": name} if name else {}
+    if group:
+        details["group"] = group
+    if resource:
+        details["kind"] = resource
+    return details
+
+
+def call_details(info: RequestInfo) -> dict[str, Any]:
+    """The ``details`` of the apiserver's own 403 for the call ``info`` describes (its
+    authorization filter's, from the same request info): ``{}`` for a non-resource path."""
+    if not info.is_resource_request:
+        return {}
+    return object_details(group=info.api_group, resource=info.resource, name=info.name)
 
 
 def too_many_requests(

@@ -214,7 +214,7 @@ def _status(ctx: RequestContext) -> dict[str, Any]:
     if answer is not None:
         out: dict[str, Any] = {"metadata": {}, "status": "Failure", "message": answer.message,
                                "reason": answer.reason or _REASONS.get(answer.code, "")}
-        if answer.details:
+        if answer.details is not None:  # (an empty one too: the apiserver logs {} as well)
             out["details"] = answer.details
         out["code"] = answer.code
         return out

@@ -31,7 +31,7 @@ from proxy.engine.chain import Maybe
 from proxy.engine.context import Decision, Delay, Deny, RequestContext
 from proxy.engine.match import Match, parse_match
 from proxy.engine.schema import Fields, Located, PolicyError, sequence
-from proxy.engine.status import StatusError, too_many_requests
+from proxy.engine.status import StatusError, call_details, too_many_requests
 
 __all__ = ["SECTION", "Fault", "Faults", "parse_section"]
 
@@ -161,8 +161,11 @@ class Faults:
         if not fault.code:
             return Delay(fault.delay)
         message = fault.message or f"opgate: injected fault {fault.name} (policy {policy})"
-        status = (too_many_requests(message, retry_after=fault.retry_after)
-                  if fault.code == 429 else StatusError(fault.code, message, fault.reason))
+        if fault.code == 429:
+            status = too_many_requests(message, retry_after=fault.retry_after)
+        else:  # a 403 with the details of the apiserver's own (client-go reads them alike)
+            status = StatusError(fault.code, message, fault.reason,
+                                 call_details(ctx.info) if fault.code == 403 else None)
         if fault.delay:
             await asyncio.sleep(fault.delay)
         return Deny(status, "fault")

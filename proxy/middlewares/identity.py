@@ -51,7 +51,7 @@ from proxy.engine import telemetry
 from proxy.engine.chain import Maybe
 from proxy.engine.context import Decision, Deny, Identity, RequestContext
 from proxy.engine.requestinfo import RequestInfo, Shape
-from proxy.engine.status import forbidden, service_unavailable, unauthorized
+from proxy.engine.status import call_details, forbidden, service_unavailable, unauthorized
 from proxy.middlewares.identity_spec import (
     KUBERNETES,
     SECTION,
@@ -263,7 +263,8 @@ class IdentityCheck:
             log.debug("identity denies (%s, trace %s): %s", reason, ctx.trace_id, message)
             if code == 401:
                 return Deny(unauthorized(f"opgate: Unauthorized: {message}"), "unauthorized")
-            return Deny(forbidden(f"opgate: {message}"), "denied")
+            return Deny(forbidden(f"opgate: {message}", details=call_details(ctx.info)),
+                        "denied")
         if (silent and plan.memo and verified is not None and plan is self._plan
                 and len(verified.allowed) < ALLOWED_SHAPES):
             verified.allowed.add(ctx.info.shape)

@@ -68,7 +68,7 @@ from proxy.engine.chain import Maybe
 from proxy.engine.context import Decision, Deny, RequestContext
 from proxy.engine.protometa import MAGIC as PROTOBUF_MAGIC
 from proxy.engine.protometa import read_meta
-from proxy.engine.status import forbidden, service_unavailable
+from proxy.engine.status import forbidden, object_details, service_unavailable
 from proxy.middlewares.quota_spec import (
     CLUSTER_RESOURCE_QUOTA,
     RESOURCE_QUOTA,
@@ -405,10 +405,7 @@ class Quota:
             telemetry.QUOTA_DENIALS.labels(qualified(group, resource)).inc()
             log.debug("quota %s of policy %s (%s) denies %s: %s", b.quota_name, b.policy,
                       b.where, ctx.path, message)
-            details: dict[str, Any] = {"name": name} if name else {}
-            if group:
-                details["group"] = group
-            details["kind"] = resource
+            details = object_details(group=group, resource=resource, name=name)
             return Deny(forbidden(message, details=details), "quota")
         if reserved.allowed and not _dry_run(ctx):
             telemetry.QUOTA_RESERVATIONS.labels(reserved.backend).inc()

@@ -470,6 +470,30 @@ def test_a_denial_is_recorded_with_its_status() -> None:
     assert ev["annotations"]["opgate.dev/reason"] == status.message
 
 
+@pytest.mark.parametrize(("details", "recorded"), [
+    ({"name": "c", "kind": "configmaps"}, {"name": "c", "kind": "configmaps"}),
+    ({}, {}),  # a non-resource path: the apiserver logs "details":{} as well
+    (None, None),
+])
+def test_a_403_of_opgates_own_records_its_details(details: dict[str, str] | None,
+                                                  recorded: dict[str, str] | None) -> None:
+    """``responseStatus`` as the apiserver logs its own Forbidden: ``details`` (before the
+    code, in metav1.Status' order) as the Status sent had them."""
+    out = Lines()
+    auditor = Audit(write=out)
+    ctx = make_ctx("GET", "/api/v1/namespaces/a/configmaps/c")
+    ctx.identity = SA
+    ctx.answer = forbidden("opgate: rule r denies", details=details)
+    ctx.decision = "denied"
+    run_call(auditor, ctx, 403)
+    (ev,) = out.events
+    check_shape(ev)
+    got = ev["responseStatus"]
+    assert got.get("details") == recorded
+    assert list(got) == ["metadata", "status", "message", "reason",
+                         *(["details"] if recorded is not None else []), "code"]
+
+
 def test_a_protobuf_create_names_its_object_too() -> None:
     """client-go sends built-in kinds as protobuf: the body is left out, its name is not."""
     out = Lines()

@@ -63,6 +63,22 @@ def test_conflict_answer_is_an_apiserver_like_status(tmp_path: Path) -> None:
     assert "widget-conflicts" in body["message"]
 
 
+def test_a_403_has_the_details_of_the_apiservers_own(tmp_path: Path) -> None:
+    """An injected 403 looks like the apiserver's Forbidden of the same call (name, group, the
+    resource as kind); other codes get no details."""
+    p = policies(tmp_path, "  faults:\n    - respond: {code: 403}\n")
+    decision = asyncio.run(settle(Faults().entry(ctx_for(p, "PUT", WIDGET + "/status"))))
+    assert isinstance(decision, Deny)
+    body = json.loads(decision.status.body())
+    assert (body["code"], body["reason"]) == (403, "Forbidden")
+    assert body["details"] == {"name": "w", "group": "demo.opgate.dev", "kind": "widgets"}
+    decision = asyncio.run(settle(Faults().entry(ctx_for(p, "GET", "/version"))))
+    assert isinstance(decision, Deny) and json.loads(decision.status.body())["details"] == {}
+    decision = asyncio.run(settle(Faults().entry(ctx_for(
+        policies(tmp_path, CONFLICTS), "PUT", WIDGET))))
+    assert isinstance(decision, Deny) and "details" not in json.loads(decision.status.body())
+
+
 def test_429_carries_an_integer_retry_after(tmp_path: Path) -> None:
     p = policies(tmp_path, "  faults:\n    - respond: {code: 429, retryAfter: 3s}\n")
     decision = asyncio.run(settle(Faults().entry(ctx_for(p, "GET", "/api/v1/pods"))))

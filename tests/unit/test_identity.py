@@ -242,6 +242,29 @@ def test_callers_outside_allow_are_403(tmp_path: Path) -> None:
     assert ('user "system:serviceaccount:ops:intruder" is not allowed by policy "ident"'
             in got["message"])
     assert "spec.identity.allow (" in got["message"] and "p0.yaml:10" in got["message"]
+    assert got["details"] == {"kind": "configmaps"}
+
+
+@pytest.mark.parametrize(("method", "path", "details"), [
+    ("POST", SECRETS, {"kind": "secrets"}),
+    ("DELETE", SECRETS + "/s", {"name": "s", "kind": "secrets"}),
+    ("PATCH", "/apis/apps/v1/namespaces/team-a/deployments/web/scale",
+     {"name": "web", "group": "apps", "kind": "deployments"}),
+    ("DELETE", "/apis/rbac.authorization.k8s.io/v1/clusterroles/admin",
+     {"name": "admin", "group": "rbac.authorization.k8s.io", "kind": "clusterroles"}),
+    ("POST", "/api", {}),  # a non-resource path: the apiserver's 403 has "details":{} too
+])
+def test_a_403_has_the_details_of_the_apiservers_own(tmp_path: Path, method: str, path: str,
+                                                     details: dict[str, str]) -> None:
+    """``details`` as the apiserver's Forbidden for the same call (name, group, and the
+    resource as ``kind``), opgate's message kept (it names the rule)."""
+    ctx = ctx_for(policy_set(tmp_path, policy()), method, path, sa_token())
+    decision = run(IdentityCheck(authenticator=FakeAuth()), ctx)
+    assert decision is not None
+    got = body(decision)
+    assert (got["code"], got["details"]) == (403, details)
+    assert list(got["details"]) == [k for k in ("name", "group", "kind") if k in details]
+    assert got["message"].startswith('opgate: user "system:serviceaccount:ops:op" cannot ')
 
 
 def test_dryrun_warns_and_never_denies(tmp_path: Path) -> None:
@@ -319,6 +342,7 @@ def test_subject_access_review_denies_and_is_cached(tmp_path: Path) -> None:
         got = body(decision)
         assert got["code"] == 403 and "the apiserver denies it (no RBAC policy matched" in (
             got["message"])
+        assert got["details"] == {"name": "c", "kind": "configmaps"}
     assert auth.calls.count("sar") == 1
     assert auth.sar_attrs[0] == {
         "user": "system:serviceaccount:ops:op", "uid": "uid-1",

@@ -33,6 +33,30 @@ def test_status_body_shape(error: status.StatusError, code: int, reason: str) ->
     assert code != 422
 
 
+@pytest.mark.parametrize(("method", "path", "details"), [
+    ("GET", "/api/v1/namespaces/a/configmaps/c", {"name": "c", "kind": "configmaps"}),
+    ("GET", "/api/v1/namespaces/a/configmaps", {"kind": "configmaps"}),
+    ("POST", "/apis/apps/v1/namespaces/a/deployments/d/scale",
+     {"name": "d", "group": "apps", "kind": "deployments"}),
+    ("GET", "/apis/apps/v1/deployments", {"group": "apps", "kind": "deployments"}),
+    ("GET", "/healthz", {}),
+])
+def test_a_403_has_the_apiservers_details(method: str, path: str,
+                                          details: dict[str, str]) -> None:
+    """As ``apierrors.NewForbidden`` from the authorization attributes: name, group, and the
+    resource (not the subresource) as ``kind``, in ``StatusDetails``' order; ``{}``, sent as
+    such, for a non-resource path."""
+    from proxy.engine.requestinfo import parse_request_info
+
+    got = status.call_details(parse_request_info(method, path, ""))
+    assert (got, list(got)) == (details, [k for k in ("name", "group", "kind") if k in details])
+    body = json.loads(status.forbidden("opgate: no", details=got).body())
+    assert body["details"] == details
+    assert list(body) == ["kind", "apiVersion", "metadata", "status", "message", "reason",
+                          "details", "code"]  # metav1.Status' order
+    assert "details" not in json.loads(status.forbidden("opgate: no").body())
+
+
 @pytest.mark.parametrize(("after", "header"), [(0.01, "1"), (1.0, "1"), (1.2, "2"), (30, "30")])
 def test_retry_after_is_an_integer_of_at_least_one(after: float, header: str) -> None:
     error = status.too_many_requests("x", retry_after=after)
