@@ -154,15 +154,20 @@ class AdminApi:
         name: str,
         audiences: list[str] | None = None,
         expiration_seconds: int = 3600,
+        bound_to: dict[str, str] | None = None,
     ) -> str:
         """A bound ServiceAccount token via the TokenRequest API, like a pod's projected token.
 
         ``audiences=None`` means the apiserver's own (the issuer). The apiserver refuses
-        ``expiration_seconds`` below 600.
+        ``expiration_seconds`` below 600. ``bound_to``: the ``boundObjectRef`` (``kind``
+        Pod, Node or Secret, ``apiVersion`` v1, ``name``) the token lives and dies with, as a
+        kubelet asks for a pod's token.
         """
         spec: dict[str, Any] = {"expirationSeconds": expiration_seconds}
         if audiences is not None:
             spec["audiences"] = audiences
+        if bound_to is not None:
+            spec["boundObjectRef"] = bound_to
         body = {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest", "spec": spec}
         resp = self.call("POST", f"/api/v1/namespaces/{namespace}/serviceaccounts/{name}/token",
                          body=body).ok()

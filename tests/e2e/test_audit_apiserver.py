@@ -64,6 +64,8 @@ spec:
     allow: [{{serviceAccount: {NS}/{SA_NAME}}}]
     rules:
       - {{name: no-secrets, effect: deny, resources: [secrets]}}
+      - {{name: no-posts, effect: deny, verbs: [post]}}
+      - {{name: no-rs-scale, effect: deny, apiGroups: [apps], resources: [replicasets/scale]}}
       - {{name: all, verbs: ["*"], resources: ["*"]}}
   audit:
     level: None
@@ -78,6 +80,7 @@ class Setup:
     apiserver_log: Path
     opgate_log: Path
     token: str
+    bound: dict[str, str]  # tokens bound to objects, by what they are bound to (BOUND)
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +103,9 @@ def setup(kube_binaries: KubeBinaries,
                   "resources": ["configmaps", "events", "deployments", "deployments/scale",
                                 "deployments/status"]},
                  {"apiGroups": [""], "resources": ["users"], "verbs": ["impersonate"],
-                  "resourceNames": ["bob"]}]
+                  "resourceNames": ["bob"]},
+                 {"apiGroups": ["authentication.k8s.io"], "verbs": ["impersonate"],
+                  "resources": ["userextras/scopes", "userextras/example.com/team"]}]
         cluster.create_service_account_with_rbac(NS, SA_NAME, rules, cluster_wide=True)
         token_file = base / "opgate-token"
         token_file.write_text(cluster.admin_token)
@@ -110,11 +115,44 @@ def setup(kube_binaries: KubeBinaries,
                             extra_args=["--token-file", str(token_file),
                                         "--audit-log", str(opgate_log)])
         yield Setup(cluster=cluster, gate=gate, apiserver_log=apiserver_log,
-                    opgate_log=opgate_log, token=cluster.token_request(NS, SA_NAME))
+                    opgate_log=opgate_log, token=cluster.token_request(NS, SA_NAME),
+                    bound=bound_tokens(cluster))
     finally:
         if gate is not None:
             gate.stop()
         cluster.stop()
+
+
+NODE = "audit-node"
+# what a token is bound to → the keys of user.extra the apiserver gives it, besides its
+# credential id (every TokenRequest token has a jti)
+BOUND: dict[str, tuple[str, ...]] = {
+    "pod-on-node": ("node-name", "node-uid", "pod-name", "pod-uid"),
+    "pod-on-missing-node": ("node-name", "pod-name", "pod-uid"),  # TokenRequest found no Node
+    "pod-unscheduled": ("pod-name", "pod-uid"),
+    "node": ("node-name", "node-uid"),
+    "secret": (),
+}
+
+
+def bound_tokens(cluster: LocalCluster) -> dict[str, str]:
+    """A token of the compared ServiceAccount bound to each kind of object (:data:`BOUND`),
+    as a kubelet asks for a pod's projected token."""
+    cluster.apply({"apiVersion": "v1", "kind": "Node", "metadata": {"name": NODE}})
+    node_of = {"pod-on-node": NODE, "pod-on-missing-node": "no-such-node", "pod-unscheduled": ""}
+    for name, node in node_of.items():
+        cluster.apply({"apiVersion": "v1", "kind": "Pod",
+                       "metadata": {"name": name, "namespace": NS},
+                       "spec": {"serviceAccountName": SA_NAME,
+                                **({"nodeName": node} if node else {}),
+                                "containers": [{"name": "c", "image": "x"}]}})
+    cluster.apply({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "bound-to",
+                                                                       "namespace": NS}})
+    refs = {**{name: {"kind": "Pod", "name": name} for name in node_of},
+            "node": {"kind": "Node", "name": NODE}, "secret": {"kind": "Secret",
+                                                                "name": "bound-to"}}
+    return {what: cluster.token_request(NS, SA_NAME, bound_to={"apiVersion": "v1", **ref})
+            for what, ref in refs.items()}
 
 
 def read_events(path: Path) -> list[dict[str, Any]]:
@@ -160,8 +198,6 @@ def normalize(ours: dict[str, Any], theirs: dict[str, Any]) -> tuple[dict[str, A
     assert ours.pop("annotations")["opgate.dev/decision"] in ("allowed", "denied",
                                                                "unauthorized")
     theirs.pop("annotations", None)
-    # the apiserver adds the credential's id (user.extra) from its token lookup
-    theirs["user"].pop("extra", None)
     # responseObject: opgate streams response bodies (RequestResponse logs what Request does)
     assert "responseObject" not in ours
     theirs.pop("responseObject", None)
@@ -232,6 +268,9 @@ def calls() -> list[tuple[str, str, Any, str | None, dict[str, str], int]]:
         ("POST", f"{CM}?dryRun=All", configmap("dry"), None, {}, 201),
         ("GET", f"{CM}/missing", None, None, {}, 404),
         ("GET", f"{CM}/a", None, None, {"Impersonate-User": "bob"}, 403),
+        ("GET", f"{CM}/a", None, None, {"Impersonate-User": "bob",
+                                        "Impersonate-Extra-Scopes": "view",
+                                        "Impersonate-Extra-Example.com%2fteam": "a"}, 403),
         ("POST", f"/api/v1/namespaces/{NS}/events",
          {"apiVersion": "v1", "kind": "Event", "metadata": {"name": "e1"},
           "involvedObject": {"kind": "ConfigMap", "name": "a", "namespace": NS},
@@ -266,26 +305,73 @@ def test_each_event_is_the_apiservers_for_the_same_call(setup: Setup) -> None:
         assert_same(a, b, key)
 
 
+@pytest.mark.parametrize(("method", "path", "rule", "denial", "details"), [
+    ("GET", f"/api/v1/namespaces/{NS}/secrets", "no-secrets", "secrets is forbidden",
+     {"kind": "secrets"}),
+    ("GET", f"/api/v1/namespaces/{NS}/secrets/s", "no-secrets", 'secrets "s" is forbidden',
+     {"name": "s", "kind": "secrets"}),
+    ("PATCH", f"/apis/apps/v1/namespaces/{NS}/replicasets/r/scale", "no-rs-scale",
+     'replicasets.apps "r" is forbidden', {"name": "r", "group": "apps", "kind": "replicasets"}),
+    ("POST", "/apis", "no-posts", "forbidden: User", {}),
+], ids=["list", "named", "group-subresource", "non-resource"])
 def test_a_call_opgate_denies_is_logged_as_the_apiserver_logs_its_own_denial(
-        setup: Setup) -> None:
-    """The same list of secrets: through opgate (its rule denies) and straight to the
-    apiserver (RBAC denies): the same event but for the Status' message and details."""
-    path = f"/api/v1/namespaces/{NS}/secrets"
-    assert send(setup, "deny-opgate", "GET", path) == 403
-    assert send(setup, "deny-apiserver", "GET", path, server=setup.cluster.url) == 403
-    ours = by_id(setup.opgate_log, {("deny-opgate", "ResponseComplete")})[
-        ("deny-opgate", "ResponseComplete")]
-    theirs = by_id(setup.apiserver_log, {("deny-apiserver", "ResponseComplete")})[
-        ("deny-apiserver", "ResponseComplete")]
+        setup: Setup, method: str, path: str, rule: str, denial: str,
+        details: dict[str, str]) -> None:
+    """The same call through opgate (its rule denies) and straight to the apiserver (RBAC
+    denies): the same Status but for its message (opgate's names its rule) and the same
+    event, ``responseStatus.details`` included, but for that message. client-go and kubectl
+    read the Status' reason and code (tests/e2e/test_clientgo.py); its details are the
+    apiserver's."""
+    body = {"spec": {"replicas": 1}} if method == "PATCH" else {} if method == "POST" else None
+    ctype = "application/merge-patch+json" if method == "PATCH" else None
+    mine = f"deny-{rule}-{method}-{path}"
+    answers = {}
+    for audit_id, server in ((f"{mine}-opgate", setup.gate.url),
+                             (f"{mine}-apiserver", setup.cluster.url)):
+        resp = setup.cluster.call(method, path, body=body, content_type=ctype, token=setup.token,
+                                  server=server, headers={"Audit-ID": audit_id,
+                                                          "User-Agent": "audit-cmp/1.0"})
+        assert resp.status == 403, (server, resp.body)
+        answers[server] = resp.json()
+    ours_body, theirs_body = answers[setup.gate.url], answers[setup.cluster.url]
+    assert rule in ours_body.pop("message")
+    assert theirs_body.pop("message").startswith(denial)
+    assert_same(ours_body, theirs_body)  # the same fields, in the same order
+    assert theirs_body["details"] == details
+    key = (f"{mine}-opgate", "ResponseComplete")
+    ours = by_id(setup.opgate_log, {key})[key]
+    theirs = by_id(setup.apiserver_log, {(f"{mine}-apiserver", "ResponseComplete")})[
+        (f"{mine}-apiserver", "ResponseComplete")]
     assert ours["annotations"]["opgate.dev/decision"] == "denied"
-    assert "no-secrets" in ours["responseStatus"].pop("message")
-    assert theirs["responseStatus"].pop("message").startswith("secrets is forbidden")
-    theirs["responseStatus"].pop("details")  # {"kind": "secrets"}: opgate's Status has none
-    theirs["auditID"] = "deny-opgate"
+    assert rule in ours["responseStatus"].pop("message")
+    assert theirs["responseStatus"].pop("message").startswith(denial)
+    theirs["auditID"] = key[0]
     a, b = normalize(ours, theirs)
     assert_same(a, b)
     assert b["responseStatus"] == {"metadata": {}, "status": "Failure", "reason": "Forbidden",
-                                   "code": 403}
+                                   "details": details, "code": 403}
+
+
+@pytest.mark.parametrize("bound", sorted(BOUND))
+def test_user_extra_is_the_apiservers_for_tokens_bound_to_objects(setup: Setup,
+                                                                  bound: str) -> None:
+    """``user.extra`` of a token bound to a pod (on a node, on a node that does not exist, on
+    none), to a node, to a secret: the apiserver's own for the same call, key by key (the
+    plain token's credential id: every call of the first test)."""
+    audit_id = f"extra-{bound}"
+    resp = setup.cluster.call("GET", f"{CM}?labelSelector=extra%3D{bound}",
+                              token=setup.bound[bound], server=setup.gate.url,
+                              headers={"Audit-ID": audit_id, "User-Agent": "audit-cmp/1.0"})
+    assert resp.status == 200
+    key = (audit_id, "ResponseComplete")
+    ours = by_id(setup.opgate_log, {key})[key]
+    theirs = by_id(setup.apiserver_log, {key})[key]
+    prefix = "authentication.kubernetes.io/"
+    assert list(theirs["user"]["extra"]) == [
+        prefix + k for k in sorted(("credential-id", *BOUND[bound]))]
+    assert theirs["user"]["extra"][prefix + "credential-id"][0].startswith("JTI=")
+    a, b = normalize(ours, theirs)
+    assert_same(a, b)
 
 
 def test_an_invalid_token_is_logged_as_the_apiserver_logs_its_own_401(setup: Setup) -> None:
