@@ -470,6 +470,8 @@ def test_an_opgate_denial_is_forbidden_to_client_go(ns: str, clientgo: Path,
     (err,) = of(lines, "error")
     assert (err["code"], err["reason"], err["forbidden"]) == (403, "Forbidden", True), err
     assert 'rule "no-secrets"' in err["message"] and "enforce.yaml" in err["message"]
+    # the apiserver's own details (a create names no object: the name is in the body)
+    assert err["details"] == {"name": "", "group": "", "kind": "secrets"}, err
 
 
 def test_dryrun_warnings_reach_the_warning_handler(ns: str, clientgo: Path,
@@ -503,6 +505,7 @@ def test_a_quota_counts_client_gos_protobuf_creates_once(ns: str, clientgo: Path
         assert err["message"] == (
             f'configmaps "{name}" is forbidden: exceeded quota: four-configmaps, requested: '
             "count/configmaps=1, used: count/configmaps=4, limited: count/configmaps=4"), err
+        assert err["details"] == {"name": name, "group": "", "kind": "configmaps"}, err
     # server-side apply: to an object that exists it is an update, else a create that counts
     applied = run(clientgo, "apply", kubeconfig, "--namespace", quota_ns, "--name", "q-0",
                   "--data", "a=1")

@@ -90,6 +90,7 @@ func emitError(op string, err error) {
 		fields["code"] = status.Status().Code
 		if d := status.Status().Details; d != nil {
 			fields["retryAfterSeconds"] = d.RetryAfterSeconds
+			fields["details"] = map[string]any{"name": d.Name, "group": d.Group, "kind": d.Kind}
 		}
 	}
 	emit("error", fields)
