@@ -4,7 +4,8 @@ A cluster of this module's own (the session one has no audit flags) runs kube-ap
 ``--audit-log-path`` and ``--audit-policy-file``; an opgate in front of it verifies the caller's
 ServiceAccount token and logs with ``spec.audit`` at the same levels (configmaps at
 RequestResponse, deployments at Request, the rest at Metadata; the apiserver's Policy omits no
-stage, so it also writes RequestReceived, which opgate never does). Each call sends its own
+stage, so it also writes RequestReceived, which opgate never does); a second one accepts no
+issuer's keys, so the apiserver vouches for every token (TokenReview). Each call sends its own
 ``Audit-ID``, so the apiserver's event and opgate's for one call share it and are paired by it.
 Both are compared field by field, in the JSON's order, after :func:`normalize`, which takes out
 exactly what legitimately differs (each item says why; the README's "Audit" section lists them too).
@@ -81,6 +82,8 @@ class Setup:
     opgate_log: Path
     token: str
     bound: dict[str, str]  # tokens bound to objects, by what they are bound to (BOUND)
+    reviewing: Opgate  # an opgate that accepts no issuer's keys: the apiserver vouches for all
+    reviewed_log: Path
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +99,7 @@ def setup(kube_binaries: KubeBinaries,
         cluster.start()
     except RuntimeError as exc:
         pytest.fail(f"the audited kube-apiserver did not start: {exc}", pytrace=False)
-    gate = None
+    gate = reviewing = None
     try:
         cluster.create_namespace(NS)
         rules = [{"apiGroups": ["", "apps"], "verbs": ["*"],
@@ -114,12 +117,19 @@ def setup(kube_binaries: KubeBinaries,
         gate = start_opgate(cluster, base / "opgate", policies={"audit.yaml": OPGATE_POLICY},
                             extra_args=["--token-file", str(token_file),
                                         "--audit-log", str(opgate_log)])
+        reviewed_log = base / "reviewed-audit.log"
+        reviewing = start_opgate(
+            cluster, base / "reviewing",
+            policies={"audit.yaml": OPGATE_POLICY.replace("issuers: [{kubernetes: {}}]",
+                                                          "issuers: []")},
+            extra_args=["--token-file", str(token_file), "--audit-log", str(reviewed_log)])
         yield Setup(cluster=cluster, gate=gate, apiserver_log=apiserver_log,
                     opgate_log=opgate_log, token=cluster.token_request(NS, SA_NAME),
-                    bound=bound_tokens(cluster))
+                    bound=bound_tokens(cluster), reviewing=reviewing, reviewed_log=reviewed_log)
     finally:
-        if gate is not None:
-            gate.stop()
+        for started in (gate, reviewing):
+            if started is not None:
+                started.stop()
         cluster.stop()
 
 
@@ -417,3 +427,23 @@ def test_a_call_without_an_audit_id_has_one_name_in_both_logs(setup: Setup) -> N
     audit_id = {k.lower(): v for k, v in denied.headers.items()}["audit-id"]
     key = (audit_id, "ResponseComplete")
     assert by_id(setup.opgate_log, {key})[key]["responseStatus"]["code"] == 403
+
+
+@pytest.mark.parametrize("bound", ["plain", "pod-on-node"])
+def test_user_extra_of_a_token_the_apiserver_vouched_for_is_its_own(setup: Setup,
+                                                                     bound: str) -> None:
+    """An opgate that verifies no token itself (``issuers: []``) asks the apiserver (a
+    TokenReview): ``user.extra`` is its ``status.user.extra``, the same as the apiserver
+    logs for the call."""
+    audit_id = f"reviewed-{bound}"
+    token = setup.token if bound == "plain" else setup.bound[bound]
+    resp = setup.cluster.call("GET", f"{CM}?labelSelector=reviewed%3D{bound}", token=token,
+                              server=setup.reviewing.url,
+                              headers={"Audit-ID": audit_id, "User-Agent": "audit-cmp/1.0"})
+    assert resp.status == 200
+    key = (audit_id, "ResponseComplete")
+    ours = by_id(setup.reviewed_log, {key})[key]
+    theirs = by_id(setup.apiserver_log, {key})[key]
+    assert len(theirs["user"]["extra"]) == 1 + len(BOUND.get(bound, ()))
+    a, b = normalize(ours, theirs)
+    assert_same(a, b)
