@@ -382,6 +382,12 @@ IDENTITY_DENIALS = Counter(
     "opgate_identity_denials_total", "Calls refused by the identity middleware.", ["reason"],
     registry=REGISTRY,
 )
+TOKEN_REVIEWS = Counter(
+    "opgate_identity_token_reviews_total", "TokenReviews the identity middleware asked, by "
+    "answer: authenticated, rejected, error (no answer); busy: not asked, none of the "
+    "TokenReviews allowed at once was free in time.", ["result"],
+    registry=REGISTRY,
+)
 POLICY_RELOADS = Counter(
     "opgate_policy_reloads_total", "Policy reload attempts.", ["result"], registry=REGISTRY,
 )

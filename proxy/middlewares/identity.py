@@ -17,7 +17,17 @@ A JWT of an accepted issuer is verified here (asymmetric signatures only, ``iss`
 ``exp``/``nbf`` with 30 s of leeway) with the keys the :class:`Authenticator` fetches; any other
 token goes to the apiserver (a TokenReview) and the apiserver decides, and so does a
 service-account token of a key opgate has not fetched (yet: it fetches at most every
-``retry_seconds``), so a signing-key rotation refuses no valid token.
+``retry_seconds``), so a signing-key rotation refuses no valid token. Its refusals are cached
+too (``NEGATIVE_TTL``, by digest): a bad token repeated costs one TokenReview. At most
+``REVIEWS_IN_FLIGHT`` TokenReviews are in flight at once (per process), so a flood of distinct
+tokens is not a flood of TokenReviews: a verification waits up to ``REVIEW_WAIT`` for its turn,
+then the call gets ``429`` with ``Retry-After: 1`` (goes on under ``failure: open``). ``429``
+because that is how the apiserver sheds load itself (max-in-flight and API Priority and
+Fairness answer ``429``, ``Retry-After: 1``; so do opgate's rate limits), and client-go waits and
+retries it. Not the ``503`` without ``Retry-After`` opgate answers when the apiserver cannot be
+asked (client-go does not retry it), nor the ``401`` the apiserver answers when its own token
+webhook is overloaded (a failed webhook call is a failed authentication): a client would take its
+token for bad.
 PyJWT (and cryptography) are imported the first time a token that looks like a JWT is verified.
 
 Then each policy with an identity section must pass, in order: the token is accepted (401
@@ -51,7 +61,13 @@ from proxy.engine import telemetry
 from proxy.engine.chain import Maybe
 from proxy.engine.context import Decision, Deny, Identity, RequestContext
 from proxy.engine.requestinfo import RequestInfo, Shape
-from proxy.engine.status import call_details, forbidden, service_unavailable, unauthorized
+from proxy.engine.status import (
+    call_details,
+    forbidden,
+    service_unavailable,
+    too_many_requests,
+    unauthorized,
+)
 from proxy.middlewares.identity_spec import (
     KUBERNETES,
     SECTION,
@@ -74,6 +90,8 @@ NEGATIVE_TTL = 10.0
 SAR_TTL = 10.0
 CACHE_SIZE = 4096
 ALLOWED_SHAPES = 256  # per cached token: the call shapes every policy allowed
+REVIEWS_IN_FLIGHT = 8  # TokenReviews at once (per process)
+REVIEW_WAIT = 1.0  # seconds a verification waits for one of them, then 429
 
 
 class Authenticator(Protocol):
@@ -102,6 +120,10 @@ class _Verified:
 
 class _Invalid(Exception):
     """The token is not acceptable; the message says why and never holds the token."""
+
+
+class _Busy(Exception):
+    """``REVIEWS_IN_FLIGHT`` TokenReviews stayed in flight for ``REVIEW_WAIT``: ask again."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,6 +197,7 @@ class IdentityCheck:
         self._tokens: OrderedDict[bytes, _Verified] = OrderedDict()
         self._inflight: dict[bytes, asyncio.Future[_Verified]] = {}
         self._sar: OrderedDict[tuple[Any, ...], tuple[bool, str, float]] = OrderedDict()
+        self._review_slots = asyncio.Semaphore(REVIEWS_IN_FLIGHT)
         self._plan_for: object = None
         self._plan = _Plan((), {}, None)
 
@@ -230,6 +253,9 @@ class IdentityCheck:
                 problem = f"invalid bearer token: {str(exc).replace(token, '<token>')}"
             except asyncio.CancelledError:
                 raise
+            except _Busy:
+                return self._unavailable(ctx, plan, "too many TokenReviews in flight", token,
+                                         busy=True)
             except Exception as exc:  # the authenticator cannot tell now
                 return self._unavailable(ctx, plan, f"{type(exc).__name__}: {exc}", token)
         if verified is not None:
@@ -298,7 +324,8 @@ class IdentityCheck:
         return 403, "no_rule", (f'user "{identity.user}" cannot {_action(info, verb)}: no rule '
                                 f"of {where} matches (spec.identity.rules at {spec.rules_where})")
 
-    def _unavailable(self, ctx: RequestContext, plan: _Plan, why: str, token: str) -> Deny | None:
+    def _unavailable(self, ctx: RequestContext, plan: _Plan, why: str, token: str, *,
+                     busy: bool = False) -> Deny | None:
         why = why.replace(token, "<token>")
         log.warning("cannot verify a token now (%s %s, trace %s): %s", ctx.method, ctx.path,
                     ctx.trace_id, why)
@@ -306,9 +333,12 @@ class IdentityCheck:
             if policy.dryrun:
                 ctx.warn(f"policy {policy.name} could not verify the caller (dryrun)")
             elif policy.failure != "open":
-                return Deny(service_unavailable(
-                    f'opgate: cannot verify the caller now (policy "{policy.name}", '
-                    f"{policy.source}); try again"), "unauthorized")
+                what = ("too many tokens to verify at once" if busy
+                        else "cannot verify the caller now")
+                message = f'opgate: {what} (policy "{policy.name}", {policy.source}); try again'
+                if busy:  # see the module docstring
+                    return Deny(too_many_requests(message, retry_after=1), "throttled")
+                return Deny(service_unavailable(message), "unauthorized")
         return None
 
     # --- verification (cached) --------------------------------------------------------------
@@ -421,7 +451,22 @@ class IdentityCheck:
         return _Verified(identity, issuer.key, iss, audiences, self._expiry(claims))
 
     async def _review(self, token: str, claims: Mapping[str, Any]) -> _Verified:
-        result = await self.auth.token_review(token)
+        """A TokenReview, once one of ``REVIEWS_IN_FLIGHT`` is free (module docstring)."""
+        slots = self._review_slots
+        try:
+            async with asyncio.timeout(REVIEW_WAIT):
+                await slots.acquire()
+        except TimeoutError:
+            telemetry.TOKEN_REVIEWS.labels("busy").inc()
+            raise _Busy from None
+        try:
+            result = await self.auth.token_review(token)
+        except Exception:
+            telemetry.TOKEN_REVIEWS.labels("error").inc()
+            raise
+        finally:
+            slots.release()
+        telemetry.TOKEN_REVIEWS.labels("rejected" if result is None else "authenticated").inc()
         if result is None:
             return _Verified(None, TOKENREVIEW, "", (), time.monotonic() + NEGATIVE_TTL)
         identity, audiences = result
