@@ -1,7 +1,9 @@
 """The identity middleware (``spec.identity``): who is calling, and may they make this call?
 
-First in the chain. It takes the bearer token of ``Authorization`` (never logged, never put in a
-message), verifies it once, and caches the result (keyed by a BLAKE2b-256 digest of the token,
+First in the chain. It takes the bearer token of ``Authorization`` or, when that one does not
+authenticate, of a WebSocket upgrade's ``base64url.bearer.authorization.k8s.io.`` subprotocol (the
+apiserver's order and rules: :mod:`proxy.engine.subprotocol`) — never logged, never put in a
+message — verifies it once, and caches the result (keyed by a BLAKE2b-256 digest of the token,
 never the token itself, until the token expires or 5 minutes, whichever is first), so a known
 token costs a hash, a dict lookup and the rule matching. BLAKE2b rather than SHA-256: CPython's
 own BLAKE2b is compact code, while ``hashlib.sha256`` goes through OpenSSL's provider machinery
@@ -53,7 +55,7 @@ import hashlib
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -68,6 +70,7 @@ from proxy.engine.status import (
     too_many_requests,
     unauthorized,
 )
+from proxy.engine.subprotocol import subprotocol_token
 from proxy.middlewares.identity_spec import (
     KUBERNETES,
     SECTION,
@@ -174,6 +177,32 @@ def _bearer_bytes(headers: Mapping[str, str]) -> bytes | None:
     return rest.partition(b" ")[0] or None
 
 
+def _credentials(headers: Mapping[str, str], key: bytes | None,
+                 problems: list[str]) -> Iterator[tuple[str, bytes]]:
+    """The caller's tokens, with their cache keys, in the apiserver's order: ``Authorization``'s,
+    then a WebSocket upgrade's subprotocol token (a subprotocol the apiserver refuses adds its
+    message to ``problems``). The apiserver's caller is the first that authenticates; opgate's
+    too, but with both, a second that authenticates must be the same user: the apiserver may
+    refuse a token opgate accepts (of a ServiceAccount deleted since, say) and then run the call
+    as the other one."""
+    bearer = _bearer(headers)
+    if bearer is not None:  # (key: _bearer_bytes's, which agrees with _bearer)
+        yield bearer, key if key is not None else _token_key(bearer.encode())
+    if "Upgrade" in headers:  # (subprotocol_token: None unless a WebSocket upgrade)
+        try:
+            token = subprotocol_token(headers)
+        except ValueError as exc:
+            problems.append(f"invalid bearer token: {exc}")
+            return
+        if token is not None and token != bearer:
+            yield token, _token_key(token.encode())
+
+
+def _same_caller(one: Identity | None, other: Identity | None) -> bool:
+    return (one is not None and other is not None and one.user == other.user
+            and set(one.groups) == set(other.groups))
+
+
 def _action(info: RequestInfo, verb: str) -> str:
     """The call in the apiserver's words (``create resource "configmaps" in API group ""…``)."""
     if not info.is_resource_request:
@@ -232,7 +261,8 @@ class IdentityCheck:
             # a live token (negative entries allow nothing) that every policy already let make
             # a call of this shape: nothing else to work out
             if (hit is not None and ctx.info.shape in hit.allowed
-                    and hit.expires > time.monotonic()):
+                    and hit.expires > time.monotonic()
+                    and "Sec-WebSocket-Protocol" not in ctx.headers):  # (see _credentials)
                 hit.used = True  # instead of move_to_end (see the module docstring)
                 ctx.identity = hit.identity
                 return None
@@ -241,16 +271,14 @@ class IdentityCheck:
     async def _decide(self, ctx: RequestContext, plan: _Plan,
                       key: bytes | None) -> Decision | None:
         """Every check, for a call that the remembered shapes of its token do not cover."""
-        token = _bearer(ctx.headers)
         verified: _Verified | None = None
-        problem = "no bearer token in the Authorization header"
-        if token is not None:
-            if key is None:  # _bearer_bytes and _bearer agree; this only keeps _verify safe
-                key = _token_key(token.encode())
+        problems: list[str] = []
+        for token, token_key in _credentials(ctx.headers, key, problems):
             try:
-                verified = await self._verify(token, key, plan)
+                found = await self._verify(token, token_key, plan)
             except _Invalid as exc:
-                problem = f"invalid bearer token: {str(exc).replace(token, '<token>')}"
+                problems.append(f"invalid bearer token: {str(exc).replace(token, '<token>')}")
+                continue
             except asyncio.CancelledError:
                 raise
             except _Busy:
@@ -258,12 +286,20 @@ class IdentityCheck:
                                          busy=True)
             except Exception as exc:  # the authenticator cannot tell now
                 return self._unavailable(ctx, plan, f"{type(exc).__name__}: {exc}", token)
+            if verified is None:
+                verified = found
+            elif not _same_caller(verified.identity, found.identity):  # see _credentials
+                verified = None
+                problems[:] = ["the Authorization header and the WebSocket subprotocol carry "
+                               "tokens of different users"]
+                break
+        problem = "; ".join(problems) or "no bearer token in the Authorization header"
         if verified is not None:
             ctx.identity = verified.identity
         sar: list[tuple[bool, str]] = []  # one SubjectAccessReview per call, if any policy asks
         silent = True  # no policy denied nor warned
         for policy, spec in plan.section:
-            denial = self._check(ctx, spec, policy, verified, problem, token is None)
+            denial = self._check(ctx, spec, policy, verified, problem, not problems)
             if denial is None and spec.subject_access_review and verified is not None:
                 try:
                     denial = await self._sar_denial(ctx, policy, verified.identity, sar)
