@@ -26,6 +26,7 @@ from proxy.engine.chain import Chain, settle
 from proxy.engine.context import RequestContext
 from proxy.engine.requestinfo import parse_request_info
 from proxy.engine.status import StatusError, bad_request, internal_error
+from proxy.engine.subprotocol import carries_token
 from proxy.engine.telemetry import publish_levels
 from proxy.relay import errors, tunnel
 from proxy.relay.aftercare import CLIENT_GONE, Aftercare
@@ -251,8 +252,13 @@ class Relay:
     def upstream_headers(
         self, request: web.BaseRequest, ctx: RequestContext, *, upgrade: bool
     ) -> CIMultiDict[str]:
-        """Request headers for the upstream, with opgate's token when the client sent none."""
-        auth = None if "Authorization" in request.headers else self._token.authorization()
+        """Request headers for the upstream, with opgate's token when the client sent none (no
+        ``Authorization``, no WebSocket bearer-token subprotocol: see :func:`carries_token`)."""
+        headers = request.headers
+        own = "Authorization" in headers or (
+            "Sec-WebSocket-Protocol" in headers
+            and any(map(carries_token, headers.getall("Sec-WebSocket-Protocol"))))
+        auth = None if own else self._token.authorization()
         return for_upstream(request.headers, ctx, authorization=auth, upgrade=upgrade)
 
     async def _relay(self, request: web.BaseRequest, ctx: RequestContext) -> web.StreamResponse:

@@ -8,6 +8,7 @@ same answer and neither lets one side's framing differ from the other's.
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 from pathlib import Path
 from typing import Any
@@ -630,3 +631,73 @@ async def test_the_audit_id_names_the_call_upstream_and_on_opgates_own_answers()
         assert raw.startswith(b"HTTP/1.1 403 "), raw[:200]
         _, headers, _ = split(raw)
         assert [v for n, v in headers if n == b"audit-id"] == [want.encode()]
+
+
+WS_TOKEN = "base64url.bearer.authorization.k8s.io." + "c2VjcmV0LXRva2Vu"  # "secret-token"
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("identity", [False, True])
+async def test_a_websocket_subprotocol_token_is_never_joined_by_opgates(
+        tmp_path: Path, identity: bool) -> None:
+    """A WebSocket client (a browser) may send its bearer token as a subprotocol: the call
+    then goes upstream with that header as sent and without opgate's ``--token-file`` token,
+    which the apiserver would read first (and run the call as opgate). With the identity
+    middleware the subprotocol's token is the caller's."""
+    from proxy.middlewares.identity import IdentityCheck
+
+    heads: list[bytes] = []
+
+    async def upgrade(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while head := await reader.readuntil(b"\r\n\r\n"):
+            heads.append(head)
+            if b"Upgrade: websocket" in head:
+                writer.write(b"HTTP/1.1 101 Switching Protocols\r\nConnection: Upgrade\r\n"
+                             b"Upgrade: websocket\r\nSec-WebSocket-Protocol: v4.channel.k8s.io"
+                             b"\r\n\r\n")
+                await writer.drain()
+                await reader.read()  # until the client's end
+                return
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}")
+
+    up = await RawUpstream(upgrade).start()
+    token = sa_token()
+    encoded = base64.urlsafe_b64encode(token.encode()).rstrip(b"=")
+    protocols = b"v4.channel.k8s.io, base64url.bearer.authorization.k8s.io." + encoded
+    middlewares = (IdentityCheck(authenticator=FakeAuth()),) if identity else ()
+    policies = Policies(policy_set(tmp_path, policy())) if identity else None
+    upgrade_request = (b"GET /api/v1/namespaces/team-a/configmaps?watch=true "  # (a browser's)
+                       b"HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n"
+                       b"Sec-WebSocket-Version: 13\r\nSec-WebSocket-Key: dGhlIHNhbXBsZQ==\r\n"
+                       b"Sec-WebSocket-Protocol: " + protocols + b"\r\n"
+                       b"Sec-WebSocket-Protocol: base64.channel.k8s.io\r\n\r\n")
+    try:
+        async with running_proxy(up.url, token="opgate-own-token", middlewares=middlewares,
+                                 policies=policies) as proxy:
+            host, port = proxy.url.removeprefix("http://").split(":")
+            reader, writer = await asyncio.open_connection(host, int(port))
+            writer.write(upgrade_request)
+            status, _ = await read_head(reader)
+            writer.close()
+            if not identity:  # (the identity policy's rules do not allow these two)
+                # a plain call with such a header (the apiserver ignores it there) is the
+                # client's, not opgate's, too; one with other subprotocols only is opgate's
+                plain = await raw_call(proxy.url, b"GET /api/v1/pods HTTP/1.1\r\nHost: x\r\n"
+                                                  b"Sec-WebSocket-Protocol: " + WS_TOKEN.encode()
+                                                  + b", x\r\nConnection: close\r\n\r\n")
+                other = await raw_call(proxy.url, b"GET /api/v1/pods HTTP/1.1\r\nHost: x\r\n"
+                                                  b"Sec-WebSocket-Protocol: v4.channel.k8s.io"
+                                                  b"\r\nConnection: close\r\n\r\n")
+                assert plain.startswith(b"HTTP/1.1 200 ") and other.startswith(b"HTTP/1.1 200 ")
+    finally:
+        await up.close()
+    assert status.startswith("HTTP/1.1 101"), status
+    lines = [line.lower() for line in heads[0].split(b"\r\n")]
+    assert not [line for line in lines if line.startswith(b"authorization:")]
+    assert [line for line in heads[0].split(b"\r\n")
+            if line.lower().startswith(b"sec-websocket-protocol:")] == [
+        b"Sec-WebSocket-Protocol: " + protocols,
+        b"Sec-WebSocket-Protocol: base64.channel.k8s.io"]
+    if not identity:
+        assert b"authorization:" not in heads[1].lower()
+        assert b"\r\nAuthorization: Bearer opgate-own-token\r\n" in heads[2]

@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable, Iterator, Mapping
 from http import HTTPStatus
 
+from proxy.engine.subprotocol import carries_token
+
 __all__ = [
     "NOTHING",
     "Headers",
@@ -182,8 +184,10 @@ def request_head(
     ``named`` are the client's ``Connection`` tokens, ``drop`` the lower-case ``str`` names the
     middlewares removed, ``framing`` the ``Content-Length``/``Transfer-Encoding`` line(s). With
     ``upgrade`` the client's ``Upgrade`` header is kept and ``Connection: Upgrade`` sent.
-    ``authorization`` (opgate's own) is added only when the client sent no ``Authorization``,
-    ``audit_id`` (the trace id) only when it sent no ``Audit-ID``.
+    ``authorization`` (opgate's own) is added only when the client sent no credentials: no
+    ``Authorization`` and no WebSocket bearer-token subprotocol (the apiserver would take
+    opgate's token first: :mod:`proxy.engine.subprotocol`), ``audit_id`` (the trace id) only
+    when it sent no ``Audit-ID``.
     """
     parts = [method, b" ", target, b" HTTP/1.1\r\nHost: ", host, b"\r\n"]
     dropped = {d.encode("latin-1") for d in drop} if drop else NOTHING
@@ -203,6 +207,8 @@ def request_head(
             authorization = None  # and never opgate's instead of them (Connection: Authorization)
         elif low == b"audit-id":  # the client's own names the call in the apiserver's audit log
             audit_id = None
+        elif low == b"sec-websocket-protocol" and carries_token(value):
+            authorization = None  # a token of the client's (the apiserver reads it second)
         if (named and low in named) or (dropped and low in dropped):
             continue
         parts += (name, b": ", value, b"\r\n")
