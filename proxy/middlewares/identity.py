@@ -44,8 +44,9 @@ The outcome of those checks depends only on the verified token and the call's
 :attr:`~proxy.engine.requestinfo.RequestInfo.shape`, so a cached token remembers the shapes
 every policy allowed without a word (no denial, no dryrun warning; never with
 ``subjectAccessReview``, which is asked per object): the next such call costs a hash of the
-token and two lookups. That path (:meth:`IdentityCheck.entry`) hashes the header's bytes as the
-fast relay received them (no decoding of a ~1 KB value, no copies of it), nothing else.
+token and three lookups. That path (:meth:`IdentityCheck.entry`) hashes the header's bytes as the
+fast relay received them (no decoding of a ~1 KB value, no copies of it), nothing else; a call
+with a ``Sec-WebSocket-Protocol`` header does not take it (a second token may be there).
 """
 
 from __future__ import annotations
