@@ -534,8 +534,8 @@ class IdentityCheck:
 
     async def _access_review(self, ctx: RequestContext, identity: Identity) -> tuple[bool, str]:
         info, verb = ctx.info, ctx.info.policy_verb
-        key = (identity.user, identity.groups, verb, info.api_group, info.resource,
-               info.subresource, info.namespace, info.name,
+        key = (identity.user, identity.groups, identity.extra, verb, info.api_group,
+               info.resource, info.subresource, info.namespace, info.name,
                "" if info.is_resource_request else info.path)
         now = time.monotonic()
         hit = self._sar.get(key)
@@ -544,6 +544,8 @@ class IdentityCheck:
         attrs: dict[str, Any] = {"user": identity.user, "groups": list(identity.groups)}
         if identity.uid:
             attrs["uid"] = identity.uid
+        if identity.extra:  # as the apiserver's authorizers see the user (webhooks read it)
+            attrs["extra"] = {key: list(values) for key, values in identity.extra}
         if info.is_resource_request:
             attrs["resourceAttributes"] = {
                 "namespace": info.namespace, "verb": verb, "group": info.api_group,

@@ -354,6 +354,27 @@ def test_subject_access_review_denies_and_is_cached(tmp_path: Path) -> None:
     assert run(check, ctx) is None
 
 
+def test_a_subject_access_review_names_the_users_extra(tmp_path: Path) -> None:
+    """A pod-bound token's extra (credential id, pod) goes to the SubjectAccessReview, as the
+    apiserver's authorizers see it; another pod of the same ServiceAccount is asked anew."""
+    auth = FakeAuth()
+    check, policies = IdentityCheck(authenticator=auth), policy_set(tmp_path, policy(sar=True))
+
+    def bound(pod: str) -> str:
+        body = claims()
+        body["jti"] = f"jti-{pod}"
+        body["kubernetes.io"]["pod"] = {"name": pod, "uid": f"uid-{pod}"}
+        return jwt.encode(body, RSA_KEY, algorithm="RS256", headers={"kid": "k1"})
+
+    for pod in ("p1", "p1", "p2"):
+        assert run(check, ctx_for(policies, "GET", CM + "/c", bound(pod))) is None
+    assert auth.calls.count("sar") == 2  # one per pod: the extra is part of the question
+    assert [attrs["extra"] for attrs in auth.sar_attrs] == [
+        {"authentication.kubernetes.io/credential-id": [f"JTI=jti-{pod}"],
+         "authentication.kubernetes.io/pod-name": [pod],
+         "authentication.kubernetes.io/pod-uid": [f"uid-{pod}"]} for pod in ("p1", "p2")]
+
+
 @pytest.mark.parametrize(("failure", "denied"), [("closed", True), ("open", False)])
 def test_an_unreachable_authenticator(tmp_path: Path, failure: str, denied: bool) -> None:
     auth = FakeAuth()
