@@ -12,6 +12,11 @@ process's own; under the ``--workers`` supervisor (:mod:`proxy.workers`) each ch
 worker's admin over its Unix socket (:func:`unix_get`), ``/debug/policies`` shows what the
 workers run, and ``/metrics`` adds up every worker's (:func:`multiprocess_metrics`).
 
+``/metrics`` is rendered in a thread of its own (:class:`MetricsRenderer`), not on the event
+loop that relays the API calls: a render takes ~17 ms with 600 series, ~220 ms at the bound of
+512 resources, and the loop relayed nothing meanwhile. The thread still takes the GIL, but the
+loop gets it back every ``sys.getswitchinterval()`` (5 ms).
+
 It is served by the fast relay's own HTTP/1.1 server (:class:`~proxy.relay.fast.server.FastServer`,
 httptools), so a sidecar on the default relay never loads an HTTP framework it does not use.
 """
@@ -21,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Awaitable, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextvars import ContextVar
 from dataclasses import dataclass
 from http import HTTPStatus
@@ -35,8 +41,6 @@ from proxy.relay.fast.server import FastServer
 
 ReadyCheck = Callable[[], Awaitable[tuple[bool, str]]]
 PolicyView = Callable[[], Awaitable[dict[str, Any]]]  # what /debug/policies shows
-# the /metrics content type and body for the scraper's Accept header: OpenMetrics when asked
-MetricsRenderer = Callable[[str], tuple[str, bytes]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,28 +54,70 @@ class NamedCheck:
 EXCLUDED: ContextVar[frozenset[str]] = ContextVar("opgate_readyz_excluded", default=frozenset())
 
 
-def _exposition(registry: CollectorRegistry, accept: str) -> tuple[str, bytes]:
-    encode, content_type = choose_encoder(accept)
-    return content_type, encode(registry)
+class MetricsRenderer:
+    """``/metrics``: the content type and body for the scraper's ``Accept`` (OpenMetrics when
+    asked), encoded in a thread of its own, one render at a time; a scrape that asks for the
+    same format while one runs shares its answer.
+
+    ``registry()`` (called in that thread) gives what to encode; ``flush``, if given, runs on
+    the loop just before a render is handed to the thread (:func:`proxy.engine.telemetry.flush`,
+    which touches what only the loop's thread may)."""
+
+    def __init__(self, registry: Callable[[], CollectorRegistry], *,
+                 flush: Callable[[], None] | None = None) -> None:
+        self._registry = registry
+        self._flush = flush
+        self._executor: ThreadPoolExecutor | None = None
+        self._running: dict[str, asyncio.Future[bytes]] = {}  # by content type
+
+    async def __call__(self, accept: str) -> tuple[str, bytes]:
+        encode, content_type = choose_encoder(accept)
+        running = self._running.get(content_type)
+        if running is None or running.done():
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(1, thread_name_prefix="opgate-metrics")
+            if self._flush is not None:
+                self._flush()
+            registry = self._registry
+            running = asyncio.get_running_loop().run_in_executor(
+                self._executor, lambda: encode(registry()))
+            self._running[content_type] = running
+            running.add_done_callback(self._finished(content_type))
+        # shielded: a scraper that goes away does not cancel the render the others wait for
+        return content_type, await asyncio.shield(running)
+
+    def _finished(self, content_type: str) -> Callable[[asyncio.Future[bytes]], None]:
+        def forget(done: asyncio.Future[bytes]) -> None:
+            if self._running.get(content_type) is done:
+                del self._running[content_type]
+
+        return forget
+
+    def close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+            self._executor = None
 
 
-def registry_metrics(registry: CollectorRegistry) -> MetricsRenderer:
+def registry_metrics(registry: CollectorRegistry, *,
+                     flush: Callable[[], None] | None = None) -> MetricsRenderer:
     """``/metrics`` of this process: the metrics in ``registry``."""
-    return lambda accept: _exposition(registry, accept)
+    return MetricsRenderer(lambda: registry, flush=flush)
 
 
 def multiprocess_metrics(path: str) -> MetricsRenderer:
     """``/metrics`` summed over the worker processes that write into ``path``
     (``PROMETHEUS_MULTIPROC_DIR``): counters and histograms add up, gauges as each one's
-    ``multiprocess_mode`` says."""
+    ``multiprocess_mode`` says. (Files of a worker that died are read as they are: its
+    counters still count; the supervisor removes its live gauges' files.)"""
     from prometheus_client import multiprocess
 
-    def render(accept: str) -> tuple[str, bytes]:
-        registry = CollectorRegistry()
-        multiprocess.MultiProcessCollector(registry, path=path)  # type: ignore[no-untyped-call]
-        return _exposition(registry, accept)
+    def registry() -> CollectorRegistry:
+        summed = CollectorRegistry()
+        multiprocess.MultiProcessCollector(summed, path=path)  # type: ignore[no-untyped-call]
+        return summed
 
-    return render
+    return MetricsRenderer(registry)
 
 
 async def unix_get(socket_path: str, path: str, *, within: float = 2.0) -> tuple[int, str]:
@@ -175,6 +221,10 @@ class AdminApp:
             "/readyz": self._readyz, "/debug/policies": self._policies,
         }
 
+    def close(self) -> None:
+        """Stop the render thread (a render under way finishes in it)."""
+        self._render.close()
+
     def shutting_down(self) -> None:
         """From now on ``/readyz`` fails (``shutdown``, as the apiserver's does while it
         drains): kubelet takes the pod out of its Services' endpoints while the calls in flight
@@ -201,7 +251,7 @@ class AdminApp:
 
     async def _metrics(self, _: dict[str, list[str]], req: Request) -> Answer:
         accept = b", ".join(value for name, value in req.headers if name.lower() == b"accept")
-        return 200, *self._render(accept.decode("latin-1"))
+        return 200, *await self._render(accept.decode("latin-1"))
 
     async def _healthz(self, *_: object) -> Answer:
         return 200, "text/plain; charset=utf-8", b"ok"
@@ -269,6 +319,7 @@ class AdminListener:
 
     async def cleanup(self) -> None:
         await self.server.close(1.0)
+        self.app.close()
 
 
 async def serve_admin(app: AdminApp, *, listen: str) -> AdminListener:

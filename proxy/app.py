@@ -319,7 +319,8 @@ async def _serve(settings: Settings, *, reuse_port: bool, parent_fd: int | None,
         try:
             admin = await serve_admin(
                 build_admin_app(checks=checks, describe_policies=describe_policies,
-                                render_metrics=registry_metrics(telemetry.REGISTRY)),
+                                render_metrics=registry_metrics(telemetry.REGISTRY,
+                                                               flush=telemetry.flush)),
                 listen=settings.listen.admin_listen)
         except (OSError, ValueError) as exc:
             flag = "--admin-listen" if not tag else "the worker's admin socket"

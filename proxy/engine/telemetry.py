@@ -23,7 +23,10 @@ an update per call. In multiprocess mode the supervisor reads the files, not thi
 supervisor's ``/metrics`` is at most that much behind, and a worker killed by SIGKILL loses at
 most its last 50 ms of counts (a flush per loop iteration measured ~15% more CPU per call with 2
 workers).
-Updates come from the event loop's thread only (as every hot-path update does).
+Updates come from the event loop's thread only (as every hot-path update does), which is the
+main thread: ``flush`` changes what they change, so it runs there only. The admin renders
+``/metrics`` in a thread of its own (:class:`proxy.admin.MetricsRenderer`): it flushes on the
+loop, then hands the render over; a collect in another thread does not flush.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import os
+import threading
 import time
 from bisect import bisect_left
 from collections.abc import Iterable
@@ -284,13 +288,17 @@ class Level:
 
 
 class _Flusher:
-    """Registered first in ``REGISTRY``: whatever collects it sees every pending update."""
+    """Registered first in ``REGISTRY``: whatever collects it on the main thread sees every
+    pending update. Another thread (the admin's render thread) sees what the loop last flushed:
+    a flush there would race the loop's updates (a sum read and reset while the loop adds to
+    it, a series queued while the queue is emptied)."""
 
     def describe(self) -> Iterable[Any]:
         return ()
 
     def collect(self) -> Iterable[Any]:
-        flush()
+        if threading.current_thread() is threading.main_thread():
+            flush()
         return ()
 
 

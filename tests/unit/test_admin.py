@@ -5,13 +5,15 @@ GET/HEAD gets."""
 from __future__ import annotations
 
 import asyncio
+import gc
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.openmetrics.parser import (
     text_string_to_metric_families as openmetrics_families,
 )
@@ -19,12 +21,14 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.admin import (
     AdminListener,
+    MetricsRenderer,
     NamedCheck,
     build_admin_app,
     registry_metrics,
     serve_admin,
     worker_checks,
 )
+from proxy.engine import telemetry
 
 
 async def _passes() -> tuple[bool, str]:
@@ -113,6 +117,101 @@ async def test_metrics_in_the_text_format_or_openmetrics_when_asked(admin: Admin
     assert "\r\nContent-Type: application/openmetrics-text; version=1.0.0" in head
     assert body.endswith("# EOF\n")
     assert _samples(openmetrics_families(body)) == {"opgate_requests_total": 3.0}
+
+
+SERIES = 8000  # ~13 times what a busy sidecar has: a render takes ~100 ms or more
+
+
+async def test_a_metrics_render_leaves_the_event_loop_free() -> None:
+    """/metrics is rendered in a thread: the loop that relays the API calls stalls for a GIL
+    switch interval at a time (5 ms), not for a whole render (~100 ms here); it stalled for
+    every render when the render ran on it. Counts the loop adds meanwhile are not lost."""
+    labels = [("get", "loop.test", f"r{i}", "200", "allowed") for i in range(SERIES)]
+    for key in labels:
+        telemetry.REQUESTS.labels(*key).inc()
+    ticks_key = ("list", "loop.test", "ticks", "200", "allowed")
+    ticking = telemetry.REQUESTS.labels(*ticks_key)
+    app = build_admin_app(checks=[], describe_policies=_no_policies,
+                          render_metrics=registry_metrics(telemetry.REGISTRY,
+                                                          flush=telemetry.flush))
+    listener = await serve_admin(app, listen="127.0.0.1:0")
+    ticks, worst = 0, 0.0
+
+    async def tick() -> None:  # the loop's other work: how late does it get its turn?
+        nonlocal ticks, worst
+        last = time.perf_counter()
+        while True:
+            await asyncio.sleep(0.001)
+            now = time.perf_counter()
+            worst, last = max(worst, now - last), now
+            ticking.inc()
+            ticks += 1
+
+    # as ``opgate serve`` does at start-up (proxy.app.freeze_startup_objects): else a full
+    # collection, which no thread can interrupt, walks pytest's heap and stalls the loop too
+    gc.collect()
+    gc.freeze()
+    ticker = asyncio.create_task(tick())
+    renders, stalls, bodies = [], [], []
+    try:
+        for _ in range(5):
+            started = time.perf_counter()  # what a render costs here, on the loop's thread
+            generate_latest(telemetry.REGISTRY)
+            renders.append(time.perf_counter() - started)
+            await asyncio.sleep(0.01)
+            worst = 0.0
+            bodies.append(await call(listener, "/metrics"))
+            stalls.append(worst)
+        worst = 0.0
+        bodies += await asyncio.gather(*(call(listener, "/metrics") for _ in range(3)))
+        stalls.append(worst)
+        ticker.cancel()
+        counted = telemetry.REGISTRY.get_sample_value(  # (it flushes: on the loop's thread)
+            "opgate_requests_total", dict(zip(telemetry.REQUESTS.metric._labelnames, ticks_key,
+                                              strict=True)))
+    finally:
+        gc.unfreeze()
+        ticker.cancel()
+        await listener.cleanup()
+        for key in [*labels, ticks_key]:
+            telemetry.REQUESTS.metric.remove(*key)
+            del telemetry.REQUESTS._children[key]
+    render = sorted(renders)[len(renders) // 2]
+    # the longest stall of each scrape: at most a few switch intervals (a loaded machine can
+    # stretch one of them: the median must be far below a render, none may reach a render)
+    assert sorted(stalls)[len(stalls) // 2] < render / 3, (stalls, render)
+    assert max(stalls) < render, (stalls, render)
+    assert counted == ticks  # the loop's counts during the renders: none lost
+    assert bodies[-1] == bodies[-2] == bodies[-3]  # scrapes at once share one render
+    for head, body in bodies:
+        assert head.startswith("HTTP/1.1 200")
+        assert body.count('group="loop.test"') == SERIES + 1, "a whole render"
+    for _, body in bodies[-2:]:
+        samples = {(s.name, s.labels.get("resource")): s.value
+                   for family in text_string_to_metric_families(body) for s in family.samples}
+        assert all(samples[("opgate_requests_total", key[2])] == 1.0 for key in labels)
+        assert ("opgate_inflight_requests", None) in samples
+
+
+async def test_concurrent_scrapes_share_one_render() -> None:
+    made = 0
+
+    def registry() -> CollectorRegistry:
+        nonlocal made
+        made += 1
+        time.sleep(0.05)  # (in the render thread)
+        return REGISTRY
+
+    render = MetricsRenderer(registry)
+    try:
+        answers = await asyncio.gather(*(render("") for _ in range(3)))
+        assert made == 1 and len(set(answers)) == 1
+        openmetrics = await render("application/openmetrics-text; version=1.0.0")
+        assert made == 2 and openmetrics[1].endswith(b"# EOF\n")
+        await render("")
+        assert made == 3  # a scrape after a render ended gets a new one
+    finally:
+        render.close()
 
 
 @dataclass

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import threading
 
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -104,6 +105,34 @@ def test_registry_readers_see_pending_updates_without_a_flush() -> None:
     assert telemetry.REGISTRY.get_sample_value("opgate_inflight_requests") == 1
     telemetry.INFLIGHT.dec()
     assert telemetry.REGISTRY.get_sample_value("opgate_inflight_requests") == 0
+
+
+def test_a_collect_in_another_thread_leaves_the_flush_to_the_loops_thread() -> None:
+    """The admin renders /metrics in a thread of its own while the loop updates: a flush there
+    would read and reset sums the loop is adding to. It sees what the loop flushed."""
+    labels = {"verb": "get", "group": "", "resource": "t-thread", "code": "200",
+              "decision": "allowed"}
+    child = telemetry.REQUESTS.labels(*labels.values())
+    before = telemetry.REGISTRY.get_sample_value("opgate_requests_total", labels)
+    child.inc(2)
+    telemetry.INFLIGHT.now += 1
+    seen: list[float | None] = []
+
+    def read() -> None:
+        seen.append(telemetry.REGISTRY.get_sample_value("opgate_requests_total", labels))
+        seen.append(telemetry.REGISTRY.get_sample_value("opgate_inflight_requests"))
+
+    try:
+        reader = threading.Thread(target=read)
+        reader.start()
+        reader.join()
+        assert seen == [before, 0.0]  # still pending: nothing was flushed in that thread
+        assert telemetry.REGISTRY.get_sample_value("opgate_requests_total", labels) == (
+            before or 0.0) + 2
+        assert telemetry.REGISTRY.get_sample_value("opgate_inflight_requests") == 1
+    finally:
+        telemetry.INFLIGHT.now -= 1
+        telemetry.flush()
 
 
 def test_multiprocess_mode_hands_updates_over_within_flush_every(
