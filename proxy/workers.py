@@ -15,7 +15,9 @@ relay), all listening on the API address with ``SO_REUSEPORT`` so the kernel spr
   the rate limits (``--replicas`` x N), since each keeps its own leases and fallback buckets.
 * The admin listener opens once every worker's admin socket answers; a worker that exits before
   that stops everything with its status (a configuration error would only repeat). Later a dead
-  worker is restarted after a backoff (0.5 s, doubling to 30 s while it dies within 10 s).
+  worker is restarted after a backoff (0.5 s, doubling to 30 s while it dies within 10 s); its
+  metric files stay, its counts with them, but its live gauges' files are removed when it is
+  reaped (``mark_process_dead``), else its last in-flight and open-watch levels stayed for ever.
   ``/readyz`` asks each worker's, ``/metrics`` adds all up (:mod:`proxy.admin`).
 * SIGTERM/SIGINT go on to the workers as SIGTERM; each finishes its in-flight calls (a second
   signal is passed on too: each cuts what still runs); the supervisor exits when all have

@@ -20,6 +20,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 from aiohttp import web
+from prometheus_client.mmap_dict import MmapedDict
 from prometheus_client.openmetrics.parser import (
     text_string_to_metric_families as openmetrics_families,
 )
@@ -44,6 +45,7 @@ spec:
 LIST = "/api/v1/namespaces/a/configmaps"
 SLOW = "/api/v1/namespaces/slow/configmaps"
 STUCK = "/api/v1/namespaces/stuck/configmaps"
+WATCH = "/api/v1/namespaces/a/configmaps?watch=true"
 
 
 @pytest.fixture(scope="module")
@@ -55,6 +57,13 @@ def redis_server() -> Iterator[RedisServer]:
 @pytest.fixture
 async def upstream() -> AsyncIterator[str]:
     async def handle(request: web.BaseRequest) -> web.StreamResponse:
+        if request.query.get("watch") == "true":  # a watch that stays open, as the apiserver's
+            response = web.StreamResponse(headers={"Content-Type": "application/json"})
+            await response.prepare(request)
+            await response.write(b'{"type":"BOOKMARK","object":{"kind":"ConfigMap",'
+                                 b'"apiVersion":"v1","metadata":{"resourceVersion":"1"}}}\n')
+            await asyncio.sleep(60.0)
+            return response
         if request.path == SLOW:
             await asyncio.sleep(3.0)
         elif request.path == STUCK:
@@ -227,6 +236,64 @@ async def test_killed_worker_is_restarted(opgate: OpgateProcess) -> None:
     _, metrics = await _get(opgate.admin_url + "/metrics")
     assert _requests_total(metrics) == 180  # the dead worker's calls still count
     assert f"(pid {victim}) was killed by SIGKILL" in opgate.stderr()
+
+
+def _values(metrics_dir: str, kind: str, pid: int) -> dict[str, float]:
+    """What worker ``pid`` wrote to its ``kind`` file (``counter``, ``gauge_livesum``): each
+    sample's name with its labels, and its value."""
+    path = os.path.join(metrics_dir, f"{kind}_{pid}.db")
+    return {json.loads(key)[1] + json.dumps(json.loads(key)[2], sort_keys=True): value
+            for key, value, _, _ in MmapedDict.read_all_values_from_file(path)}
+
+
+def _files(directory: str) -> set[str]:
+    return set(os.listdir(directory))
+
+
+def _sample(metrics: str, name: str) -> float | None:
+    found = re.search(rf"^{name} (\S+)$", metrics, re.M)
+    return float(found.group(1)) if found else None
+
+
+@pytest.mark.asyncio
+async def test_a_killed_workers_gauges_go_its_counts_stay(opgate: OpgateProcess) -> None:
+    """A worker killed while it relays a watch leaves its files behind: its counters must still
+    count (prometheus multiprocess mode), its live gauges (in flight, watches open) must not
+    keep its last values for ever (the supervisor marks its pid dead when it reaps it)."""
+    metrics_dir = os.path.join(_run_dir(min(children(opgate.proc.pid))), "metrics")
+    assert [r.status for r in await _calls(opgate.url, 40)] == [200] * 40
+    await _until(lambda: _get(opgate.admin_url + "/metrics"),
+                 lambda r: _requests_total(r[1]) == 40)
+
+    async def watch() -> None:
+        async with aiohttp.ClientSession() as s, s.get(opgate.url + WATCH) as r:
+            async for _ in r.content:
+                pass
+
+    watching = asyncio.create_task(watch())
+    try:
+        _, metrics = await _until(lambda: _get(opgate.admin_url + "/metrics"),
+                                  lambda r: _sample(r[1], "opgate_watches_open") == 1.0)
+        assert _sample(metrics, "opgate_inflight_requests") == 1.0
+        workers = children(opgate.proc.pid)
+        victim, = (pid for pid in workers
+                   if _values(metrics_dir, "gauge_livesum", pid).get("opgate_watches_open{}"))
+        assert sum(v for k, v in _values(metrics_dir, "counter", victim).items()
+                   if k.startswith("opgate_requests_total")) > 0  # it served some of the 40
+        os.kill(victim, signal.SIGKILL)
+        await _until(lambda: _children(opgate.proc.pid),
+                     lambda pids: len(pids) == 2 and victim not in pids)
+        await _until(lambda: _get(opgate.admin_url + "/readyz"), lambda r: r[0] == 200)
+        status, metrics = await _get(opgate.admin_url + "/metrics")
+    finally:
+        watching.cancel()
+        await asyncio.gather(watching, return_exceptions=True)
+    assert status == 200
+    assert _sample(metrics, "opgate_watches_open") == 0.0, metrics
+    assert _sample(metrics, "opgate_inflight_requests") == 0.0
+    assert _requests_total(metrics) == 40  # the dead worker's calls still count
+    files = _files(metrics_dir)
+    assert f"counter_{victim}.db" in files and f"gauge_livesum_{victim}.db" not in files
 
 
 @pytest.mark.asyncio
