@@ -28,6 +28,7 @@ __all__ = [
     "Answer",
     "ConnectTimeout",
     "ShuttingDown",
+    "bad_host",
     "body_within",
     "describe",
     "head_too_large",
@@ -85,11 +86,19 @@ def malformed_request() -> StatusError:
     return bad_request("opgate: malformed HTTP request")
 
 
-def head_too_large(max_line: int, max_headers: int) -> StatusError:
+def bad_host(hosts: int) -> StatusError:
+    """An HTTP/1.1 request without a ``Host`` header, or one with two (``hosts``: how many it
+    has): the apiserver (Go's net/http) answers both 400, and so do both listeners."""
+    return bad_request("opgate: missing required Host header" if not hosts
+                       else "opgate: too many Host headers")
+
+
+def head_too_large(max_line: int, max_headers: int, max_head: int) -> StatusError:
     """A request head past the listener's limits (both listeners)."""
     return StatusError(
-        431, f"opgate: request line or header longer than {max_line} bytes or more than "
-        f"{max_headers} headers", "RequestHeaderFieldsTooLarge")
+        431, f"opgate: request line or header longer than {max_line} bytes, more than "
+        f"{max_headers} headers, or a request head over {max_head} bytes",
+        "RequestHeaderFieldsTooLarge")
 
 
 def unsupported_coding(

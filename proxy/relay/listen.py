@@ -22,7 +22,6 @@ import ssl
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
-from proxy.relay import errors
 from proxy.relay.endpoint import MAX_HEADER_LINE
 from proxy.relay.fast import FastRelay
 from proxy.relay.fast import server as fast_server
@@ -211,36 +210,6 @@ async def serve_api(
     )
 
 
-def _status_server() -> type[web.Server]:
-    """aiohttp's ``web.Server`` whose answer to a request it cannot parse is a Status, as the
-    fast relay's (aiohttp's own is a text/plain 400, which client-go cannot show): 431 for a
-    request head past the limits, else 400."""
-    from aiohttp import web
-    from aiohttp.http_exceptions import LineTooLong
-    from aiohttp.web_protocol import RequestHandler
-
-    class Handler(RequestHandler):
-        def handle_error(
-            self, request: web.BaseRequest, status: int = 500, exc: BaseException | None = None,
-            message: str | None = None,
-        ) -> web.StreamResponse:
-            if status != 400:  # (the relay's handler answers its own errors)
-                return super().handle_error(request, status, exc, message)
-            too_large = isinstance(exc, LineTooLong) or "Too many headers" in (message or "")
-            answer = (errors.head_too_large(MAX_HEADER_LINE, MAX_HEADERS) if too_large
-                      else errors.malformed_request())
-            resp = web.Response(status=answer.code, body=answer.body(),
-                                content_type="application/json")
-            resp.force_close()
-            return resp
-
-    class Server(web.Server):
-        def __call__(self) -> RequestHandler:
-            return Handler(self, loop=self._loop, **self._kwargs)
-
-    return Server
-
-
 async def _serve_aiohttp(
     relay: Relay,
     where: tuple[str, int] | str,
@@ -250,7 +219,9 @@ async def _serve_aiohttp(
 ) -> tuple[Callable[[], Awaitable[None]], Callable[[], None], str]:
     from aiohttp import web  # here: only the aiohttp relay loads aiohttp's server
 
-    server = _status_server()(
+    from proxy.relay.aioserver import StatusServer
+
+    server = StatusServer(
         relay.handle,
         handler_cancellation=True,
         access_log=None,

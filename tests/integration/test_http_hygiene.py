@@ -130,6 +130,11 @@ async def test_an_upstream_body_not_chunked_last_is_read_until_the_upstream_clos
 _SMUGGLED = b"GET /api/v1/secrets HTTP/1.1\r\nHost: x\r\n\r\n"
 
 
+def fields(count: int) -> bytes:
+    """``count`` header lines of 60,000 bytes: each well within the line limit (64 KiB)."""
+    return b"".join(b"X-Big-%d: %b\r\n" % (i, b"b" * 60_000) for i in range(count))
+
+
 @pytest.mark.asyncio
 @pytest.mark.parametrize(("head", "code"), [
     (b"GET /api/v1/pods?labelSelector=" + b"a" * (70 * 1024) + b" HTTP/1.1\r\nHost: x\r\n\r\n",
@@ -137,6 +142,12 @@ _SMUGGLED = b"GET /api/v1/secrets HTTP/1.1\r\nHost: x\r\n\r\n"
     (b"GET /api/v1/pods HTTP/1.1\r\nHost: x\r\nX-Big: " + b"b" * (70 * 1024) + b"\r\n\r\n",
      431),
     (b"GET /api/v1/pods HTTP/1.1\r\nHost: x\r\n" + b"X-N: 1\r\n" * 600 + b"\r\n", 431),
+    # each line within its limit, and far fewer than 512 of them: over 1 MiB in all
+    (b"GET /api/v1/pods HTTP/1.1\r\nHost: x\r\n" + fields(18) + b"\r\n", 431),
+    # no Host in an HTTP/1.1 request, or two (in an HTTP/1.0 one too), as Go's net/http
+    (b"GET /api/v1/pods HTTP/1.1\r\nAccept: */*\r\n\r\n", 400),
+    (b"GET /api/v1/pods HTTP/1.1\r\nHost: x\r\nhost: y\r\n\r\n", 400),
+    (b"GET /api/v1/pods HTTP/1.0\r\nHost: x\r\nHost: x\r\n\r\n", 400),
     (b"GET /api/v1/pods HTTP/1.1\r\nHost x\r\n\r\n", 400),
     # the framings a smuggler tries: refused whole, nothing of them relayed
     (b"POST /api/v1/namespaces/a/configmaps HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n"
@@ -169,6 +180,55 @@ async def test_malformed_or_oversized_heads_get_a_status_and_nothing_is_relayed(
     assert got["reason"] == ("BadRequest" if code == 400 else "RequestHeaderFieldsTooLarge")
     assert got["message"].startswith("opgate: ")
     assert up.seen == []
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(("head", "message"), [
+    (b"GET /api/v1/pods HTTP/1.1\r\nAccept: */*\r\n\r\n", "missing required Host header"),
+    (b"GET /api/v1/pods HTTP/1.1\r\nHost: x\r\nHOST: x\r\n\r\n", "too many Host headers"),
+    (b"GET /api/v1/pods HTTP/1.1\r\nHost: x\r\n" + fields(18) + b"\r\n",
+     "request line or header longer than 65536 bytes, more than 512 headers, or a request head "
+     "over 1048576 bytes"),
+])
+async def test_the_host_and_head_size_refusals_say_what_is_wrong(head: bytes, message: str) -> None:
+    """The apiserver (Go's net/http) names these refusals; both listeners name them too."""
+    up = await AiohttpUpstream(ok_handler).start()
+    try:
+        async with running_proxy(up.url) as proxy:
+            raw = await raw_call(proxy.url, head)
+    finally:
+        await up.close()
+    assert json.loads(split(raw)[2])["message"] == f"opgate: {message}"
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("head", [
+    b"GET /api/v1/pods HTTP/1.1\r\nHost: x\r\nConnection: close\r\n" + fields(17)
+    + b"\r\n",  # just under 1 MiB in all
+    b"GET /api/v1/pods HTTP/1.0\r\n\r\n",  # (Go takes an HTTP/1.0 request without Host)
+], ids=["just-under-1MiB", "http10-without-host"])
+async def test_heads_within_the_limits_are_relayed_whole(head: bytes) -> None:
+    got: list[bytes] = []
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        seen = b""
+        while b"\r\n\r\n" not in seen:  # (read_head's StreamReader stops at 64 KiB)
+            seen += await reader.read(1 << 16)
+        got.append(seen)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 2\r\nConnection: close\r\n\r\n{}")
+        await writer.drain()
+        writer.close()
+
+    up = await RawUpstream(serve).start()
+    try:
+        async with running_proxy(up.url) as proxy:
+            raw = await raw_call(proxy.url, head, within=10)
+    finally:
+        await up.close()
+    assert raw.startswith(b"HTTP/1.") and raw.split(b" ")[1] == b"200", raw[:300]
+    (upstream,) = got
+    assert upstream.count(b": " + b"b" * 60_000 + b"\r\n") == head.count(b"b" * 60_000)
 
 
 @pytest.mark.asyncio

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from proxy.relay.fast.request import Request
-from proxy.relay.fast.server import ClientConnection, FastServer
+from proxy.relay.fast.server import MAX_LINE, ClientConnection, FastServer
 
 
 class Transport:
@@ -54,13 +54,13 @@ def test_framing_expect_and_connection_whatever_the_case(case: object) -> None:
                   + b": keep-alive\r\nUser-Agent: a-ten-char\r\n\r\nabc")
     assert (req.content_length, req.has_body, req.chunked) == (b"3", True, False)
     assert req.expect_continue and req.connection
-    req = head_of(b"POST /x HTTP/1.1\r\n" + name(b"transfer-encoding") + b": chunked\r\n\r\n"
-                  b"0\r\n\r\n")
+    req = head_of(b"POST /x HTTP/1.1\r\nHost: h\r\n" + name(b"transfer-encoding")
+                  + b": chunked\r\n\r\n0\r\n\r\n")
     assert (req.content_length, req.has_body, req.chunked) == (None, True, True)
 
 
 def test_names_of_the_same_lengths_change_nothing() -> None:
-    req = head_of(b"GET /x HTTP/1.1\r\nUser-Agent: 0\r\nX-Length-Is-14: 5\r\n"
+    req = head_of(b"GET /x HTTP/1.1\r\nHost: h\r\nUser-Agent: 0\r\nX-Length-Is-14: 5\r\n"
                   b"X-Seventeen-Chars: chunked\r\nX-Exp-: 100-continue\r\n\r\n")
     assert (req.content_length, req.has_body, req.chunked) == (None, False, False)
     assert not req.expect_continue and not req.connection
@@ -193,11 +193,39 @@ def test_a_connection_not_kept_alive_closes_after_its_call() -> None:
         peer = Peer()
         conn = ClientConnection(handler)
         conn.connection_made(peer)  # type: ignore[arg-type]
-        conn.data_received(b"GET / HTTP/1.1\r\nConnection: close\r\n\r\n")
+        conn.data_received(b"GET / HTTP/1.1\r\nHost: h\r\nConnection: close\r\n\r\n")
         await settle()
         assert peer.out == b"answer" and peer.closed
 
     asyncio.run(go())
+
+
+@pytest.mark.parametrize("line", [
+    b"X-Endless: ",  # a header whose value never ends
+    b"X-Endless" + b"-" * 1000,  # ... its name
+], ids=["value", "name"])
+def test_a_head_whose_line_never_ends_is_cut_a_line_past_its_limit(line: bytes) -> None:
+    """llhttp reports a header line whole, once it has ended: a line that goes on and on is
+    refused (431) once the head's bytes pass ``MAX_HEAD`` by a line's limit, not held in memory
+    until the idle timeout."""
+    async def go() -> int:
+        async def handler(req: Request) -> None:
+            raise AssertionError("no call")
+
+        peer = Peer()
+        conn = ClientConnection(handler)
+        conn.connection_made(peer)  # type: ignore[arg-type]
+        sent = 0
+        for data in [b"GET / HTTP/1.1\r\nHost: h\r\n" + line] + [b"a" * 4096] * 1000:
+            conn.data_received(data)
+            sent += len(data)
+            if peer.closed:
+                break
+        assert peer.out.startswith(b"HTTP/1.1 431 "), peer.out[:100]
+        return sent
+
+    cut = (1 << 20) + MAX_LINE  # MAX_HEAD (the apiserver's 1 MiB) and a line
+    assert cut < asyncio.run(go()) <= cut + 4096
 
 
 def test_close_waits_for_answers_still_in_the_transports_buffer() -> None:

@@ -17,11 +17,14 @@ every further byte is raw, buffered until the relay attaches a sink to the tunne
 (:meth:`ClientConnection.attach_raw`).
 
 Limits, as the aiohttp listener has them: a request line or header of at most ``MAX_LINE``
-bytes and at most ``MAX_HEADERS`` headers (else ``431``), malformed HTTP gets ``400``, a request
-line of another version than HTTP/1.x ``505``, a transfer coding besides chunked ``501``; each
-closes the connection (after the answers to the calls before it, when pipelined). A connection
-idle for ``KEEPALIVE`` seconds between requests is closed. Trailer fields of a chunked request
-are dropped. httptools parses no body of an upgrade request: its ``Content-Length`` bytes are
+bytes, at most ``MAX_HEADERS`` headers and at most ``MAX_HEAD`` bytes in all (else ``431``; the
+total is counted as the fields arrive, and a head whose line is still arriving is cut a line
+past it: llhttp holds a header line whole before it reports it), malformed HTTP, or a request
+with two ``Host`` headers (an HTTP/1.1 one with none), gets ``400``, a request line of another
+version than HTTP/1.x ``505``, a transfer coding besides chunked ``501``; each closes the
+connection (after the answers to the calls before it, when pipelined). A connection idle for
+``KEEPALIVE`` seconds between requests is closed. Trailer fields of a chunked request are
+dropped. httptools parses no body of an upgrade request: its ``Content-Length`` bytes are
 taken from the raw bytes after the head (a chunked one gets ``501``).
 """
 
@@ -38,6 +41,7 @@ import httptools
 
 from proxy.engine.status import StatusError
 from proxy.relay.errors import (
+    bad_host,
     head_too_large,
     malformed_request,
     unsupported_coding,
@@ -52,6 +56,8 @@ WRITE_HIGH_WATER = 512 * 1024  # client write buffer above which upstream readin
 MAX_QUEUED = 4
 MAX_LINE = 64 * 1024  # long label selectors, big OIDC tokens (as the aiohttp listener)
 MAX_HEADERS = 512
+MAX_HEAD = 1024 * 1024  # the request line and headers together (the apiserver's, Go's default)
+_HEAD_CUT = MAX_HEAD + MAX_LINE  # bytes of a head still arriving, its line ends counted too
 KEEPALIVE = 75.0  # seconds an idle keep-alive connection stays open (both listeners)
 # at shutdown: how long a long-running call inside a chunk (or before its head) may take to
 # reach a point where it can end cleanly before it is cut
@@ -74,7 +80,10 @@ def _refusal(status: StatusError, phrase: str) -> bytes:
 
 
 _BAD_REQUEST = _refusal(malformed_request(), "Bad Request")
-_TOO_LARGE = _refusal(head_too_large(MAX_LINE, MAX_HEADERS), "Request Header Fields Too Large")
+_TOO_LARGE = _refusal(head_too_large(MAX_LINE, MAX_HEADERS, MAX_HEAD),
+                      "Request Header Fields Too Large")
+_NO_HOST = _refusal(bad_host(0), "Bad Request")
+_MANY_HOSTS = _refusal(bad_host(2), "Bad Request")
 _BAD_VERSION = _refusal(version_not_supported(), "HTTP Version Not Supported")
 _BAD_CODING = _refusal(unsupported_coding(), "Not Implemented")
 _CHUNKED_UPGRADE = _refusal(
@@ -112,6 +121,8 @@ class ClientConnection(FlowForwarding, asyncio.Protocol):
         self._queue: deque[Request] = deque()
         self._url = b""
         self._headers: Headers = []
+        self._head = 0  # bytes of the head's fields so far (with ": " and CRLF each)
+        self._arriving = 0  # bytes received since the last head ended, while in no body
         self._read_paused = False
         self._raw: list[bytes] | None = None  # after an upgrade: bytes not yet tunnelled
         self._raw_sink: Callable[[bytes], None] | None = None
@@ -149,6 +160,8 @@ class ClientConnection(FlowForwarding, asyncio.Protocol):
         if self._raw is not None:
             self._raw_received(data)
             return
+        if self._parsing is None:  # a head (or none yet): on_headers_complete resets it
+            self._arriving += len(data)
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserUpgrade as e:
@@ -167,6 +180,9 @@ class ClientConnection(FlowForwarding, asyncio.Protocol):
         except httptools.HttpParserError as e:
             cause = e.__context__
             self._refuse(cause.answer if isinstance(cause, _Refused) else _BAD_REQUEST)
+        else:
+            if self._arriving > _HEAD_CUT:  # a head line past it, still arriving (no field yet)
+                self._refuse(_TOO_LARGE)
 
     def eof_received(self) -> bool | None:
         return None  # close: a half-closed client gets no further answers
@@ -190,6 +206,7 @@ class ClientConnection(FlowForwarding, asyncio.Protocol):
     def on_message_begin(self) -> None:
         self._url = b""
         self._headers = []
+        self._head = 0
 
     def on_url(self, url: bytes) -> None:
         self._url += url
@@ -197,11 +214,15 @@ class ClientConnection(FlowForwarding, asyncio.Protocol):
             raise _Refused(_TOO_LARGE)
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        if len(name) + len(value) > MAX_LINE or len(self._headers) >= MAX_HEADERS:
+        size = len(name) + len(value)
+        self._head += size + 4
+        if size > MAX_LINE or len(self._headers) >= MAX_HEADERS \
+                or self._head + len(self._url) > MAX_HEAD:
             raise _Refused(_TOO_LARGE)
         self._headers.append((name, value))
 
     def on_headers_complete(self) -> None:
+        self._arriving = 0
         parser = self._parser
         req = Request(self, parser.get_method(), self._url, self._headers)
         version = parser.get_http_version()
@@ -211,6 +232,7 @@ class ClientConnection(FlowForwarding, asyncio.Protocol):
             req.http11 = False
         req.keep_alive = parser.should_keep_alive()
         req.upgrade = parser.should_upgrade()
+        hosts = 0
         for name, value in self._headers:
             low = name.lower()
             if low == b"content-length":
@@ -227,6 +249,10 @@ class ClientConnection(FlowForwarding, asyncio.Protocol):
                 req.expect_continue = req.http11 and value.strip().lower() == b"100-continue"
             elif low == b"connection":
                 req.connection = True
+            elif low == b"host":
+                hosts += 1
+        if hosts != 1 and (hosts or (req.http11 and req.method != b"CONNECT")):
+            raise _Refused(_MANY_HOSTS if hosts else _NO_HOST)  # (Go's net/http: a 400 each)
         self._parsing = req
         if self._current is None:
             self._start(req)
