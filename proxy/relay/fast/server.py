@@ -17,10 +17,11 @@ every further byte is raw, buffered until the relay attaches a sink to the tunne
 (:meth:`ClientConnection.attach_raw`).
 
 Limits, as the aiohttp listener has them: a request line or header of at most ``MAX_LINE``
-bytes, at most ``MAX_HEADERS`` headers and at most ``MAX_HEAD`` bytes in all (else ``431``; the
-total is counted as the fields arrive, and a head whose line is still arriving is cut a line
-past it: llhttp holds a header line whole before it reports it), malformed HTTP, or a request
-with two ``Host`` headers (an HTTP/1.1 one with none), gets ``400``, a request line of another
+bytes, at most ``MAX_HEADERS`` headers and at most ``MAX_HEAD`` bytes in all (else ``431``: a
+head is measured when it came in more than one read, as one over 256 KiB must, so a head in
+one read costs nothing more; one whose reads pass twice ``MAX_HEAD`` before it ends is cut
+there, as llhttp holds a header line whole until it ends); malformed HTTP, or a request with
+two ``Host`` headers (an HTTP/1.1 one with none), gets ``400``, a request line of another
 version than HTTP/1.x ``505``, a transfer coding besides chunked ``501``; each closes the
 connection (after the answers to the calls before it, when pipelined). A connection idle for
 ``KEEPALIVE`` seconds between requests is closed. Trailer fields of a chunked request are
@@ -57,7 +58,7 @@ MAX_QUEUED = 4
 MAX_LINE = 64 * 1024  # long label selectors, big OIDC tokens (as the aiohttp listener)
 MAX_HEADERS = 512
 MAX_HEAD = 1024 * 1024  # the request line and headers together (the apiserver's, Go's default)
-_HEAD_CUT = MAX_HEAD + MAX_LINE  # bytes of a head still arriving, its line ends counted too
+_HEAD_CUT = 2 * MAX_HEAD  # bytes of the reads of a head still arriving (see data_received)
 KEEPALIVE = 75.0  # seconds an idle keep-alive connection stays open (both listeners)
 # at shutdown: how long a long-running call inside a chunk (or before its head) may take to
 # reach a point where it can end cleanly before it is cut
@@ -121,8 +122,8 @@ class ClientConnection(FlowForwarding, asyncio.Protocol):
         self._queue: deque[Request] = deque()
         self._url = b""
         self._headers: Headers = []
-        self._head = 0  # bytes of the head's fields so far (with ": " and CRLF each)
-        self._arriving = 0  # bytes received since the last head ended, while in no body
+        self._in_head = False  # a request head has begun and not yet ended
+        self._spread = 0  # bytes of the reads a head spread over (0: it came in one read)
         self._read_paused = False
         self._raw: list[bytes] | None = None  # after an upgrade: bytes not yet tunnelled
         self._raw_sink: Callable[[bytes], None] | None = None
@@ -160,8 +161,8 @@ class ClientConnection(FlowForwarding, asyncio.Protocol):
         if self._raw is not None:
             self._raw_received(data)
             return
-        if self._parsing is None:  # a head (or none yet): on_headers_complete resets it
-            self._arriving += len(data)
+        if len(data) > MAX_HEAD:  # (never from asyncio's transports: they read 256 KiB at most)
+            self._spread = self._spread or 1
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserUpgrade as e:
@@ -181,8 +182,10 @@ class ClientConnection(FlowForwarding, asyncio.Protocol):
             cause = e.__context__
             self._refuse(cause.answer if isinstance(cause, _Refused) else _BAD_REQUEST)
         else:
-            if self._arriving > _HEAD_CUT:  # a head line past it, still arriving (no field yet)
-                self._refuse(_TOO_LARGE)
+            if self._in_head:  # a head goes on into the next read
+                self._spread += len(data)
+                if self._spread > _HEAD_CUT:  # (its line may not have ended: no field to count)
+                    self._refuse(_TOO_LARGE)
 
     def eof_received(self) -> bool | None:
         return None  # close: a half-closed client gets no further answers
@@ -206,7 +209,7 @@ class ClientConnection(FlowForwarding, asyncio.Protocol):
     def on_message_begin(self) -> None:
         self._url = b""
         self._headers = []
-        self._head = 0
+        self._in_head = True
 
     def on_url(self, url: bytes) -> None:
         self._url += url
@@ -214,15 +217,16 @@ class ClientConnection(FlowForwarding, asyncio.Protocol):
             raise _Refused(_TOO_LARGE)
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        size = len(name) + len(value)
-        self._head += size + 4
-        if size > MAX_LINE or len(self._headers) >= MAX_HEADERS \
-                or self._head + len(self._url) > MAX_HEAD:
+        if len(name) + len(value) > MAX_LINE or len(self._headers) >= MAX_HEADERS:
             raise _Refused(_TOO_LARGE)
         self._headers.append((name, value))
 
     def on_headers_complete(self) -> None:
-        self._arriving = 0
+        self._in_head = False
+        if self._spread:  # a head that came in several reads (or a huge one) is measured
+            self._spread = 0
+            if len(self._url) + sum(len(n) + len(v) + 4 for n, v in self._headers) > MAX_HEAD:
+                raise _Refused(_TOO_LARGE)
         parser = self._parser
         req = Request(self, parser.get_method(), self._url, self._headers)
         version = parser.get_http_version()
