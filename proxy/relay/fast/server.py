@@ -18,15 +18,16 @@ every further byte is raw, buffered until the relay attaches a sink to the tunne
 
 Limits, as the aiohttp listener has them: a request line or header of at most ``MAX_LINE``
 bytes, at most ``MAX_HEADERS`` headers and at most ``MAX_HEAD`` bytes in all (else ``431``: a
-head is measured when it came in more than one read, as one over 256 KiB must, so a head in
-one read costs nothing more; one whose reads pass twice ``MAX_HEAD`` before it ends is cut
-there, as llhttp holds a header line whole until it ends); malformed HTTP, or a request with
-two ``Host`` headers (an HTTP/1.1 one with none), gets ``400``, a request line of another
-version than HTTP/1.x ``505``, a transfer coding besides chunked ``501``; each closes the
-connection (after the answers to the calls before it, when pipelined). A connection idle for
-``KEEPALIVE`` seconds between requests is closed. Trailer fields of a chunked request are
-dropped. httptools parses no body of an upgrade request: its ``Content-Length`` bytes are
-taken from the raw bytes after the head (a chunked one gets ``501``).
+head is measured when it came in more than one read; one in a single read is no longer than
+the read, asyncio's are 256 KiB at most, so it costs nothing more; one whose reads pass twice
+``MAX_HEAD`` before it ends is cut there, as llhttp holds a header line whole until it ends);
+malformed HTTP, or a request with two ``Host`` headers (an HTTP/1.1 one with none), gets
+``400``, a request line of another version than HTTP/1.x ``505``, a transfer coding besides
+chunked ``501``; each closes the connection (after the answers to the calls before it, when
+pipelined). A connection idle for ``KEEPALIVE`` seconds between requests is closed. Trailer
+fields of a chunked request are dropped. httptools parses no body of an upgrade request: its
+``Content-Length`` bytes are taken from the raw bytes after the head (a chunked one gets
+``501``).
 """
 
 from __future__ import annotations
@@ -161,7 +162,7 @@ class ClientConnection(FlowForwarding, asyncio.Protocol):
         if self._raw is not None:
             self._raw_received(data)
             return
-        if len(data) > MAX_HEAD:  # (never from asyncio's transports: they read 256 KiB at most)
+        if len(data) > MAX_HEAD:  # a head in it could be over (asyncio never reads that much)
             self._spread = self._spread or 1
         try:
             self._parser.feed_data(data)
