@@ -74,7 +74,8 @@ class _HeadBound:
 class _Handler(RequestHandler):
     def __init__(self, manager: web.Server, **kwargs: Any) -> None:
         super().__init__(manager, **kwargs)
-        self._parser = _HeadBound(self._parser, MAX_HEAD)
+        # (a stand-in for aiohttp's parser: it only forwards, with the head counted)
+        self._parser = _HeadBound(self._parser, MAX_HEAD)  # type: ignore[assignment]
 
     def handle_error(
         self, request: web.BaseRequest, status: int = 500, exc: BaseException | None = None,
@@ -85,7 +86,7 @@ class _Handler(RequestHandler):
         text = message or ""
         if isinstance(exc, LineTooLong | HeadTooLarge) or "Too many headers" in text:
             answer = errors.head_too_large(MAX_HEADER_LINE, MAX_HEADERS, MAX_HEAD)
-        elif "'Host' header" in text:  # ("Missing 'Host' header ...", "Duplicate 'Host' ...")
+        elif "'host' header" in text.lower():  # "Missing 'Host' header ...", "Duplicate ..."
             answer = errors.bad_host(0 if text.startswith("Missing") else 2)
         else:
             answer = errors.malformed_request()

@@ -87,8 +87,8 @@ def malformed_request() -> StatusError:
 
 
 def bad_host(hosts: int) -> StatusError:
-    """An HTTP/1.1 request without a ``Host`` header, or one with two (``hosts``: how many it
-    has): the apiserver (Go's net/http) answers both 400, and so do both listeners."""
+    """A request with two ``Host`` headers, or an HTTP/1.1 one with none (``hosts``: how many
+    it has): the apiserver (Go's net/http) answers both 400, and so do both listeners."""
     return bad_request("opgate: missing required Host header" if not hosts
                        else "opgate: too many Host headers")
 
