@@ -189,7 +189,7 @@ async def test_malformed_or_oversized_heads_get_a_status_and_nothing_is_relayed(
     (b"GET /api/v1/pods HTTP/1.1\r\nHost: x\r\n" + fields(18) + b"\r\n",
      "request line or header longer than 65536 bytes, more than 512 headers, or a request head "
      "over 1048576 bytes"),
-])
+], ids=["no-host", "two-hosts", "over-1MiB"])
 async def test_the_host_and_head_size_refusals_say_what_is_wrong(head: bytes, message: str) -> None:
     """The apiserver (Go's net/http) names these refusals; both listeners name them too."""
     up = await AiohttpUpstream(ok_handler).start()
