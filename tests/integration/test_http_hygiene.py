@@ -40,6 +40,17 @@ async def raw_call(url: str, request: bytes, *, within: float = 5.0) -> bytes:
         writer.close()
 
 
+async def refused(head: bytes) -> tuple[bytes, list[Any]]:
+    """``head`` sent through a proxy in front of a fresh upstream: what came back until the
+    proxy closed, and what the upstream saw."""
+    up = await AiohttpUpstream(ok_handler).start()
+    try:
+        async with running_proxy(up.url) as proxy:
+            return await raw_call(proxy.url, head), up.seen
+    finally:
+        await up.close()
+
+
 def split(raw: bytes) -> tuple[bytes, list[tuple[bytes, bytes]], bytes]:
     """The status line, the header lines (name, value) and the body of one response."""
     head, _, body = raw.partition(b"\r\n\r\n")
@@ -165,12 +176,7 @@ async def test_malformed_or_oversized_heads_get_a_status_and_nothing_is_relayed(
 ) -> None:
     """Both listeners answer a request they cannot parse with a Kubernetes Status (431 past
     the head's limits, else 400), close, and relay none of it."""
-    up = await AiohttpUpstream(ok_handler).start()
-    try:
-        async with running_proxy(up.url) as proxy:
-            raw = await raw_call(proxy.url, head)
-    finally:
-        await up.close()
+    raw, seen = await refused(head)
     status, headers, body = split(raw)
     assert status.split(b" ")[:2] in ([b"HTTP/1.1", b"%d" % code], [b"HTTP/1.0", b"%d" % code]), (
         raw[:200])  # (aiohttp answers a request it could not parse in HTTP/1.0)
@@ -179,7 +185,7 @@ async def test_malformed_or_oversized_heads_get_a_status_and_nothing_is_relayed(
     assert got["kind"] == "Status" and got["code"] == code
     assert got["reason"] == ("BadRequest" if code == 400 else "RequestHeaderFieldsTooLarge")
     assert got["message"].startswith("opgate: ")
-    assert up.seen == []
+    assert seen == []
 
 
 @pytest.mark.asyncio
@@ -192,12 +198,7 @@ async def test_malformed_or_oversized_heads_get_a_status_and_nothing_is_relayed(
 ], ids=["no-host", "two-hosts", "over-1MiB"])
 async def test_the_host_and_head_size_refusals_say_what_is_wrong(head: bytes, message: str) -> None:
     """The apiserver (Go's net/http) names these refusals; both listeners name them too."""
-    up = await AiohttpUpstream(ok_handler).start()
-    try:
-        async with running_proxy(up.url) as proxy:
-            raw = await raw_call(proxy.url, head)
-    finally:
-        await up.close()
+    raw, _ = await refused(head)
     assert json.loads(split(raw)[2])["message"] == f"opgate: {message}"
 
 
