@@ -305,6 +305,52 @@ def test_a_client_leaving_mid_body_leaves_nothing_open(
 
 
 @pytest.mark.parametrize("loop", LOOPS)
+def test_bytes_after_the_spliced_body_close_the_upstream_not_answer_the_next_call(
+    loop: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An upstream that sends more than its Content-Length (here: a whole second response
+    nobody asked for, in the same write as the body's end): the pump moves exactly the body,
+    so the rest waits in the socket; the connection must not go back to the pool with it, or
+    the next call is answered with those bytes (as the BodyReader path sees ``extra``)."""
+    pumps = Pumps(monkeypatch)
+    stray = b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nstray"
+
+    async def more(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            head = await reader.readuntil(b"\r\n\r\n")
+            if b"/small" in head.split(b"\r\n", 1)[0]:
+                writer.write(HEAD % 2 + b"ok")
+                continue
+            writer.write(HEAD % SIZE)
+            await writer.drain()
+            await asyncio.sleep(0.05)
+            writer.write(BODY + stray)
+            await writer.drain()
+
+    async def main() -> None:
+        up = await RawUpstream(more).start()
+        pipes = open_pipes()
+        try:
+            async with running_proxy(up.url, relay_kind="fast") as proxy:
+                reader, writer = await asyncio.open_connection(*address(proxy.url))
+                writer.write(b"GET /api/v1/configmaps HTTP/1.1\r\nHost: x\r\n\r\n"
+                             b"GET /api/v1/small HTTP/1.1\r\nHost: x\r\n\r\n")
+                await read_head(reader)
+                body = await asyncio.wait_for(reader.readexactly(SIZE), 10)
+                assert hashlib.sha256(body).digest() == hashlib.sha256(BODY).digest()
+                _, headers = await read_head(reader)
+                assert await reader.readexactly(int(headers["content-length"])) == b"ok"
+                writer.close()
+                assert proxy.relay.pool.opened == 2, "the connection with stray bytes was reused"
+                assert open_pipes() == pipes
+        finally:
+            await up.close()
+
+    run_on(loop, main)
+    assert pumps.started == 1
+
+
+@pytest.mark.parametrize("loop", LOOPS)
 def test_a_tapped_call_sees_every_byte_and_is_not_spliced(
     loop: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

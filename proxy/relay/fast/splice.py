@@ -19,7 +19,8 @@ each few kilobytes the upstream sends, and spends more CPU on waking than on mov
 (measured: ~0.45 s of CPU per GB that way, ~0.25 s this way).
 
 Endings: the body's last byte out → the descriptors are closed and the connection ends its
-response as after any other body (back to the pool, or closed). The upstream closing or
+response as after any other body (back to the pool, or closed; closed too when more bytes than
+the body already wait in the upstream's socket). The upstream closing or
 failing mid-body → the connection closes and the exchange is told (the relay cuts the client's
 response short). The client failing → it is aborted, as if its transport had seen it go (the
 relay then closes the upstream connection). The connection closed from outside (a deadline, a
@@ -177,8 +178,24 @@ class SplicePump:
 
     # --- endings -------------------------------------------------------------------
     def _finish(self) -> None:
+        extra = self._more_queued()
         self.stop()
-        self._conn.body_spliced()
+        self._conn.body_spliced(extra=extra)
+
+    def _more_queued(self) -> bool:
+        """Bytes past the body's end already wait in the upstream's socket (it sent more than
+        its Content-Length): the pump took exactly the body, so the connection must not serve
+        another call, which those bytes would answer (as a read past the end tells the
+        :class:`~proxy.relay.fast.upstream.BodyReader`)."""
+        sock = socket.socket(fileno=self._src)  # (the pump's duplicate, borrowed: detached)
+        try:
+            return bool(sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT))
+        except BlockingIOError:
+            return False
+        except OSError:  # reset after the body's end: unusable too
+            return True
+        finally:
+            sock.detach()
 
     def _upstream_failed(self, exc: BaseException) -> None:
         conn, exchange = self._conn, self._exchange

@@ -295,11 +295,11 @@ class UpstreamConnection(FlowForwarding, asyncio.Protocol):
         exchange.on_view(last)
         self._end_body(extra)
 
-    def body_spliced(self) -> None:
+    def body_spliced(self, *, extra: bool = False) -> None:
         """A :class:`SplicePump` moved the body's last byte (the transport reads on in the pool,
-        or closes)."""
+        or closes; ``extra``: the upstream sent more, which nobody asked for)."""
         self._left = 0
-        self._end_body(False)
+        self._end_body(extra)
 
     def _end_body(self, extra: bool) -> None:
         self._parser = httptools.HttpResponseParser(self)  # the old one stopped mid-body
