@@ -23,7 +23,8 @@ relay), all listening on the API address with ``SO_REUSEPORT`` so the kernel spr
   signal is passed on too: each cuts what still runs); the supervisor exits when all have
   stopped. Workers also stop when the pipe whose write end only
   the supervisor holds reads EOF, so even a SIGKILLed supervisor leaves no orphan. SIGHUP goes
-  on to the workers too: each reloads its policy files.
+  on to the workers too: each reloads its policy files (a worker still starting gets it once
+  it serves: until then it would die of it).
 """
 
 from __future__ import annotations
@@ -178,6 +179,7 @@ class Supervisor:
                         for i in range(settings.runtime.workers)]
         self._stop = asyncio.Event()
         self._pipe = os.pipe()  # workers get the read end; EOF tells them we are gone
+        self._hangups: set[asyncio.Task[None]] = set()  # SIGHUPs waiting for a worker to serve
 
     async def run(self) -> int:
         from proxy.admin import (  # here: prometheus_client only after PROMETHEUS_MULTIPROC_DIR
@@ -222,7 +224,7 @@ class Supervisor:
         finally:
             if admin is not None:  # unready while the workers finish their calls
                 admin.shutting_down()
-            for task in keepers:
+            for task in (*keepers, *self._hangups):
                 task.cancel()
             await self._stop_workers()
             if admin is not None:
@@ -245,11 +247,31 @@ class Supervisor:
                     worker.proc.send_signal(signal.SIGTERM)
 
     def _hangup(self) -> None:
-        """SIGHUP: each worker reloads its policy files (it is passed on)."""
+        """SIGHUP: each worker reloads its policy files (it is passed on). Only to a worker that
+        serves: one still starting has SIGHUP's default disposition (a signal the supervisor
+        handles is at its default in a new process) and would die of it; it gets it once its
+        admin socket answers (it may have read its files before the change)."""
         for worker in self.workers:
-            if worker.pid is not None and worker.proc is not None:
+            if worker.pid is None or worker.proc is None:
+                continue
+            if worker.up:
                 with contextlib.suppress(ProcessLookupError):
                     worker.proc.send_signal(signal.SIGHUP)
+                continue
+            task = asyncio.get_running_loop().create_task(self._hangup_once_up(worker))
+            self._hangups.add(task)
+            task.add_done_callback(self._hangups.discard)
+
+    async def _hangup_once_up(self, worker: _Worker) -> None:
+        proc = worker.proc
+        while (proc is not None and worker.proc is proc and proc.returncode is None
+               and not self._stop.is_set()):
+            if worker.up or await self._answers(worker):
+                worker.up = True  # (its admin socket answered since this start)
+                with contextlib.suppress(ProcessLookupError):
+                    proc.send_signal(signal.SIGHUP)
+                return
+            await self._stopped_within(0.05)
 
     def _pids(self) -> list[str]:
         return [str(w.proc.pid) for w in self.workers if w.proc is not None]

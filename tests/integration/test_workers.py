@@ -463,3 +463,35 @@ async def test_sighup_reaches_every_worker(upstream: str, redis_server: RedisSer
                 os.kill(pid, signal.SIGKILL)
     assert code == 0, proc.stderr()
     assert proc.stderr().count("SIGHUP: reloading the policy files") == 2, proc.stderr()
+
+
+@pytest.mark.asyncio
+async def test_sighup_while_the_workers_start_ends_none_of_them(
+        upstream: str, redis_server: RedisServer, tmp_path: Path) -> None:
+    """A SIGHUP that comes while the workers are still starting (a config-management tool
+    reloading every opgate it finds) is passed on only once each serves: a worker starts with
+    SIGHUP's default disposition (the supervisor's handler is no child's), and it used to die of
+    it, which ended the whole opgate ("killed by SIGHUP while starting; stopping")."""
+    policies = tmp_path / "policies"
+    policies.mkdir()
+    (policies / "policy.yaml").write_text(POLICY.format(name="v1", burst=100000))
+    proc = OpgateProcess("--upstream", upstream, "--redis-url", redis_server.url,
+                         "--policies", str(policies), "--workers", "2", log_dir=tmp_path)
+    workers: set[int] = set()
+    try:
+        deadline = time.monotonic() + 10
+        while len(children(proc.proc.pid)) < 2 and time.monotonic() < deadline:
+            await asyncio.sleep(0.002)
+        workers = children(proc.proc.pid)
+        proc.proc.send_signal(signal.SIGHUP)  # the workers are importing opgate by now
+        await asyncio.to_thread(proc.wait_ready)
+        await _until(lambda: asyncio.to_thread(proc.stderr),
+                     lambda err: err.count("SIGHUP: reloading the policy files") == 2, within=5)
+        assert children(proc.proc.pid) == workers  # none died of it
+    finally:
+        code = proc.stop()
+        for pid in workers:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+    assert code == 0, proc.stderr()
+    assert "SIGHUP" not in proc.stderr().replace("SIGHUP: reloading", ""), proc.stderr()
