@@ -466,6 +466,9 @@ class _Signals:
     def close(self) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             self._loop.remove_signal_handler(sig)
+        # removing a handler puts the default back, and SIGHUP's ends the process: ignored
+        # again until the process is gone, as before serving (proxy/cli.py)
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
         if self._parent_fd is not None:
             self._loop.remove_reader(self._parent_fd)
             self._parent_fd = None

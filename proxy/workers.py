@@ -231,6 +231,7 @@ class Supervisor:
                 await admin.cleanup()
             for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
                 loop.remove_signal_handler(sig)
+            signal.signal(signal.SIGHUP, signal.SIG_IGN)  # not its default (the end): see app.py
             for fd in self._pipe:
                 os.close(fd)
         return 0

@@ -9,6 +9,7 @@ reloads at once what the file watch cannot see.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import shutil
 import signal
@@ -267,3 +268,25 @@ async def test_sighup_without_policies_changes_nothing(upstream: str, tmp_path: 
         code = opgate.stop()
     assert code == 0
     assert "SIGHUP: no policy files to reload" in opgate.stderr()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+async def test_sighups_during_shutdown_never_end_it(upstream: str, tmp_path: Path,
+                                                    loop: str) -> None:
+    """SIGHUPs sent all through a shutdown (a reload loop of a config tool racing a rollout):
+    the process still exits 0 as after any SIGTERM. Once the loop's handlers are removed,
+    SIGHUP was back at its default disposition and ended the process (status -SIGHUP)."""
+    policies, _ = hidden_policy(tmp_path, "0")
+    opgate = OpgateProcess("--upstream", upstream, "--policies", str(policies), "--loop", loop,
+                           "--no-access-log", log_dir=tmp_path)
+    try:
+        await asyncio.to_thread(opgate.wait_ready)
+        opgate.proc.send_signal(signal.SIGTERM)
+        while opgate.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                opgate.proc.send_signal(signal.SIGHUP)
+            await asyncio.sleep(0.001)
+    finally:
+        code = opgate.stop()
+    assert code == 0, opgate.stderr()

@@ -7,6 +7,7 @@ prefix. The workers are the supervisor's children in ``/proc``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -479,10 +480,13 @@ async def test_sighup_while_the_workers_start_ends_none_of_them(
                          "--policies", str(policies), "--workers", "2", log_dir=tmp_path)
     workers: set[int] = set()
     try:
-        deadline = time.monotonic() + 10
-        while len(children(proc.proc.pid)) < 2 and time.monotonic() < deadline:
-            await asyncio.sleep(0.002)
-        workers = children(proc.proc.pid)
+        def spawned() -> set[int]:
+            deadline = time.monotonic() + 10
+            while len(children(proc.proc.pid)) < 2 and time.monotonic() < deadline:
+                time.sleep(0.002)
+            return children(proc.proc.pid)
+
+        workers = await asyncio.to_thread(spawned)
         proc.proc.send_signal(signal.SIGHUP)  # the workers are importing opgate by now
         await asyncio.to_thread(proc.wait_ready)
         await _until(lambda: asyncio.to_thread(proc.stderr),
@@ -495,3 +499,31 @@ async def test_sighup_while_the_workers_start_ends_none_of_them(
                 os.kill(pid, signal.SIGKILL)
     assert code == 0, proc.stderr()
     assert "SIGHUP" not in proc.stderr().replace("SIGHUP: reloading", ""), proc.stderr()
+
+
+@pytest.mark.asyncio
+async def test_sighups_during_shutdown_end_neither_supervisor_nor_workers(
+        upstream: str, redis_server: RedisServer, tmp_path: Path) -> None:
+    """SIGHUPs all through a shutdown: the supervisor passes them on while its workers drain,
+    and both still exit 0 (a removed SIGHUP handler leaves the default: the end)."""
+    policies = tmp_path / "policies"
+    policies.mkdir()
+    (policies / "policy.yaml").write_text(POLICY.format(name="v1", burst=100000))
+    proc = OpgateProcess("--upstream", upstream, "--redis-url", redis_server.url,
+                         "--policies", str(policies), "--workers", "2", log_dir=tmp_path)
+    workers: set[int] = set()
+    try:
+        await asyncio.to_thread(proc.wait_ready)
+        workers = children(proc.proc.pid)
+        proc.proc.send_signal(signal.SIGTERM)
+        while proc.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.proc.send_signal(signal.SIGHUP)
+            await asyncio.sleep(0.001)
+    finally:
+        code = proc.stop()
+        for pid in workers:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+    assert code == 0, proc.stderr()
+    assert "killed by SIGHUP" not in proc.stderr(), proc.stderr()
