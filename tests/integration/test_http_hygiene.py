@@ -232,6 +232,50 @@ async def test_heads_within_the_limits_are_relayed_whole(head: bytes) -> None:
     assert upstream.count(b": " + b"b" * 60_000 + b"\r\n") == head.count(b"b" * 60_000)
 
 
+def head_of(total: int) -> bytes:
+    """A request head of exactly ``total`` bytes in all, request line and blank line too."""
+    start = b"GET /api/v1/pods HTTP/1.1\r\nHost: x\r\nConnection: close\r\n" + fields(17)
+    head = start + b"X-Pad: " + b"p" * (total - len(start) - len(b"X-Pad: \r\n\r\n")) + b"\r\n\r\n"
+    assert len(head) == total
+    return head
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(("over", "code"), [(0, b"200"), (1, b"431"), (12, b"431")])
+@pytest.mark.parametrize("pieces", [1, 2, 7])
+async def test_the_head_limit_counts_every_byte_of_the_head_on_both_relays(
+        over: int, code: bytes, pieces: int) -> None:
+    """1 MiB in all is the limit, however many reads the head comes in, on both listeners: the
+    fast relay counted the fields and the target alone (not the method, the version, the line
+    ends of the request line and of the head), so a head up to ~20 bytes over passed there
+    while the aiohttp listener refused it."""
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        seen = b""
+        while b"\r\n\r\n" not in seen:
+            seen += await reader.read(1 << 16)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 2\r\nConnection: close\r\n\r\n{}")
+        await writer.drain()
+        writer.close()
+
+    head = head_of(fast_server.MAX_HEAD + over)
+    up = await RawUpstream(serve).start()
+    try:
+        async with running_proxy(up.url) as proxy:
+            host, port = proxy.url.removeprefix("http://").split(":")
+            reader, writer = await asyncio.open_connection(host, int(port))
+            step = -(-len(head) // pieces)
+            for at in range(0, len(head), step):
+                writer.write(head[at:at + step])
+                await writer.drain()
+                await asyncio.sleep(0.01)  # each piece a read of its own
+            raw = await asyncio.wait_for(reader.read(-1), 10)
+            writer.close()
+    finally:
+        await up.close()
+    assert raw.split(b" ")[1] == code, raw[:300]
+
+
 @pytest.mark.asyncio
 async def test_credentials_named_in_connection_are_never_replaced_by_opgates() -> None:
     """A client may list ``Authorization`` in ``Connection`` (so it is hop-by-hop and dropped):

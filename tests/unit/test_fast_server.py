@@ -201,13 +201,15 @@ def test_a_connection_not_kept_alive_closes_after_its_call() -> None:
 
 
 def sized_head(size: int) -> bytes:
-    """A request head of ``size`` bytes as the head's limit counts them: its target, and each
-    header's name and value with its ": " and CRLF."""
-    target = b"/api/v1/pods"
+    """A request head of ``size`` bytes in all (the request line and the blank line too, as
+    the aiohttp listener and Go's net/http count them)."""
+    line = b"GET /api/v1/pods HTTP/1.1\r\n"
     fields = [b"Host: h\r\n"] + [b"X-F%03d: " % i + b"v" * 59_990 + b"\r\n" for i in range(17)]
-    left = size - len(target) - sum(map(len, fields)) - len(b"X-Last: \r\n")
+    left = size - len(line) - sum(map(len, fields)) - len(b"X-Last: \r\n") - 2
     fields.append(b"X-Last: " + b"v" * left + b"\r\n")
-    return b"GET " + target + b" HTTP/1.1\r\n" + b"".join(fields) + b"\r\n"
+    head = line + b"".join(fields) + b"\r\n"
+    assert len(head) == size
+    return head
 
 
 @pytest.mark.parametrize("read", [4096, 300_000, 2 << 20], ids=["4KiB", "300KB", "one-read"])

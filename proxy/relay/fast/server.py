@@ -224,11 +224,15 @@ class ClientConnection(FlowForwarding, asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         self._in_head = False
+        parser = self._parser
         if self._spread:  # a head that came in several reads (or a huge one) is measured
             self._spread = 0
-            if len(self._url) + sum(len(n) + len(v) + 4 for n, v in self._headers) > MAX_HEAD:
+            # in all, as the aiohttp listener counts it: "METHOD TARGET HTTP/1.x" CR LF, each
+            # "Name: value" CR LF, CR LF (whitespace around a value beyond one space is not seen)
+            size = (len(parser.get_method()) + len(self._url) + 14
+                    + sum(len(n) + len(v) + 4 for n, v in self._headers))
+            if size > MAX_HEAD:
                 raise _Refused(_TOO_LARGE)
-        parser = self._parser
         req = Request(self, parser.get_method(), self._url, self._headers)
         version = parser.get_http_version()
         if version != "1.1":
