@@ -334,6 +334,11 @@ def settings_from(args: argparse.Namespace) -> Settings:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    if (sys.argv[1:2] if argv is None else list(argv[:1])) == ["serve"]:
+        # a SIGHUP reloads the policies once serving (proxy/app.py); until then the files are
+        # about to be read anyway, and it must not end the process (its default): from the
+        # start, as reading the arguments alone takes a good part of it
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
     args = build_parser().parse_args(argv)
     if args.command == "serve" and getattr(args, "env_problems", None):
         print(f"opgate serve: error: {args.env_problems[0]} (see opgate serve --help)",
@@ -359,9 +364,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"opgate: {exc}", file=sys.stderr)
             return 2
     settings = settings_from(args)
-    # a SIGHUP reloads the policies once serving (proxy/app.py); until then the files are
-    # about to be read anyway, and it must not end the process (its default)
-    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     if settings.log.capture:
         from proxy.capture import MitmproxyMissing, load_mitmproxy
 

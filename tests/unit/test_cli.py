@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 
@@ -106,3 +108,27 @@ def test_top_level_help_names_the_commands() -> None:
                          capture_output=True, text=True, check=True).stdout
     for command in ("serve", "check", "demo"):
         assert command in out
+
+
+@pytest.mark.parametrize(("command", "ignored"), [("serve", True), ("check", False)])
+def test_serve_ignores_sighup_before_it_reads_its_arguments(
+        monkeypatch: pytest.MonkeyPatch, command: str, ignored: bool) -> None:
+    """SIGHUP never stops ``opgate serve`` (README): reading the arguments takes a good part of
+    the start (~150 ms of argparse alone), and a SIGHUP then ended the process (its default
+    until the SIG_IGN that came after them). ``opgate check`` keeps the default."""
+    from proxy import cli
+
+    seen: list[object] = []
+
+    def parser() -> Any:
+        seen.append(signal.getsignal(signal.SIGHUP))
+        raise SystemExit(0)  # (the arguments are not what this is about)
+
+    monkeypatch.setattr(cli, "build_parser", parser)
+    before = signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    try:
+        with pytest.raises(SystemExit):
+            cli.main([command])
+    finally:
+        signal.signal(signal.SIGHUP, before)
+    assert seen == [signal.SIG_IGN if ignored else signal.SIG_DFL]
