@@ -527,3 +527,39 @@ async def test_sighups_during_shutdown_end_neither_supervisor_nor_workers(
                 os.kill(pid, signal.SIGKILL)
     assert code == 0, proc.stderr()
     assert "killed by SIGHUP" not in proc.stderr(), proc.stderr()
+
+
+@pytest.mark.asyncio
+async def test_sighup_while_a_worker_restarts_ends_it_not(
+        upstream: str, redis_server: RedisServer, tmp_path: Path) -> None:
+    """A SIGHUP just after the supervisor restarted a worker (one died) reaches the new worker
+    once it serves: sent at once, it ended the worker again ("killed by SIGHUP")."""
+    policies = tmp_path / "policies"
+    policies.mkdir()
+    (policies / "policy.yaml").write_text(POLICY.format(name="v1", burst=100000))
+    proc = OpgateProcess("--upstream", upstream, "--redis-url", redis_server.url,
+                         "--policies", str(policies), "--workers", "2", log_dir=tmp_path)
+    workers: set[int] = set()
+    try:
+        await asyncio.to_thread(proc.wait_ready)
+        workers = children(proc.proc.pid)
+        os.kill(min(workers), signal.SIGKILL)
+
+        def restarted() -> set[int]:
+            deadline = time.monotonic() + 10
+            while not children(proc.proc.pid) - workers and time.monotonic() < deadline:
+                time.sleep(0.002)
+            return children(proc.proc.pid)
+
+        workers |= await asyncio.to_thread(restarted)
+        proc.proc.send_signal(signal.SIGHUP)  # the new worker is importing opgate by now
+        await _until(lambda: asyncio.to_thread(proc.stderr),
+                     lambda err: err.count("SIGHUP: reloading the policy files") == 2, within=10)
+    finally:
+        code = proc.stop()
+        for pid in workers:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+    assert code == 0, proc.stderr()
+    assert "killed by SIGHUP" not in proc.stderr(), proc.stderr()
+    assert proc.stderr().count("restarting in") == 1, proc.stderr()
