@@ -63,6 +63,7 @@ from typing import Any, Protocol
 from proxy.engine import telemetry
 from proxy.engine.chain import Maybe
 from proxy.engine.context import Decision, Deny, Identity, RequestContext
+from proxy.engine.limitlog import log_limited
 from proxy.engine.requestinfo import RequestInfo, Shape
 from proxy.engine.status import (
     call_details,
@@ -364,7 +365,8 @@ class IdentityCheck:
     def _unavailable(self, ctx: RequestContext, plan: _Plan, why: str, token: str, *,
                      busy: bool = False) -> Deny | None:
         why = why.replace(token, "<token>")
-        log.warning("cannot verify a token now (%s %s, trace %s): %s", ctx.method, ctx.path,
+        log_limited(log, "identity-busy" if busy else "identity-unavailable",
+                    "cannot verify a token now (%s %s, trace %s): %s", ctx.method, ctx.path,
                     ctx.trace_id, why)
         for policy, _spec in plan.section:
             if policy.dryrun:

@@ -17,11 +17,11 @@ import contextlib
 import logging
 import ssl
 import sys
-import time
 from collections.abc import AsyncIterator
 
 from proxy.engine import telemetry
 from proxy.engine.context import RequestContext
+from proxy.engine.limitlog import log_limited
 from proxy.engine.status import StatusError, bad_request, gateway_timeout, service_unavailable
 
 __all__ = [
@@ -42,9 +42,6 @@ __all__ = [
 
 log = logging.getLogger("opgate.relay")
 
-LOG_EVERY = 5.0  # seconds between two log lines of the same failure kind
-_last_logged: dict[str, float] = {}
-_suppressed: dict[str, int] = {}
 
 
 class Answer(Exception):
@@ -165,8 +162,8 @@ def upstream_failed(exc: BaseException, ctx: RequestContext, where: str) -> Answ
     telemetry.UPSTREAM_ERRORS.labels(kind).inc()
     text = describe(exc)
     ctx.error = f"upstream {kind}: {text}"
-    _log(kind, "upstream %s failed before its response (%s %s): %s", where, ctx.method, ctx.path,
-         text)
+    log_limited(log, kind, "upstream %s failed before its response (%s %s): %s", where,
+                ctx.method, ctx.path, text)
     if kind in ("timeout", "connect_timeout"):
         what = "connect" if kind == "connect_timeout" else "response"
         return Answer(gateway_timeout(f"opgate: the apiserver did not {what} in time ({text})"))
@@ -182,17 +179,5 @@ def stream_broke(exc: BaseException, ctx: RequestContext, *, idle: bool) -> None
     if idle:
         log.debug("watch idle timeout, ending it (%s)", ctx.trace_id)
     else:
-        _log(kind, "upstream response broke mid-stream (%s %s): %s", ctx.method, ctx.path, text)
-
-
-def _log(kind: str, message: str, *args: object) -> None:
-    now = time.monotonic()
-    if now - _last_logged.get(kind, -LOG_EVERY) < LOG_EVERY:
-        _suppressed[kind] = _suppressed.get(kind, 0) + 1
-        return
-    _last_logged[kind] = now
-    more = _suppressed.pop(kind, 0)
-    if more:
-        message += " (and %d more like it)"
-        args = (*args, more)
-    log.warning(message, *args)
+        log_limited(log, kind, "upstream response broke mid-stream (%s %s): %s", ctx.method,
+                    ctx.path, text)

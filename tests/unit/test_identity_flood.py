@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from proxy.engine import telemetry
+from proxy.engine import limitlog, telemetry
 from proxy.engine.chain import settle
 from proxy.engine.context import Deny, Identity
 from proxy.middlewares import identity
@@ -73,8 +74,9 @@ def test_a_hundred_distinct_tokens_at_once_get_at_most_the_bound_of_reviews(
     assert check._review_slots._value == identity.REVIEWS_IN_FLIGHT  # all given back
 
 
-def test_a_call_with_no_review_free_in_time_gets_429(tmp_path: Path,
-                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_call_with_no_review_free_in_time_gets_429(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
     """The apiserver answers slower than a call may wait: the first REVIEWS_IN_FLIGHT tokens are
     reviewed, every other call gets the 429 the apiserver sheds load with (Retry-After: 1),
     and none of those busy answers is cached: the same token is reviewed when asked again."""
@@ -85,7 +87,12 @@ def test_a_call_with_no_review_free_in_time_gets_429(tmp_path: Path,
         auth.reviews[token] = (ADMIN, ())
     check, policies = IdentityCheck(authenticator=auth), ti.policy_set(tmp_path, ti.policy())
     busy = reviews("busy")
+    caplog.set_level(logging.WARNING, logger="opgate.identity")
+    monkeypatch.setattr(limitlog, "_last_logged", {})  # no earlier test's line holds it back
+    monkeypatch.setattr(limitlog, "_suppressed", {})
     decisions = flood(check, policies, tokens)
+    # one warning for the whole flood, not one per refused call
+    assert len([r for r in caplog.records if "too many TokenReviews" in r.getMessage()]) == 1
     assert auth.peak == identity.REVIEWS_IN_FLIGHT
     assert decisions[:identity.REVIEWS_IN_FLIGHT] == [None] * identity.REVIEWS_IN_FLIGHT
     refused = decisions[identity.REVIEWS_IN_FLIGHT:]
