@@ -16,6 +16,8 @@ does on a parse error (the connection closed, the client's response cut short).
 
 from __future__ import annotations
 
+from proxy.relay.events import EventEnds
+
 __all__ = ["ChunkedFraming", "FramingError"]
 
 MAX_SIZE_LINE = 4096  # a chunk-size line with its extensions
@@ -31,11 +33,13 @@ class FramingError(ValueError):
 
 class ChunkedFraming:
     """Follows one chunked body through the reads it arrives in (:meth:`feed` each of them in
-    order), counting its data bytes (``body``)."""
+    order), counting its data bytes (``body``), and shows each piece of data to ``events`` (a
+    watch's: where its events end) when there is one."""
 
-    __slots__ = ("_carry", "_first", "_skip", "_trailers", "body", "ended")
+    __slots__ = ("_carry", "_first", "_skip", "_trailers", "body", "ended", "events")
 
-    def __init__(self) -> None:
+    def __init__(self, events: EventEnds | None = None) -> None:
+        self.events = events
         self._skip = 0  # data bytes of the current chunk still to come
         self._carry = b""  # framing split by the end of a read: parsed again with the next one
         self._first = True  # no chunk yet: no CRLF before the next size line
@@ -60,10 +64,14 @@ class ChunkedFraming:
             if skip >= n:
                 self._skip = skip - n
                 self.body += n
+                if self.events is not None:
+                    self.events.data(buf, 0, n)
                 return -1
             self._skip = 0
             self.body += skip
             pos = skip
+            if self.events is not None:
+                self.events.data(buf, 0, pos)
         while True:
             start = pos  # framing from here: what is carried when a read ends in it
             if self._trailers:
@@ -102,8 +110,12 @@ class ChunkedFraming:
             if n - pos <= size:  # the data reaches the end of this read (or beyond)
                 self._skip = size - (n - pos)
                 self.body += n - pos
+                if self.events is not None:
+                    self.events.data(buf, pos, n)
                 return -1
             self.body += size
+            if self.events is not None:
+                self.events.data(buf, pos, pos + size)
             pos += size
         carried = buf[start:]
         if self._trailers and len(carried) > MAX_TRAILERS:
