@@ -16,7 +16,8 @@ def frame(payload: bytes) -> bytes:
     return len(payload).to_bytes(4, "big") + payload
 
 
-JSON_EVENTS = [b'{"type":"ADDED","object":{"a":"x\\ny"}}\n', b"{}\n", b'{"b":' + b"1" * 3000 + b"}\n"]
+JSON_EVENTS = [b'{"type":"ADDED","object":{"a":"x\\ny"}}\n', b"{}\n",
+               b'{"b":' + b"1" * 3000 + b"}\n"]
 PROTO_EVENTS = [frame(b"k8s\x00" + bytes(range(256)) * 3), frame(b""), frame(b"\n" * 10),
                 frame(b"z" * 70000)]
 

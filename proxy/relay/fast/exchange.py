@@ -161,11 +161,15 @@ class Exchange:
             timeout = TimeoutError(f"watch idle for {self._idle:g}s")
             if self._chunked or self.close_client:  # an end the client reads as complete
                 self.error = timeout
-                self.on_complete()
+                self._end_idle()
             else:  # a length-framed body cannot end early: cut it short
                 self.on_lost(timeout)
         else:
             self._schedule()
+
+    def _end_idle(self) -> None:
+        """The silence has passed: end the body now (a watch waits for an event's end)."""
+        self.on_complete()
 
     # --- called by the upstream connection -----------------------------------------
     def on_head(
@@ -300,18 +304,24 @@ class Exchange:
     def end(self) -> bool:
         """At shutdown: end a long-running response now if its client can read it as complete
         (chunked and between two chunks, or close-delimited), as the watch idle timeout does;
-        whether it has ended (``False``: no head yet, a tunnel, or inside a chunk)."""
+        whether it has ended (``False``: no head yet, a tunnel, or inside a chunk; a watch
+        inside an event too)."""
         if self.done.done():
             return True
         if not self.head.done() or self.switched or not (self._chunked or self.close_client):
             return False
-        framing = self._framing
-        if framing is not None and not framing.ended and framing.closing() is None:
+        if not self._between():
             return False
         self.cancel_timer()
         self.expired = True  # the upstream is still sending: its connection is not reusable
         self.on_complete()
         return True
+
+    def _between(self) -> bool:
+        """Whether the body passed on so far may end here: between two chunks when passed
+        through as it came (a watch: between two events too)."""
+        framing = self._framing
+        return framing is None or framing.ended or framing.closing() is not None
 
     def on_lost(self, exc: BaseException) -> None:
         self.cancel_timer()

@@ -49,6 +49,7 @@ from proxy.relay.fast.request import Request
 from proxy.relay.fast.server import ClientConnection, FastServer
 from proxy.relay.fast.tapped import TappedExchange
 from proxy.relay.fast.upstream import UpstreamConnection, UpstreamPool
+from proxy.relay.fast.watch import WatchExchange
 from proxy.relay.fast.wire import (
     NOTHING,
     WireHeaders,
@@ -303,10 +304,11 @@ class FastRelay:
                 except (OSError, TimeoutError) as e:
                     raise errors.upstream_failed(e, ctx, self._base) from e
             # (client, extra, defer_head, head_only, http11, keep_alive), positional as above
-            exchange = (Exchange if ctx.tap is None else partial(TappedExchange, ctx.tap))(
-                client, ctx.response_headers, not long_running, head_only, req.http11,
-                req.keep_alive,
-            )
+            exchange = (
+                (WatchExchange if long_running else Exchange) if ctx.tap is None
+                else partial(TappedExchange, ctx.tap)
+            )(client, ctx.response_headers, not long_running, head_only, req.http11,
+              req.keep_alive)
             # a pooled connection came at once: the upstream's timing starts at the same instant
             started = now if reused and attempt == 0 else time.monotonic()
             client.flow = conn
@@ -322,6 +324,8 @@ class FastRelay:
             if long_running:
                 exchange.limits(conn, head=settings.header_timeout,
                                 idle=settings.watch_idle_timeout)
+                if ctx.info.verb == "watch" and isinstance(exchange, WatchExchange):
+                    exchange.watch()  # (before any byte of its answer can come)
             else:
                 exchange.limits(conn, head=settings.header_timeout, total=settings.request_timeout)
             try:

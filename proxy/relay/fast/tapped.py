@@ -1,21 +1,22 @@
 """An :class:`Exchange` that also shows the response to the call's tap (``ctx.tap``, set by a
 middleware such as traffic capture): the head as received, then each body chunk as it is
 forwarded. Used only for calls with a tap, so every other call pays nothing per chunk. After an
-upgrade's ``101`` the tunnelled bytes are not shown."""
+upgrade's ``101`` the tunnelled bytes are not shown. The body goes through the parser, chunk by
+chunk: a watch's events are followed there (:class:`~proxy.relay.fast.watch.WatchExchange`)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from proxy.engine.context import BodyTap
-from proxy.relay.fast.exchange import Exchange
 from proxy.relay.fast.server import ClientConnection
+from proxy.relay.fast.watch import WatchExchange
 from proxy.relay.fast.wire import Headers
 
 __all__ = ["TappedExchange"]
 
 
-class TappedExchange(Exchange):
+class TappedExchange(WatchExchange):  # (a watch ends between two events, as untapped)
     __slots__ = ("tap",)
 
     PASSES_CHUNKED = False  # the tap is shown the body's data, so the parser takes the framing
