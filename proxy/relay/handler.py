@@ -38,11 +38,14 @@ from proxy.relay.calls import (
     origin_form,
     trace_ids,
 )
+from proxy.relay.events import EventEnds, event_ends
+from proxy.relay.fast import server as fast_server
 from proxy.relay.headers import for_upstream, is_upgrade_request, response_headers
 from proxy.relay.response import (
     BufferedRelayResponse,
     RelayResponse,
     pump,
+    pump_watch,
     read_body,
     send_continue,
     send_status,
@@ -86,11 +89,16 @@ class Relay:
             sock_connect=settings.connect_timeout or None,
             sock_read=settings.watch_idle_timeout or None,
         )
+        # a watch's silence is timed by pump_watch (past sock_read, nothing could be read:
+        # not the rest of an event either)
+        self._watch_timeout = aiohttp.ClientTimeout(
+            total=None, sock_connect=settings.connect_timeout or None)
         self._header_timeout = settings.header_timeout or None
         self._after = Aftercare(chain)
         # the client transports of watches etc. in flight, each with its upstream response
-        # once there is one (ended at shutdown)
-        self._long_running: dict[asyncio.BaseTransport, aiohttp.ClientResponse | None] = {}
+        # once there is one, and where a watch's events end (ended at shutdown)
+        self._long_running: dict[
+            asyncio.BaseTransport, tuple[aiohttp.ClientResponse, EventEnds | None] | None] = {}
 
     async def start(self) -> None:
         publish_levels()  # with --workers: the in-flight and watch gauges' levels
@@ -102,14 +110,26 @@ class Relay:
     def end_long_running(self) -> None:
         """At shutdown: end the long-running calls in flight (watches, logs) at once, as the
         fast relay does: a relayed body ends cleanly after the chunk being written (the last
-        chunk, as the watch idle timeout ends it), the others (no upstream head yet, exec and
-        port-forward tunnels) are cut. Their clients resume them (a watch from its last
-        resourceVersion) while ordinary calls get the listener's grace to finish."""
-        for transport, upstream in list(self._long_running.items()):
-            if upstream is None:
+        chunk, as the watch idle timeout ends it; a watch inside an event with the piece that
+        ends it, or it is cut after LONG_RUNNING_END), the others (no upstream head yet, exec
+        and port-forward tunnels) are cut. Their clients resume them (a watch from its last
+        resourceVersion) while ordinary calls get the listener's grace to finish. Called again
+        and again while the listener drains."""
+        now = asyncio.get_running_loop().time()
+        for transport, running in list(self._long_running.items()):
+            if running is None:
                 transport.close()
-            elif upstream.content_length is None:  # a stream (a length-framed answer, an
-                upstream.content.set_exception(errors.ShuttingDown())  # error, ends by itself)
+                continue
+            upstream, events = running
+            if upstream.content_length is not None:  # (a length-framed answer, an error,
+                continue  # ends by itself)
+            if events is None or events.between:  # a stream, between two events if a watch
+                upstream.content.set_exception(errors.ShuttingDown())
+            elif not events.ending:  # pump_watch ends it with the piece that ends the event
+                events.ending = now + fast_server.LONG_RUNNING_END
+            elif now >= events.ending:  # which never came
+                upstream.content.set_exception(
+                    ConnectionResetError("ended inside an event at shutdown"))
 
     async def close(self) -> None:
         await self._after.drain()
@@ -274,24 +294,31 @@ class Relay:
             await send_continue(request)
             data = request.content if ctx.tap is None else tee_stream(request.content, ctx.tap)
         long_running = ctx.info.is_long_running
+        watch = long_running and ctx.info.verb == "watch"
+        idle = self.settings.watch_idle_timeout
         started = time.monotonic()
-        try:
-            async with asyncio.timeout(self._header_timeout):
+        try:  # (a watch's head: within its idle timeout too, as sock_read bounds the others)
+            async with asyncio.timeout(self._header_timeout or (idle if watch else 0) or None):
                 upstream = await session.request(
                     ctx.method,
                     URL(self._endpoint.base + request.raw_path, encoded=True),
                     headers=headers,
                     data=data,
                     allow_redirects=False,
-                    timeout=self._long_timeout if long_running else self._timeout,
+                    timeout=(self._watch_timeout if watch else self._long_timeout)
+                    if long_running else self._timeout,
                     server_hostname=self._endpoint.server_name,
                 )
         except (aiohttp.ClientError, TimeoutError, OSError) as e:
             raise errors.upstream_failed(e, ctx, self._endpoint.base) from e
         ctx.upstream_seconds = time.monotonic() - started
         self.observe_upstream(ctx.info.verb, ctx.upstream_seconds)
+        events: EventEnds | None = None
+        if watch:  # where its events end (anywhere: not followed, or a length-framed answer)
+            events = (event_ends(upstream.headers.get("Content-Type", ""))
+                      if upstream.content_length is None else None) or EventEnds()
         if long_running and request.transport in self._long_running:  # to end at shutdown
-            self._long_running[request.transport] = upstream
+            self._long_running[request.transport] = (upstream, events)
         if ctx.tap is not None:
             ctx.tap.response_head(upstream.status, upstream.reason or "", upstream.raw_headers)
         try:  # from here on the upstream response must be closed or released
@@ -307,7 +334,11 @@ class Relay:
                 resp.force_close()
             await resp.prepare(request)
             ctx.status_code = upstream.status
-            complete = await pump(request, ctx, upstream, resp)
+            if events is None:
+                complete = await pump(request, ctx, upstream, resp)
+            else:
+                complete = await pump_watch(request, ctx, upstream, resp, events=events,
+                                            idle=idle)
         except BaseException:
             upstream.close()
             raise

@@ -12,6 +12,7 @@ added when missing (the apiserver always sends one).
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterable
 
 import aiohttp
@@ -21,6 +22,8 @@ from multidict import CIMultiDict
 from proxy.engine.context import RequestContext
 from proxy.engine.status import StatusError, bad_request
 from proxy.relay import errors
+from proxy.relay.events import EventEnds
+from proxy.relay.fast import server as fast_server
 from proxy.relay.tap import tee_read
 
 __all__ = [
@@ -28,6 +31,7 @@ __all__ = [
     "RelayResponse",
     "abort",
     "pump",
+    "pump_watch",
     "read_body",
     "send_continue",
     "send_status",
@@ -134,6 +138,76 @@ async def pump(
             except ConnectionError:
                 ctx.error = "client went away"
                 return False
+    finally:
+        ctx.bytes_out = sent
+
+
+async def pump_watch(
+    request: web.BaseRequest,
+    ctx: RequestContext,
+    upstream: aiohttp.ClientResponse,
+    resp: web.StreamResponse,
+    *,
+    events: EventEnds,
+    idle: float,
+) -> bool:
+    """:func:`pump` for a watch: it ends (at shutdown, at the idle timeout) between two of its
+    events, never inside one (the apiserver splits an event over two chunks when its writer's
+    2,048-byte buffer fills). ``events`` follows what was written (:mod:`proxy.relay.events`);
+    asked to end inside an event, the watch ends with the piece that completes it, or is cut
+    when none does by ``events.ending``. ``idle``: the watch idle timeout (0: none), kept here
+    rather than by aiohttp's ``sock_read``, after which nothing more could be read."""
+    content = upstream.content
+    read = content.readany if ctx.tap is None else tee_read(content.readany, ctx.tap)
+    write = resp.write
+    loop = asyncio.get_running_loop()
+    framed = upstream.content_length is not None  # (an error Status: it cannot end early)
+    idled: TimeoutError | None = None  # the idle timeout passed inside an event
+    sent = 0
+    try:
+        while True:
+            wait = idle or None
+            if events.ending:
+                wait = max(events.ending - loop.time(), 0.0)
+            try:
+                async with asyncio.timeout(wait):
+                    chunk = await read()
+            except errors.ShuttingDown:  # opgate stops between two events: end the body here,
+                resp.force_close()  # cleanly, and the connection after it
+                return True
+            except TimeoutError as e:
+                if events.ending or framed:  # an event's end, or a framed body's, never came
+                    errors.stream_broke(e, ctx, idle=False)
+                    abort(request, resp)
+                    return False
+                if events.between:  # the idle timeout ends the watch, as the apiserver's would
+                    errors.stream_broke(e, ctx, idle=True)
+                    return True
+                idled = e  # inside an event: wait a little for its end
+                events.ending = loop.time() + fast_server.LONG_RUNNING_END
+                continue
+            except (aiohttp.ClientError, OSError) as e:
+                errors.stream_broke(e, ctx, idle=False)
+                abort(request, resp)
+                return False
+            if not chunk:
+                return True
+            sent += len(chunk)
+            events.data(chunk, 0, len(chunk))
+            try:
+                if content.at_eof():
+                    await resp.write_eof(chunk)
+                    return True
+                await write(chunk)
+            except ConnectionError:
+                ctx.error = "client went away"
+                return False
+            if events.ending and events.between:  # the event asked to end in has ended
+                if idled is not None:
+                    errors.stream_broke(idled, ctx, idle=True)
+                else:  # at shutdown: the connection ends after it
+                    resp.force_close()
+                return True
     finally:
         ctx.bytes_out = sent
 
