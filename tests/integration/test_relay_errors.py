@@ -320,13 +320,18 @@ async def test_client_gone_before_headers_still_runs_exit_hooks() -> None:
     assert rec.exits and rec.exits[0]["code"] == 499
 
 
+FIRST = b'{"type":"ADDED","object":{}}\n'
+
+
 def stalling_stream(*, content_type: str = "application/json") -> RawUpstream:
-    """Sends the headers and one chunk, then nothing (but keeps the connection open)."""
+    """Sends the headers and one chunk (one whole watch event, ``FIRST``), then nothing (but
+    keeps the connection open)."""
 
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await read_head(reader)
         writer.write(f"HTTP/1.1 200 OK\r\nContent-Type: {content_type}\r\n"
-                     "Transfer-Encoding: chunked\r\n\r\n5\r\nfirst\r\n".encode())
+                     "Transfer-Encoding: chunked\r\n\r\n".encode()
+                     + b"%x\r\n%b\r\n" % (len(FIRST), FIRST))
         await writer.drain()
         await wait_closed(reader)
 
@@ -342,7 +347,7 @@ async def test_watch_idle_timeout_ends_the_watch_cleanly() -> None:
         async with running_proxy(up.url, settings=settings) as proxy, aiohttp.ClientSession() as c:
             started = loop.time()
             async with c.get(proxy.url + "/api/v1/pods?watch=true") as r:
-                assert await asyncio.wait_for(r.read(), 5) == b"first"  # complete, no error
+                assert await asyncio.wait_for(r.read(), 5) == FIRST  # complete, no error
             assert 0.35 < loop.time() - started < 3  # the watch outlived request_timeout
             ended = await asyncio.wait_for(up.closed.get(), 5)
             assert ended - started < 3
