@@ -54,7 +54,8 @@ class Answer(Exception):
 
 
 class ShuttingDown(Exception):
-    """opgate is stopping: a long-running response ends here (cleanly, between two chunks)."""
+    """opgate is stopping: a long-running response ends here (cleanly, between two chunks; a
+    watch between two events)."""
 
 
 class ConnectTimeout(TimeoutError):

@@ -179,7 +179,7 @@ async def serve_api(
 
     On close, the server stops accepting, and calls in flight get ``shutdown_timeout`` seconds
     to finish (long-running calls such as watches are ended at once by both relays, a watch
-    cleanly, with its last chunk, between two chunks: clients resume them from their last
+    cleanly, with its last chunk, between two events: clients resume them from their last
     resourceVersion). ``Listener.hurry`` during the close cuts what still runs."""
     where = parse_listen(listen)
     if bool(tls_cert) != bool(tls_key):

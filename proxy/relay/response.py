@@ -176,6 +176,8 @@ async def pump_watch(
                 resp.force_close()  # cleanly, and the connection after it
                 return True
             except TimeoutError as e:
+                if events.ending and loop.time() < events.ending:
+                    continue  # (the idle timeout, while shutdown waits for an event's end)
                 if events.ending or framed:  # an event's end, or a framed body's, never came
                     errors.stream_broke(e, ctx, idle=False)
                     abort(request, resp)

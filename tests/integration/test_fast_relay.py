@@ -254,7 +254,8 @@ def test_a_chunked_body_reaches_the_client_as_the_upstream_framed_it(
 @pytest.mark.asyncio
 async def test_a_watch_ended_by_opgate_inside_a_chunk_is_cut_short() -> None:
     """A passed-through watch ended by the idle timeout between two chunks ends cleanly
-    (test_relay_errors.py); inside a chunk no clean end exists: the response is cut."""
+    (test_relay_errors.py); inside a chunk whose rest does not come (within 1 s more) no
+    clean end exists: the response is cut."""
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await read_head(reader)
         writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"

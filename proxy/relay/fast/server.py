@@ -451,7 +451,8 @@ class FastServer:
     """The listening socket and its connections; stops the way the aiohttp listener does.
 
     ``end``: at shutdown, asked to end a connection's long-running call cleanly (a watch
-    between two chunks gets its last chunk); whether it did (else the call is cut)."""
+    between two events gets its last chunk); whether it did (else it is asked again, and the
+    call cut after ``LONG_RUNNING_END``)."""
 
     def __init__(
         self, handler: Handler, end: Callable[[ClientConnection], bool] | None = None
