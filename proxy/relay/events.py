@@ -18,7 +18,12 @@ the relays follow the event boundaries of the body they have passed on, from its
 
 from __future__ import annotations
 
+import struct
+
 __all__ = ["EventEnds", "FrameEnds", "LineEnds", "event_ends"]
+
+
+_LENGTH = struct.Struct(">I").unpack_from  # a protobuf frame's length
 
 
 class EventEnds:
@@ -67,18 +72,19 @@ class FrameEnds(EventEnds):
         pos = start + left
         head = self._head
         while pos < end:
-            need = 4 - len(head)
-            if end - pos < need:
-                head += bytes(buf[pos:end])
-                pos = end
-                break
-            if head:
-                size = int.from_bytes(head + bytes(buf[pos:pos + need]), "big")
+            if head:  # the rest of a length split by the previous piece's end
+                need = 4 - len(head)
+                if end - pos < need:
+                    head += bytes(buf[pos:end])
+                    break
+                pos += need + _LENGTH(head + bytes(buf[pos:pos + need]))[0]
                 head = b""
+            elif end - pos < 4:  # a length split by this piece's end
+                head = bytes(buf[pos:end])
+                break
             else:
-                size = int.from_bytes(buf[pos:pos + 4], "big")
-            pos += need + size
-        self._left = pos - end  # (past the piece's end: the rest of the last frame)
+                pos += 4 + _LENGTH(buf, pos)[0]
+        self._left = pos - end if pos > end else 0  # (the rest of the last frame)
         self._head = head
         self.between = not self._left and not head
 

@@ -59,19 +59,20 @@ class ChunkedFraming:
         base = len(buf) - len(data)  # where data starts in buf
         n = len(buf)
         pos = 0
+        events = self.events
         skip = self._skip
         if skip:  # the rest of a chunk's data (never with a carry: that is framing)
             if skip >= n:
                 self._skip = skip - n
                 self.body += n
-                if self.events is not None:
-                    self.events.data(buf, 0, n)
+                if events is not None:
+                    events.data(buf, 0, n)
                 return -1
             self._skip = 0
             self.body += skip
             pos = skip
-            if self.events is not None:
-                self.events.data(buf, 0, pos)
+            if events is not None:
+                events.data(buf, 0, pos)
         while True:
             start = pos  # framing from here: what is carried when a read ends in it
             if self._trailers:
@@ -110,12 +111,12 @@ class ChunkedFraming:
             if n - pos <= size:  # the data reaches the end of this read (or beyond)
                 self._skip = size - (n - pos)
                 self.body += n - pos
-                if self.events is not None:
-                    self.events.data(buf, pos, n)
+                if events is not None:
+                    events.data(buf, pos, n)
                 return -1
             self.body += size
-            if self.events is not None:
-                self.events.data(buf, pos, pos + size)
+            if events is not None:
+                events.data(buf, pos, pos + size)
             pos += size
         carried = buf[start:]
         if self._trailers and len(carried) > MAX_TRAILERS:
