@@ -6,7 +6,9 @@ object, for JSON and protobuf alike). Through the parser each chunk was a callba
 its own and a client write; passed through, a whole read is one client write, and all the relay
 still has to know is where the body ends: that is what :class:`ChunkedFraming` works out, by
 reading only the framing (chunk-size lines, the CRLF after each chunk's data, the trailer
-section) and skipping the data.
+section) and skipping the data. A watch's data is shown, piece by piece, to its
+:class:`~proxy.relay.events.EventEnds` (which looks at a piece's last byte, or at a protobuf
+frame's length), so that opgate can end it between two events.
 
 It is as strict as the parser it stands in for (llhttp): CRLF line ends, a chunk size of hex
 digits (extensions after ``;`` allowed), a CRLF after each chunk's data, bounded size lines and

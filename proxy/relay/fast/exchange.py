@@ -6,6 +6,8 @@ sent chunked to an HTTP/1.1 client (each upstream read is one chunk, so a watch 
 soon as it arrives) and close-delimited to an HTTP/1.0 one. An upstream's chunked body goes to
 an HTTP/1.1 client as it came, framing and all (:meth:`Exchange.pass_chunked`, then ``on_raw``
 per read), unless a subclass sees the body (:class:`~proxy.relay.fast.tapped.TappedExchange`).
+A long-running call's exchange is a :class:`~proxy.relay.fast.watch.WatchExchange`: a watch it
+ends (shutdown, idle timeout), it ends between two events.
 For ordinary calls the head is held back and leaves with the first body bytes (one segment); a
 long-running call's head leaves at once, as clients wait for it before the first event.
 
