@@ -99,13 +99,14 @@ class Tapping:
         pass
 
 
-async def _open_watch(url: str, watch: SplitWatch) -> tuple[asyncio.StreamReader,
-                                                          asyncio.StreamWriter]:
+async def _open_watch(url: str, watch: SplitWatch, *, version: bytes = b"1.1"
+                      ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
     host, port = url.removeprefix("http://").rsplit(":", 1)
     reader, writer = await asyncio.open_connection(host, int(port))
-    writer.write(b"GET /api/v1/configmaps?watch=1 HTTP/1.1\r\nHost: x\r\n\r\n")
+    writer.write(b"GET /api/v1/configmaps?watch=1 HTTP/%b\r\nHost: x\r\n\r\n" % version)
     head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
-    assert head.startswith(b"HTTP/1.1 200 ") and b"chunked" in head.lower(), head
+    assert head.startswith(b"HTTP/1.") and head[8:13] == b" 200 ", head
+    assert (b"chunked" in head.lower()) == (version == b"1.1"), head
     await asyncio.wait_for(watch.split.wait(), 5)
     await asyncio.sleep(0.1)  # the first half has passed through opgate meanwhile
     return reader, writer
@@ -142,6 +143,28 @@ async def test_shutdown_inside_a_split_event_ends_after_it(kind: str, tapped: bo
     _whole_events(data, watch)
     assert data == watch.first + watch.second
     assert clean, "no last chunk"
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("kind", list(KINDS))
+async def test_shutdown_inside_a_split_event_ends_after_it_for_http10(kind: str) -> None:
+    """An HTTP/1.0 client's watch (its body ends with the connection; the fast relay parses
+    the chunks) ends after the event too."""
+    watch = SplitWatch(kind)
+    up = await RawUpstream(watch.serve).start()
+    try:
+        async with running_proxy(up.url, shutdown_timeout=5.0) as proxy:
+            reader, writer = await _open_watch(proxy.url, watch, version=b"1.0")
+            closing = asyncio.create_task(proxy.listener.close())
+            await asyncio.sleep(PAUSE)
+            watch.go_on.set()
+            data = await asyncio.wait_for(reader.read(), 5)
+            writer.close()
+            await asyncio.wait_for(closing, 8)
+    finally:
+        await up.close()
+    _whole_events(data, watch)
+    assert data == watch.first + watch.second
 
 
 @pytest.mark.asyncio
