@@ -262,3 +262,42 @@ async def test_idle_timeout_inside_a_stalled_event_cuts_it(kind: str) -> None:
     assert data == watch.first + watch.second[:2048]
     assert not clean, "a last chunk after half an event"
     assert 0.9 < took < 2.5, took
+
+
+@pytest.mark.asyncio
+async def test_shutdown_lets_a_long_running_length_framed_body_finish() -> None:
+    """A pod's log (long-running) with a Content-Length, to a client that asked the connection
+    to close after it: at shutdown it gets up to the listener's 1 s to finish (before, the fast
+    relay took it for close-delimited and ended it at once, the body short of its length)."""
+    body = b"log line\n" * 20_000
+    halfway = asyncio.Event()
+
+    async def logs(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_head(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: %d\r\n\r\n"
+                     % len(body) + body[:1000])
+        await writer.drain()
+        halfway.set()
+        await asyncio.sleep(PAUSE)
+        writer.write(body[1000:])
+        await writer.drain()
+        await wait_closed(reader)
+
+    up = await RawUpstream(logs).start()
+    try:
+        async with running_proxy(up.url, shutdown_timeout=5.0) as proxy:
+            host, port = proxy.url.removeprefix("http://").rsplit(":", 1)
+            reader, writer = await asyncio.open_connection(host, int(port))
+            writer.write(b"GET /api/v1/namespaces/a/pods/p/log HTTP/1.1\r\nHost: x\r\n"
+                         b"Connection: close\r\n\r\n")
+            _, headers = await asyncio.wait_for(read_head(reader), 5)
+            assert headers["content-length"] == str(len(body))
+            await asyncio.wait_for(halfway.wait(), 5)
+            await asyncio.sleep(0.1)
+            closing = asyncio.create_task(proxy.listener.close())
+            got = await asyncio.wait_for(reader.read(), 5)
+            writer.close()
+            await asyncio.wait_for(closing, 8)
+    finally:
+        await up.close()
+    assert got == body

@@ -57,6 +57,7 @@ class Exchange:
         "_idle",
         "_last",
         "_loop",
+        "_open_ended",
         "_pending",
         "_total",
         "_total_by",
@@ -93,6 +94,7 @@ class Exchange:
         self._head_only = head_only
         self._http11 = http11
         self._chunked = False
+        self._open_ended = False  # the client finds the body's end in chunks or the close
         self._framing: ChunkedFraming | None = None
         self._pending = b""
         self._conn: UpstreamConnection | None = None  # whose timer holds the deadline
@@ -161,7 +163,7 @@ class Exchange:
         elif self._idle and now >= self._last + self._idle:
             self.expired = True
             timeout = TimeoutError(f"watch idle for {self._idle:g}s")
-            if self._chunked or self.close_client:  # an end the client reads as complete
+            if self._open_ended:  # an end the client reads as complete
                 self.error = timeout
                 self._end_idle()
             else:  # a length-framed body cannot end early: cut it short
@@ -194,6 +196,9 @@ class Exchange:
             self.close_client = True
         if self.close_client:
             framing += b"Connection: close\r\n"
+        # (not a Content-Length body, even on a connection that closes after it: its client
+        # reads an end before the length as a body cut short)
+        self._open_ended = self._chunked or (self.close_client and length is None)
         head = response_head(
             status=status, reason=reason, headers=headers, extra=self._extra, framing=framing
         )
@@ -305,12 +310,13 @@ class Exchange:
 
     def end(self) -> bool:
         """At shutdown: end a long-running response now if its client can read it as complete
-        (chunked and between two chunks, or close-delimited), as the watch idle timeout does;
+        (chunked and between two chunks, or close-delimited; never one of a Content-Length),
+        as the watch idle timeout does;
         whether it has ended (``False``: no head yet, a tunnel, or inside a chunk; a watch
         inside an event too)."""
         if self.done.done():
             return True
-        if not self.head.done() or self.switched or not (self._chunked or self.close_client):
+        if not self.head.done() or self.switched or not self._open_ended:
             return False
         if not self._between():
             return False

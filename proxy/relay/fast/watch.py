@@ -44,8 +44,7 @@ class WatchExchange(Exchange):
     ) -> None:
         super().on_head(status, reason, headers, length=length, chunked=chunked)
         if self._events is not None:  # (a length-framed body never ends early: not followed)
-            self._events = event_ends(_content_type(headers)) if (
-                self._chunked or self.close_client) else None
+            self._events = event_ends(_content_type(headers)) if self._open_ended else None
 
     def pass_chunked(self) -> ChunkedFraming | None:
         framing = super().pass_chunked()
