@@ -421,6 +421,31 @@ async def test_ctrl_c_in_a_terminal_drains_the_workers(
     assert "again" not in proc.stderr(), proc.stderr()
 
 
+class Supervised:
+    """``opgate serve --workers 2`` on Redis with a policy directory whose ``policy.yaml`` is
+    policy v1, or a symlink to ``target``; :meth:`stop` ends it and any worker left over."""
+
+    def __init__(self, upstream: str, redis_server: RedisServer, tmp_path: Path, *,
+                 target: Path | None = None) -> None:
+        policies = tmp_path / "policies"
+        policies.mkdir()
+        if target is None:
+            (policies / "policy.yaml").write_text(POLICY.format(name="v1", burst=100000))
+        else:
+            (policies / "policy.yaml").symlink_to(target)
+        self.proc = OpgateProcess("--upstream", upstream, "--redis-url", redis_server.url,
+                                  "--policies", str(policies), "--workers", "2",
+                                  log_dir=tmp_path)
+        self.workers: set[int] = set()
+
+    def stop(self) -> int:
+        code = self.proc.stop()
+        for pid in self.workers:  # never leave one behind, whatever the test did
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        return code
+
+
 @pytest.mark.asyncio
 async def test_sighup_reaches_every_worker(upstream: str, redis_server: RedisServer,
                                            tmp_path: Path) -> None:
@@ -430,15 +455,11 @@ async def test_sighup_reaches_every_worker(upstream: str, redis_server: RedisSer
     elsewhere.mkdir()
     target = elsewhere / "real.yaml"
     target.write_text(POLICY.format(name="v1", burst=100000))
-    policies = tmp_path / "policies"
-    policies.mkdir()
-    (policies / "policy.yaml").symlink_to(target)
-    proc = OpgateProcess("--upstream", upstream, "--redis-url", redis_server.url,
-                         "--policies", str(policies), "--workers", "2", log_dir=tmp_path)
-    workers: set[int] = set()
+    gate = Supervised(upstream, redis_server, tmp_path, target=target)
+    proc = gate.proc
     try:
         await asyncio.to_thread(proc.wait_ready)
-        workers = children(proc.proc.pid)
+        workers = gate.workers = children(proc.proc.pid)
 
         def state(reply: tuple[int, str]) -> tuple[list[str], set[str]]:
             """The first worker's policy names, and every worker's digest."""
@@ -458,10 +479,7 @@ async def test_sighup_reaches_every_worker(upstream: str, redis_server: RedisSer
         assert state(after)[1] != {old}
         assert children(proc.proc.pid) == workers  # none died of it
     finally:
-        code = proc.stop()
-        for pid in workers:
-            if alive(pid):
-                os.kill(pid, signal.SIGKILL)
+        code = gate.stop()
     assert code == 0, proc.stderr()
     assert proc.stderr().count("SIGHUP: reloading the policy files") == 2, proc.stderr()
 
@@ -473,12 +491,8 @@ async def test_sighup_while_the_workers_start_ends_none_of_them(
     reloading every opgate it finds) is passed on only once each serves: a worker starts with
     SIGHUP's default disposition (the supervisor's handler is no child's), and it used to die of
     it, which ended the whole opgate ("killed by SIGHUP while starting; stopping")."""
-    policies = tmp_path / "policies"
-    policies.mkdir()
-    (policies / "policy.yaml").write_text(POLICY.format(name="v1", burst=100000))
-    proc = OpgateProcess("--upstream", upstream, "--redis-url", redis_server.url,
-                         "--policies", str(policies), "--workers", "2", log_dir=tmp_path)
-    workers: set[int] = set()
+    gate = Supervised(upstream, redis_server, tmp_path)
+    proc = gate.proc
     try:
         def spawned() -> set[int]:
             deadline = time.monotonic() + 10
@@ -486,17 +500,14 @@ async def test_sighup_while_the_workers_start_ends_none_of_them(
                 time.sleep(0.002)
             return children(proc.proc.pid)
 
-        workers = await asyncio.to_thread(spawned)
+        workers = gate.workers = await asyncio.to_thread(spawned)
         proc.proc.send_signal(signal.SIGHUP)  # the workers are importing opgate by now
         await asyncio.to_thread(proc.wait_ready)
         await _until(lambda: asyncio.to_thread(proc.stderr),
                      lambda err: err.count("SIGHUP: reloading the policy files") == 2, within=5)
         assert children(proc.proc.pid) == workers  # none died of it
     finally:
-        code = proc.stop()
-        for pid in workers:
-            if alive(pid):
-                os.kill(pid, signal.SIGKILL)
+        code = gate.stop()
     assert code == 0, proc.stderr()
     assert "SIGHUP" not in proc.stderr().replace("SIGHUP: reloading", ""), proc.stderr()
 
@@ -506,25 +517,18 @@ async def test_sighups_during_shutdown_end_neither_supervisor_nor_workers(
         upstream: str, redis_server: RedisServer, tmp_path: Path) -> None:
     """SIGHUPs all through a shutdown: the supervisor passes them on while its workers drain,
     and both still exit 0 (a removed SIGHUP handler leaves the default: the end)."""
-    policies = tmp_path / "policies"
-    policies.mkdir()
-    (policies / "policy.yaml").write_text(POLICY.format(name="v1", burst=100000))
-    proc = OpgateProcess("--upstream", upstream, "--redis-url", redis_server.url,
-                         "--policies", str(policies), "--workers", "2", log_dir=tmp_path)
-    workers: set[int] = set()
+    gate = Supervised(upstream, redis_server, tmp_path)
+    proc = gate.proc
     try:
         await asyncio.to_thread(proc.wait_ready)
-        workers = children(proc.proc.pid)
+        gate.workers = children(proc.proc.pid)
         proc.proc.send_signal(signal.SIGTERM)
         while proc.proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 proc.proc.send_signal(signal.SIGHUP)
             await asyncio.sleep(0.001)
     finally:
-        code = proc.stop()
-        for pid in workers:
-            if alive(pid):
-                os.kill(pid, signal.SIGKILL)
+        code = gate.stop()
     assert code == 0, proc.stderr()
     assert "killed by SIGHUP" not in proc.stderr(), proc.stderr()
 
@@ -534,15 +538,11 @@ async def test_sighup_while_a_worker_restarts_ends_it_not(
         upstream: str, redis_server: RedisServer, tmp_path: Path) -> None:
     """A SIGHUP just after the supervisor restarted a worker (one died) reaches the new worker
     once it serves: sent at once, it ended the worker again ("killed by SIGHUP")."""
-    policies = tmp_path / "policies"
-    policies.mkdir()
-    (policies / "policy.yaml").write_text(POLICY.format(name="v1", burst=100000))
-    proc = OpgateProcess("--upstream", upstream, "--redis-url", redis_server.url,
-                         "--policies", str(policies), "--workers", "2", log_dir=tmp_path)
-    workers: set[int] = set()
+    gate = Supervised(upstream, redis_server, tmp_path)
+    proc = gate.proc
     try:
         await asyncio.to_thread(proc.wait_ready)
-        workers = children(proc.proc.pid)
+        workers = gate.workers = children(proc.proc.pid)
         os.kill(min(workers), signal.SIGKILL)
 
         def restarted() -> set[int]:
@@ -556,10 +556,7 @@ async def test_sighup_while_a_worker_restarts_ends_it_not(
         await _until(lambda: asyncio.to_thread(proc.stderr),
                      lambda err: err.count("SIGHUP: reloading the policy files") == 2, within=10)
     finally:
-        code = proc.stop()
-        for pid in workers:
-            if alive(pid):
-                os.kill(pid, signal.SIGKILL)
+        code = gate.stop()
     assert code == 0, proc.stderr()
     assert "killed by SIGHUP" not in proc.stderr(), proc.stderr()
     assert proc.stderr().count("restarting in") == 1, proc.stderr()
