@@ -12,9 +12,11 @@ must leave alone (a tap sees the body; a TLS or Unix-socket client). Each on bot
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import os
 import ssl
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import pytest
@@ -22,7 +24,14 @@ import pytest
 from proxy.engine.context import RequestContext
 from proxy.relay.calls import RelaySettings
 from proxy.relay.fast import splice, upstream
-from tests.integration.fakes import RawUpstream, make_cert, read_head, run_on, running_proxy
+from tests.integration.fakes import (
+    Proxy,
+    RawUpstream,
+    make_cert,
+    read_head,
+    run_on,
+    running_proxy,
+)
 
 pytestmark = pytest.mark.skipif(not splice.AVAILABLE, reason="splice(2) is Linux-only")
 
@@ -97,6 +106,19 @@ class Tapping(Exits):
         self.body += chunk
 
 
+@contextlib.asynccontextmanager
+async def fast_proxy(serve: Callable[[asyncio.StreamReader, asyncio.StreamWriter],
+                                     Awaitable[None]],
+                     **options: Any) -> AsyncIterator[tuple[RawUpstream, Proxy]]:
+    """A :class:`RawUpstream` answering with ``serve``, and the fast relay in front of it."""
+    up = await RawUpstream(serve).start()
+    try:
+        async with running_proxy(up.url, relay_kind="fast", **options) as proxy:
+            yield up, proxy
+    finally:
+        await up.close()
+
+
 async def serve_body(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
     """Answers each GET with BODY: the head alone first (the relay holds it back), then the
     body in pieces; ``/small`` with a short body."""
@@ -146,28 +168,24 @@ def test_the_head_goes_first_the_count_is_right_and_the_next_call_is_served(
     exits = Exits()
 
     async def main() -> None:
-        up = await RawUpstream(serve_body).start()
         pipes = open_pipes()
-        try:
-            async with running_proxy(up.url, relay_kind="fast", middlewares=(exits,)) as proxy:
-                host, port = address(proxy.url)
-                reader, writer = await asyncio.open_connection(host, port)
-                # pipelined: the second call waits for the first's spliced body to end
-                writer.write(b"GET /api/v1/configmaps HTTP/1.1\r\nHost: x\r\n\r\n"
-                             b"GET /api/v1/small HTTP/1.1\r\nHost: x\r\n\r\n")
-                line, headers = await read_head(reader)
-                assert line == "HTTP/1.1 200 OK" and headers["content-length"] == str(SIZE)
-                assert headers["content-type"] == "application/json"
-                body = await asyncio.wait_for(reader.readexactly(SIZE), 10)
-                assert hashlib.sha256(body).digest() == hashlib.sha256(BODY).digest()
-                line, headers = await read_head(reader)
-                assert line == "HTTP/1.1 200 OK"
-                assert await reader.readexactly(2) == b"ok"
-                writer.close()
-                assert proxy.relay.pool.opened == 1, "the upstream connection was not reused"
-                assert open_pipes() == pipes, "the pump's pipe was left open"
-        finally:
-            await up.close()
+        async with fast_proxy(serve_body, middlewares=(exits,)) as (_, proxy):
+            host, port = address(proxy.url)
+            reader, writer = await asyncio.open_connection(host, port)
+            # pipelined: the second call waits for the first's spliced body to end
+            writer.write(b"GET /api/v1/configmaps HTTP/1.1\r\nHost: x\r\n\r\n"
+                         b"GET /api/v1/small HTTP/1.1\r\nHost: x\r\n\r\n")
+            line, headers = await read_head(reader)
+            assert line == "HTTP/1.1 200 OK" and headers["content-length"] == str(SIZE)
+            assert headers["content-type"] == "application/json"
+            body = await asyncio.wait_for(reader.readexactly(SIZE), 10)
+            assert hashlib.sha256(body).digest() == hashlib.sha256(BODY).digest()
+            line, headers = await read_head(reader)
+            assert line == "HTTP/1.1 200 OK"
+            assert await reader.readexactly(2) == b"ok"
+            writer.close()
+            assert proxy.relay.pool.opened == 1, "the upstream connection was not reused"
+            assert open_pipes() == pipes, "the pump's pipe was left open"
 
     run_on(loop, main)
     assert pumps.started == 1
@@ -181,19 +199,15 @@ def test_an_http10_client_gets_the_whole_body_then_the_end_of_the_connection(
     pumps = Pumps(monkeypatch)
 
     async def main() -> None:
-        up = await RawUpstream(serve_body).start()
-        try:
-            async with running_proxy(up.url, relay_kind="fast") as proxy:
-                reader, writer = await asyncio.open_connection(*address(proxy.url))
-                writer.write(b"GET /api/v1/configmaps HTTP/1.0\r\n\r\n")
-                line, headers = await read_head(reader)
-                assert line.endswith("200 OK") and headers["content-length"] == str(SIZE)
-                assert headers["connection"] == "close"
-                rest = await asyncio.wait_for(reader.read(), 10)  # up to the connection's end
-                assert hashlib.sha256(rest).digest() == hashlib.sha256(BODY).digest()
-                writer.close()
-        finally:
-            await up.close()
+        async with fast_proxy(serve_body) as (_, proxy):
+            reader, writer = await asyncio.open_connection(*address(proxy.url))
+            writer.write(b"GET /api/v1/configmaps HTTP/1.0\r\n\r\n")
+            line, headers = await read_head(reader)
+            assert line.endswith("200 OK") and headers["content-length"] == str(SIZE)
+            assert headers["connection"] == "close"
+            rest = await asyncio.wait_for(reader.read(), 10)  # up to the connection's end
+            assert hashlib.sha256(rest).digest() == hashlib.sha256(BODY).digest()
+            writer.close()
 
     run_on(loop, main)
     assert pumps.started == 1
@@ -214,19 +228,15 @@ def test_the_upstream_closing_mid_body_cuts_the_client_short(
         writer.transport.abort()
 
     async def main() -> None:
-        up = await RawUpstream(cut).start()
         pipes = open_pipes()
-        try:
-            async with running_proxy(up.url, relay_kind="fast", middlewares=(exits,)) as proxy:
-                for _ in range(3):
-                    _, headers, body = await get(*address(proxy.url))
-                    assert headers["content-length"] == str(SIZE)
-                    assert len(body) < SIZE, "a body cut short upstream arrived whole"
-                    assert body == BODY[: len(body)]
-                assert open_pipes() == pipes
-                assert not proxy.relay.pool._idle, "a connection cut mid-body went to the pool"
-        finally:
-            await up.close()
+        async with fast_proxy(cut, middlewares=(exits,)) as (_, proxy):
+            for _ in range(3):
+                _, headers, body = await get(*address(proxy.url))
+                assert headers["content-length"] == str(SIZE)
+                assert len(body) < SIZE, "a body cut short upstream arrived whole"
+                assert body == BODY[: len(body)]
+            assert open_pipes() == pipes
+            assert not proxy.relay.pool._idle, "a connection cut mid-body went to the pool"
 
     run_on(loop, main)
     assert pumps.started == 3
@@ -247,20 +257,15 @@ def test_a_stalled_body_ends_at_the_request_timeout_and_closes_the_upstream(
         await reader.read()  # until opgate closes the connection
 
     async def main() -> None:
-        up = await RawUpstream(stall).start()
         pipes = open_pipes()
         loop_ = asyncio.get_running_loop()
-        try:
-            async with running_proxy(up.url, relay_kind="fast",
-                                     settings=RelaySettings(request_timeout=1.0)) as proxy:
-                started = loop_.time()
-                _, _, body = await get(*address(proxy.url))
-                assert len(body) == 2 * upstream.LONG_BODY
-                assert loop_.time() - started < 5
-                await asyncio.wait_for(up.closed.get(), 5)  # opgate closed the upstream
-                assert open_pipes() == pipes
-        finally:
-            await up.close()
+        async with fast_proxy(stall, settings=RelaySettings(request_timeout=1.0)) as (up, proxy):
+            started = loop_.time()
+            _, _, body = await get(*address(proxy.url))
+            assert len(body) == 2 * upstream.LONG_BODY
+            assert loop_.time() - started < 5
+            await asyncio.wait_for(up.closed.get(), 5)  # opgate closed the upstream
+            assert open_pipes() == pipes
 
     run_on(loop, main)
     assert pumps.started == 1
@@ -328,23 +333,19 @@ def test_bytes_after_the_spliced_body_close_the_upstream_not_answer_the_next_cal
             await writer.drain()
 
     async def main() -> None:
-        up = await RawUpstream(more).start()
         pipes = open_pipes()
-        try:
-            async with running_proxy(up.url, relay_kind="fast") as proxy:
-                reader, writer = await asyncio.open_connection(*address(proxy.url))
-                writer.write(b"GET /api/v1/configmaps HTTP/1.1\r\nHost: x\r\n\r\n"
-                             b"GET /api/v1/small HTTP/1.1\r\nHost: x\r\n\r\n")
-                await read_head(reader)
-                body = await asyncio.wait_for(reader.readexactly(SIZE), 10)
-                assert hashlib.sha256(body).digest() == hashlib.sha256(BODY).digest()
-                _, headers = await read_head(reader)
-                assert await reader.readexactly(int(headers["content-length"])) == b"ok"
-                writer.close()
-                assert proxy.relay.pool.opened == 2, "the connection with stray bytes was reused"
-                assert open_pipes() == pipes
-        finally:
-            await up.close()
+        async with fast_proxy(more) as (_, proxy):
+            reader, writer = await asyncio.open_connection(*address(proxy.url))
+            writer.write(b"GET /api/v1/configmaps HTTP/1.1\r\nHost: x\r\n\r\n"
+                         b"GET /api/v1/small HTTP/1.1\r\nHost: x\r\n\r\n")
+            await read_head(reader)
+            body = await asyncio.wait_for(reader.readexactly(SIZE), 10)
+            assert hashlib.sha256(body).digest() == hashlib.sha256(BODY).digest()
+            _, headers = await read_head(reader)
+            assert await reader.readexactly(int(headers["content-length"])) == b"ok"
+            writer.close()
+            assert proxy.relay.pool.opened == 2, "the connection with stray bytes was reused"
+            assert open_pipes() == pipes
 
     run_on(loop, main)
     assert pumps.started == 1
@@ -358,13 +359,9 @@ def test_a_tapped_call_sees_every_byte_and_is_not_spliced(
     tap = Tapping()
 
     async def main() -> None:
-        up = await RawUpstream(serve_body).start()
-        try:
-            async with running_proxy(up.url, relay_kind="fast", middlewares=(tap,)) as proxy:
-                _, _, body = await get(*address(proxy.url))
-                assert body == BODY
-        finally:
-            await up.close()
+        async with fast_proxy(serve_body, middlewares=(tap,)) as (_, proxy):
+            _, _, body = await get(*address(proxy.url))
+            assert body == BODY
 
     run_on(loop, main)
     assert pumps.started == 0
@@ -381,22 +378,17 @@ def test_tls_and_unix_socket_clients_are_not_spliced(
     trust = ssl.create_default_context(cafile=cert)
 
     async def main() -> None:
-        up = await RawUpstream(serve_body).start()
-        try:
-            async with running_proxy(up.url, relay_kind="fast", tls_cert=cert,
-                                     tls_key=key) as proxy:
-                host, port = proxy.url.removeprefix("https://").split(":")
-                _, _, body = await get(host, int(port), ssl_context=trust)
-                assert body == BODY
-            path = str(tmp_path / "opgate.sock")
-            async with running_proxy(up.url, relay_kind="fast", listen=f"unix:{path}"):
-                reader, writer = await asyncio.open_unix_connection(path)
-                writer.write(b"GET /api/v1/pods HTTP/1.1\r\nHost: x\r\n\r\n")
-                await read_head(reader)
-                assert await asyncio.wait_for(reader.readexactly(SIZE), 10) == BODY
-                writer.close()
-        finally:
-            await up.close()
+        async with fast_proxy(serve_body, tls_cert=cert, tls_key=key) as (_, proxy):
+            host, port = proxy.url.removeprefix("https://").split(":")
+            _, _, body = await get(host, int(port), ssl_context=trust)
+            assert body == BODY
+        path = str(tmp_path / "opgate.sock")
+        async with fast_proxy(serve_body, listen=f"unix:{path}"):
+            reader, writer = await asyncio.open_unix_connection(path)
+            writer.write(b"GET /api/v1/pods HTTP/1.1\r\nHost: x\r\n\r\n")
+            await read_head(reader)
+            assert await asyncio.wait_for(reader.readexactly(SIZE), 10) == BODY
+            writer.close()
 
     run_on(loop, main)
     assert pumps.started == 0
