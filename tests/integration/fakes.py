@@ -94,6 +94,31 @@ async def ok_handler(request: web.BaseRequest) -> web.StreamResponse:
     return web.Response(body=b'{"kind":"Fine"}', content_type="application/json")
 
 
+
+class Tapping:
+    """A middleware that sets a tap on every call, as traffic capture does (the fast relay
+    then parses a chunked body rather than passing it through, and never splices): ``body``
+    is every response body byte it was shown."""
+
+    name = "tapping"
+    fail_open = False
+    needs_body = False
+
+    def __init__(self) -> None:
+        self.body = bytearray()
+
+    async def entry(self, ctx: Any) -> None:
+        ctx.tap = self
+
+    def request_body(self, chunk: bytes) -> None:
+        pass
+
+    def response_head(self, status: int, reason: Any, headers: Any) -> None:
+        pass
+
+    def response_body(self, chunk: bytes) -> None:
+        self.body += chunk
+
 class RawUpstream:
     """``asyncio.start_server`` with a per-connection callback; tracks when connections end."""
 

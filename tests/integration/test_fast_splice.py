@@ -27,6 +27,7 @@ from proxy.relay.fast import splice, upstream
 from tests.integration.fakes import (
     Proxy,
     RawUpstream,
+    Tapping,
     make_cert,
     read_head,
     run_on,
@@ -81,29 +82,6 @@ class Exits:
 
     async def exit(self, ctx: RequestContext) -> None:
         self.seen.append((ctx.status_code, ctx.bytes_out, ctx.error))
-
-
-class Tapping(Exits):
-    """Sets a tap on every call, as traffic capture does: it must see every body byte."""
-
-    name = "tapping"
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.body = bytearray()
-
-    async def entry(self, ctx: RequestContext) -> None:
-        ctx.tap = self
-        return None
-
-    def request_body(self, chunk: bytes) -> None:
-        pass
-
-    def response_head(self, status: int, reason: Any, headers: Any) -> None:
-        pass
-
-    def response_body(self, chunk: bytes) -> None:
-        self.body += chunk
 
 
 @contextlib.asynccontextmanager
@@ -356,17 +334,17 @@ def test_a_tapped_call_sees_every_byte_and_is_not_spliced(
     loop: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     pumps = Pumps(monkeypatch)
-    tap = Tapping()
+    tap, exits = Tapping(), Exits()
 
     async def main() -> None:
-        async with fast_proxy(serve_body, middlewares=(tap,)) as (_, proxy):
+        async with fast_proxy(serve_body, middlewares=(tap, exits)) as (_, proxy):
             _, _, body = await get(*address(proxy.url))
             assert body == BODY
 
     run_on(loop, main)
     assert pumps.started == 0
     assert bytes(tap.body) == BODY
-    assert tap.seen == [(200, SIZE, "")]
+    assert exits.seen == [(200, SIZE, "")]
 
 
 @pytest.mark.parametrize("loop", LOOPS)

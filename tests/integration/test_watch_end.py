@@ -8,13 +8,17 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import Any
 
 import pytest
 
-from proxy.engine.context import RequestContext
 from proxy.relay.calls import RelaySettings
-from tests.integration.fakes import RawUpstream, read_head, running_proxy, wait_closed
+from tests.integration.fakes import (
+    RawUpstream,
+    Tapping,
+    read_head,
+    running_proxy,
+    wait_closed,
+)
 
 pytestmark = pytest.mark.usefixtures("each_relay")  # every test on both relay cores
 
@@ -77,26 +81,6 @@ async def read_body(reader: asyncio.StreamReader) -> tuple[bytes, bool]:
             assert await reader.readexactly(2) == b"\r\n"
     except (asyncio.IncompleteReadError, ConnectionError):
         return data, False
-
-
-class Tapping:
-    """Sets a tap on every call, as traffic capture does (the fast relay then parses the
-    chunked body instead of passing it through)."""
-
-    name = "tapping"
-
-    async def entry(self, ctx: RequestContext) -> None:
-        ctx.tap = self  # type: ignore[assignment]
-        return None
-
-    def request_body(self, chunk: bytes) -> None:
-        pass
-
-    def response_head(self, status: int, reason: Any, headers: Any) -> None:
-        pass
-
-    def response_body(self, chunk: bytes) -> None:
-        pass
 
 
 async def _open_watch(url: str, watch: SplitWatch, *, version: bytes = b"1.1"
