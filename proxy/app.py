@@ -85,6 +85,11 @@ def configure_logging(settings: Settings, *, tag: str = "") -> None:
     # reloads itself. Never below WARNING: its own lines written where the policy watcher looks
     # (the log file beside the policy directory) would be changes it reports, without end.
     logging.getLogger("watchfiles").setLevel(logging.WARNING)
+    # the access log (and an audit log to "-") writes JSON lines to stdout: a lone surrogate
+    # in a claim leaves as its JSON escape, where strict encoding would lose the whole batch
+    reconfigure = getattr(sys.stdout, "reconfigure", None)
+    if reconfigure is not None:
+        reconfigure(errors="backslashreplace")
     access = logging.getLogger("opgate.access")  # the access log writes to stdout itself
     access.propagate = False
     access.handlers[:] = []

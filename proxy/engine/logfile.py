@@ -115,7 +115,9 @@ class RotatingFile:
         return os.fdopen(fd, "ab")
 
     def write(self, data: str) -> None:
-        self.write_bytes(data.encode("utf-8"))
+        # a lone surrogate (a token's claim may hold one: JSON's "\ud800") leaves as the JSON
+        # escape it came as, inside its JSON string, instead of losing the whole batch
+        self.write_bytes(data.encode("utf-8", "backslashreplace"))
 
     def write_bytes(self, raw: bytes) -> None:
         """Append ``raw`` whole (rotating first if it would not fit: a record is never split

@@ -767,6 +767,66 @@ def test_the_whole_path_to_a_file(tmp_path: Path) -> None:
     assert TOKEN not in path.read_text()
 
 
+# a claim JSON can carry and Python decodes to a lone surrogate (not encodable as UTF-8)
+ODD = Identity(user="oidc:caf\ud800e", uid="u-1", groups=("system:authenticated",),
+               source="oidc", extra=(("scopes", ("read\udfff",)),))
+
+
+def audited_lines(write: Any, count: int) -> None:
+    """``count`` DELETEs audited through an AccessWriter batching into ``write``'s stream,
+    every other one by the ODD caller."""
+    async def calls() -> None:
+        for i in range(count):
+            ctx = make_ctx("DELETE", f"/api/v1/namespaces/a/configmaps/c{i}")
+            ctx.identity = ODD if i % 2 else SA
+            finish(ctx, 200)
+            await settle(auditor.exit(ctx))
+    auditor = Audit(write=write)
+    asyncio.run(calls())
+
+
+def test_a_lone_surrogate_in_a_claim_loses_no_event_in_a_file(tmp_path: Path) -> None:
+    """It leaves as the JSON escape it came as; the batch it is in is not dropped."""
+    path = tmp_path / "audit.log"
+    stream = QueuedStream(RotatingFile(str(path), max_bytes=1024 * 1024, max_backups=1))
+    writer = AccessWriter(stream)
+    dropped = telemetry.AUDIT_DROPPED._value.get()
+    audited_lines(writer.write, 6)
+    writer.close()
+    stream.close()
+    events = [json.loads(line) for line in path.read_bytes().decode("utf-8").splitlines()]
+    assert [e["objectRef"]["name"] for e in events] == [f"c{i}" for i in range(6)]
+    assert events[1]["user"]["username"] == ODD.user
+    assert events[1]["user"]["extra"] == {"scopes": ["read\udfff"]}
+    assert telemetry.AUDIT_DROPPED._value.get() == dropped
+
+
+def test_a_lone_surrogate_in_a_claim_loses_no_line_on_stdout(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The access log's (and ``--audit-log -``'s) stdout, as opgate sets it up."""
+    import io
+    import logging
+
+    from proxy.app import configure_logging
+    from proxy.settings import LogSettings, Settings
+
+    raw = io.BytesIO()
+    out = io.TextIOWrapper(raw, encoding="utf-8", write_through=True)
+    monkeypatch.setattr("sys.stdout", out)
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    try:
+        configure_logging(Settings(log=LogSettings()))
+    finally:
+        root.handlers[:] = handlers
+        root.setLevel(level)
+    writer = AccessWriter(out)
+    audited_lines(writer.write, 4)
+    writer.close()
+    events = [json.loads(line) for line in raw.getvalue().decode("utf-8").splitlines()]
+    assert [e["user"]["username"] for e in events] == [SA.user, ODD.user] * 2
+
+
 def test_the_relays_own_errors_carry_their_message() -> None:
     out = Lines()
     ctx = make_ctx("GET", "/api/v1/namespaces/a/pods/p")
