@@ -3,7 +3,8 @@ refuses gets the answer the fast relay's listener gives, a Kubernetes Status.
 
 aiohttp's own answer to a request it cannot parse is a text/plain 400, which client-go cannot
 show: here it is a Status, 431 for a head past the limits, else 400 (an HTTP/1.1 request
-without a ``Host`` header, or one with two, named as the apiserver names them). aiohttp's
+without a ``Host`` header, or one with two, named as the apiserver names them; a malformed
+``Host`` value is refused by the relay's handler). aiohttp's
 parser bounds each line (``max_line_size``, ``max_field_size``) and the number of headers
 (``max_headers``), not their sum: 512 headers of 64 KiB, 32 MiB held for one head. So the
 bytes of each head are counted as they arrive, up to its blank line, and a head over

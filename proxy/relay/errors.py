@@ -86,9 +86,24 @@ def malformed_request() -> StatusError:
 
 def bad_host(hosts: int) -> StatusError:
     """A request with two ``Host`` headers, or an HTTP/1.1 one with none (``hosts``: how many
-    it has): the apiserver (Go's net/http) answers both 400, and so do both listeners."""
+    it has), or one whose ``Host`` holds a byte no host or port has (``hosts`` 1): the
+    apiserver (Go's net/http) answers each 400, and so do both listeners."""
+    if hosts == 1:
+        return bad_request("opgate: malformed Host header")
     return bad_request("opgate: missing required Host header" if not hosts
                        else "opgate: too many Host headers")
+
+
+# the bytes Go's net/http takes in a Host value (httpguts.ValidHostHeader: RFC 3986's host and
+# port, leniently): letters, digits and !$%&'()*+,-.:;=[]_~
+_HOST_BYTES = bytes(range(ord("0"), ord("9") + 1)) + bytes(range(ord("a"), ord("z") + 1)) \
+    + bytes(range(ord("A"), ord("Z") + 1)) + b"!$%&'()*+,-.:;=[]_~"
+
+
+def malformed_host(value: bytes) -> bool:
+    """Whether a ``Host`` value (surrounding blanks stripped) holds a byte the apiserver
+    refuses with 400 (a space, ``/``, ``@``, a control byte, anything not ASCII, …)."""
+    return bool(value.translate(None, _HOST_BYTES))
 
 
 def head_too_large(max_line: int, max_headers: int, max_head: int) -> StatusError:

@@ -145,6 +145,9 @@ class Relay:
         if request.body_exists and request.headers.get(
                 "Transfer-Encoding", "chunked").strip().lower() != "chunked":
             return (await send_status(request, errors.unsupported_coding(), close=True))[0]
+        host = request.headers.get("Host")
+        if host and errors.malformed_host(host.strip().encode("utf-8", "surrogateescape")):
+            return (await send_status(request, errors.bad_host(1), close=True))[0]
         raw = request.raw_path
         bad: str | None = None  # a request target the apiserver would refuse: 400 from here
         if not raw.startswith("/"):

@@ -192,10 +192,16 @@ async def test_malformed_or_oversized_heads_get_a_status_and_nothing_is_relayed(
 @pytest.mark.parametrize(("head", "message"), [
     (b"GET /api/v1/pods HTTP/1.1\r\nAccept: */*\r\n\r\n", "missing required Host header"),
     (b"GET /api/v1/pods HTTP/1.1\r\nHost: x\r\nHOST: x\r\n\r\n", "too many Host headers"),
+    (b"GET /api/v1/pods HTTP/1.1\r\nHost: api server\r\n\r\n", "malformed Host header"),
+    (b"GET /api/v1/pods HTTP/1.1\r\nHost: evil.example/x\r\n\r\n", "malformed Host header"),
+    (b"GET /api/v1/pods HTTP/1.1\r\nHost: me@10.0.0.1\r\n\r\n", "malformed Host header"),
+    (b"GET /api/v1/pods HTTP/1.1\r\nHost: caf\xc3\xa9.local\r\n\r\n", "malformed Host header"),
+    (b"GET /api/v1/pods HTTP/1.0\r\nHost: a\"b\r\n\r\n", "malformed Host header"),
     (b"GET /api/v1/pods HTTP/1.1\r\nHost: x\r\n" + fields(18) + b"\r\n",
      "request line or header longer than 65536 bytes, more than 512 headers, or a request head "
      "over 1048576 bytes"),
-], ids=["no-host", "two-hosts", "over-1MiB"])
+], ids=["no-host", "two-hosts", "host-space", "host-slash", "host-userinfo", "host-not-ascii",
+        "http10-host-quote", "over-1MiB"])
 async def test_the_host_and_head_size_refusals_say_what_is_wrong(head: bytes, message: str) -> None:
     """The apiserver (Go's net/http) names these refusals; both listeners name them too."""
     raw, _ = await refused(head)
@@ -207,7 +213,10 @@ async def test_the_host_and_head_size_refusals_say_what_is_wrong(head: bytes, me
     b"GET /api/v1/pods HTTP/1.1\r\nHost: x\r\nConnection: close\r\n" + fields(17)
     + b"\r\n",  # just under 1 MiB in all
     b"GET /api/v1/pods HTTP/1.0\r\n\r\n",  # (Go takes an HTTP/1.0 request without Host)
-], ids=["just-under-1MiB", "http10-without-host"])
+    # every byte Go's net/http takes in a Host value, and an IPv6 literal with a port
+    b"GET /api/v1/pods HTTP/1.1\r\nHost: aZ09!$%&'()*+,-.:;=[]_~\r\nConnection: close\r\n\r\n",
+    b"GET /api/v1/pods HTTP/1.1\r\nHost: [::1]:6443\r\nConnection: close\r\n\r\n",
+], ids=["just-under-1MiB", "http10-without-host", "host-every-byte-go-takes", "host-ipv6"])
 async def test_heads_within_the_limits_are_relayed_whole(head: bytes) -> None:
     got: list[bytes] = []
 

@@ -21,7 +21,8 @@ bytes, at most ``MAX_HEADERS`` headers and at most ``MAX_HEAD`` bytes in all (el
 head is measured when it came in more than one read; one in a single read is no longer than
 the read, asyncio's are 256 KiB at most, so it costs nothing more; one whose reads pass twice
 ``MAX_HEAD`` before it ends is cut there, as llhttp holds a header line whole until it ends);
-malformed HTTP, or a request with two ``Host`` headers (an HTTP/1.1 one with none), gets
+malformed HTTP, or a request with two ``Host`` headers (an HTTP/1.1 one with none, or one whose
+value holds a byte no host has, as Go's net/http refuses it), gets
 ``400``, a request line of another version than HTTP/1.x ``505``, a transfer coding besides
 chunked ``501``; each closes the connection (after the answers to the calls before it, when
 pipelined). A connection idle for ``KEEPALIVE`` seconds between requests is closed. Trailer
@@ -45,6 +46,7 @@ from proxy.engine.status import StatusError
 from proxy.relay.errors import (
     bad_host,
     head_too_large,
+    malformed_host,
     malformed_request,
     unsupported_coding,
     version_not_supported,
@@ -86,6 +88,7 @@ _TOO_LARGE = _refusal(head_too_large(MAX_LINE, MAX_HEADERS, MAX_HEAD),
                       "Request Header Fields Too Large")
 _NO_HOST = _refusal(bad_host(0), "Bad Request")
 _MANY_HOSTS = _refusal(bad_host(2), "Bad Request")
+_ODD_HOST = _refusal(bad_host(1), "Bad Request")
 _BAD_VERSION = _refusal(version_not_supported(), "HTTP Version Not Supported")
 _BAD_CODING = _refusal(unsupported_coding(), "Not Implemented")
 _CHUNKED_UPGRADE = _refusal(
@@ -260,6 +263,8 @@ class ClientConnection(FlowForwarding, asyncio.Protocol):
                 req.connection = True
             elif low == b"host":
                 hosts += 1
+                if malformed_host(value.strip()):
+                    raise _Refused(_ODD_HOST)
         if hosts != 1 and (hosts or (req.http11 and req.method != b"CONNECT")):
             raise _Refused(_MANY_HOSTS if hosts else _NO_HOST)  # (Go's net/http: a 400 each)
         self._parsing = req
