@@ -20,6 +20,7 @@ log = logging.getLogger("opgate.relay")
 
 EXIT_HOOK_TIMEOUT = 10.0  # bound for exit hooks that run after the client went away
 CLIENT_GONE = 499  # status recorded for a call whose client left before any response
+CUT_AT_SHUTDOWN = "cut short: opgate shut down (--shutdown-grace ran out, or a second signal)"
 
 T = TypeVar("T")
 
@@ -31,6 +32,9 @@ class Aftercare:
             getattr(m, "exit", None) or getattr(m, "retry", None) for m in chain.middlewares
         )
         self._background: set[asyncio.Task[None]] = set()
+        # set by the listener when its shutdown cuts what still runs: a call cancelled then
+        # was cut by opgate, not left by its client
+        self.cutting = False
         self._upstream_hist: dict[str, Any] = {}
 
     async def track(self, ctx: RequestContext, call: Awaitable[T]) -> T:
@@ -55,13 +59,17 @@ class Aftercare:
         return result
 
     def gone(self, ctx: RequestContext) -> None:
-        """The call was cancelled (its client went away): record that, and run the exit hooks
-        in the background."""
+        """The call was cancelled (its client went away, or the shutdown cut it): record that,
+        and run the exit hooks in the background."""
         ctx.status_code = ctx.status_code or CLIENT_GONE
-        ctx.error = ctx.error or "client went away"
+        ctx.error = ctx.error or (CUT_AT_SHUTDOWN if self.cutting else "client went away")
         ctx.finished = time.monotonic()
         if self.has_hooks:
             self.exit_later(ctx)
+
+    def mark_cut(self) -> None:
+        """The listener's shutdown cuts the calls still running now (see ``cutting``)."""
+        self.cutting = True
 
     def observe_upstream(self, verb: str, seconds: float) -> None:
         """Record the time until the upstream's response headers (one histogram child per verb)."""

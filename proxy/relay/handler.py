@@ -29,7 +29,7 @@ from proxy.engine.status import StatusError, bad_request, internal_error
 from proxy.engine.subprotocol import carries_token
 from proxy.engine.telemetry import publish_levels
 from proxy.relay import errors, tunnel
-from proxy.relay.aftercare import CLIENT_GONE, Aftercare
+from proxy.relay.aftercare import CLIENT_GONE, CUT_AT_SHUTDOWN, Aftercare
 from proxy.relay.calls import (
     PolicyStoreLike,
     RelaySettings,
@@ -106,6 +106,11 @@ class Relay:
             self._session = make_session(
                 self._endpoint, connect_timeout=self.settings.connect_timeout
             )
+
+    def cut(self) -> None:
+        """The listener's shutdown is about to cut the calls still running (the grace ran out,
+        or a second signal): record them as cut by opgate, not as left by their clients."""
+        self._after.mark_cut()
 
     def end_long_running(self) -> None:
         """At shutdown: end the long-running calls in flight (watches, logs) at once, as the
@@ -209,8 +214,9 @@ class Relay:
                 ctx.error = f"internal error: {type(e).__name__}"
                 status = internal_error("opgate: internal error; see the opgate log")
                 return await self._answer(request, ctx, status)
-        except ConnectionError:  # the client has gone
-            ctx.error = ctx.error or "client went away"
+        except ConnectionError:  # the client has gone (or the shutdown closed it)
+            ctx.error = ctx.error or (CUT_AT_SHUTDOWN if self._after.cutting
+                                      else "client went away")
         except Exception as e:  # broke after the headers went out: cut the response short
             log.exception("relay failed (%s %s, trace %s)", ctx.method, ctx.path, ctx.trace_id)
             ctx.error = f"internal error: {type(e).__name__}"

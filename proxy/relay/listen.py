@@ -275,6 +275,7 @@ async def _serve_aiohttp(
             if not busy or loop.time() >= deadline:
                 break
             await asyncio.sleep(0.05)
+        relay.cut()  # what aiohttp's cleanup cancels now was cut by opgate
         await runner.cleanup()
 
     hurried = asyncio.Event()

@@ -16,6 +16,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from proxy.relay.aftercare import CUT_AT_SHUTDOWN
 from tests.integration.fakes import AiohttpUpstream, status_of
 from tests.integration.opgate_proc import OpgateProcess
 
@@ -71,8 +72,14 @@ async def test_a_second_signal_cuts_the_drain_short_and_exits_cleanly(
     err = opgate.stderr()
     assert f"{sig.name} again: the calls still in flight are cut now" in err, err
     assert "Traceback" not in err, err
+    assert_cut_by_opgate(opgate)
+
+
+def assert_cut_by_opgate(opgate: OpgateProcess) -> None:
+    """The call cut at shutdown is recorded, as cut by opgate (not as left by its client)."""
     records = [json.loads(line) for line in opgate.stdout().splitlines() if line.startswith("{")]
-    assert [r["verb"] for r in records] == ["list"], records  # the cut call is recorded
+    assert [r["verb"] for r in records] == ["list"], records
+    assert records[0]["error"] == CUT_AT_SHUTDOWN, records
 
 
 @pytest.mark.asyncio
@@ -114,3 +121,4 @@ async def test_shutdown_grace_bounds_the_drain(upstream: str, tmp_path: Path, re
     assert outcome != 200, outcome
     assert took < 7.0, f"exited {took:.1f} s after SIGTERM with a 0.5 s grace"
     assert "Traceback" not in opgate.stderr()
+    assert_cut_by_opgate(opgate)

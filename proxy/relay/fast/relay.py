@@ -111,7 +111,7 @@ class FastRelay:
 
     def server(self) -> FastServer:
         """A server for this relay's calls (:func:`proxy.relay.listen.serve_api` listens)."""
-        return FastServer(self.handle, end=_end_cleanly)
+        return FastServer(self.handle, end=_end_cleanly, cut=self._after.mark_cut)
 
     async def close(self) -> None:
         await self._after.drain()

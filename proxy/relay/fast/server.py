@@ -460,10 +460,12 @@ class FastServer:
     call cut after ``LONG_RUNNING_END``)."""
 
     def __init__(
-        self, handler: Handler, end: Callable[[ClientConnection], bool] | None = None
+        self, handler: Handler, end: Callable[[ClientConnection], bool] | None = None,
+        cut: Callable[[], None] | None = None,
     ) -> None:
         self._handler = handler
         self._end = end
+        self._cut = cut  # told before the calls still running at the grace's end are cut
         self.connections: set[ClientConnection] = set()
         self.closing = False
         self._hurried = False
@@ -516,6 +518,8 @@ class FastServer:
             if not busy or loop.time() >= deadline or self._hurried:
                 break
             await asyncio.sleep(0.05)
+        if self._cut is not None and any(c.current is not None for c in self.connections):
+            self._cut()
         for conn in list(self.connections):
             conn.abort()
             current = conn.current
