@@ -133,9 +133,10 @@ def latency(bench: Bench, targets: Sequence[Target]) -> Result:
     cpu_us: dict[str, list[float]] = {t.name: [] for t in targets if t.pid is not None}
     bench.place(targets, pinned=True)
     with bench.as_generator():
-        for i in range(plan.rounds):
+        rounds = plan.latency_rounds or plan.rounds
+        for i in range(rounds):
             for t in targets:
-                _log(f"  latency at {plan.latency_rate:g} req/s round {i + 1}/{plan.rounds}: "
+                _log(f"  latency at {plan.latency_rate:g} req/s round {i + 1}/{rounds}: "
                      f"{t.name}")
                 cpu = procstat.CpuUsage.begin(t.pid) if t.pid is not None else None
                 lat, err = paced_gets(t.url + SMALL, rate=plan.latency_rate,
@@ -153,19 +154,19 @@ def latency(bench: Bench, targets: Sequence[Target]) -> Result:
 
 
 def lists(bench: Bench, targets: Sequence[Target], *, sizes: dict[int, str] | None = None,
-          transfers: int = 1) -> Result:
+          transfers: int = 1, rounds: int = 0) -> Result:
     """MB/s per path and size; ``sizes`` maps a label (MB) to a path (default: nginx's).
     ``transfers``: LISTs back to back per round and path (their CPU summed: the CPU clock ticks
-    every 10 ms, a coarse grain for one transfer of a small LIST)."""
+    every 10 ms, a coarse grain for one transfer of a small LIST); ``rounds`` (0: the plan's)."""
     plan = bench.plan
     paths = sizes or {mb: LISTS[mb] for mb in plan.list_mb}
     bench.place(targets, pinned=True)
     out: Result = {}
     for mb, path in paths.items():
         runs: dict[str, list[Result]] = {t.name: [] for t in targets}
-        for i in range(plan.rounds):
+        for i in range(rounds or plan.rounds):
             for t in targets:
-                _log(f"  LIST {mb} MB round {i + 1}/{plan.rounds}: {t.name}")
+                _log(f"  LIST {mb} MB round {i + 1}/{rounds or plan.rounds}: {t.name}")
                 run: Result = {}
                 if t.pid is not None:
                     before = procstat.rss_mb(t.pid)

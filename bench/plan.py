@@ -39,6 +39,11 @@ class Plan:
     apiserver_list_mb: int
     reload_repeats: int
     apiserver_list_transfers: int = 5  # LISTs per round and path in the apiserver tier
+    # the two measures whose rounds are short and spread widest get more of them: a LIST of
+    # 200 MB takes 0.1-0.7 s and moves by ±15% from one transfer to the next; the latency's
+    # rounds (8 s each) move with the host's state (bench/README.md, "Rounds")
+    list_rounds: int = 0  # the static upstream's LISTs (0: ``rounds``)
+    latency_rounds: int = 0  # 0: ``rounds``
     measures: tuple[str, ...] = MEASURES
     paths: tuple[str, ...] = NAMES  # + "opgate-aiohttp" with --with-aiohttp
 
@@ -53,7 +58,8 @@ class Plan:
     def full_plan(cls) -> Plan:
         return cls(quick=False, rounds=3, wrk_seconds=6, connections=16, latency_rate=50,
                    latency_seconds=8, watch_events=500, watch_rate=250, open_watches=1000,
-                   list_mb=(64, 200), apiserver_list_mb=32, reload_repeats=8)
+                   list_mb=(64, 200), apiserver_list_mb=32, reload_repeats=8, list_rounds=9,
+                   latency_rounds=5)
 
 
 @dataclass(slots=True)
