@@ -121,6 +121,8 @@ def parse_rule(node: Located, what: str, errors: list[PolicyError]) -> RateLimit
     max_qps = f.number("maxQps", minimum=0, maximum=MAX_QPS)
     if max_qps is not None and max_qps <= 0:
         f.fail("maxQps", f"must be greater than 0 (got {max_qps})")
+    elif max_qps is not None and max_qps < MIN_QPS:  # it bounds the rate a bucket gets
+        f.fail("maxQps", f"must be at least {MIN_QPS:g} (one call in ~31 years; got {max_qps:g})")
     if max_qps is not None and not annotation:
         f.fail("maxQps", 'only applies with "instanceAnnotation"')
     if annotation and "instance" not in key.fields:

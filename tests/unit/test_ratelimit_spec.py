@@ -70,6 +70,9 @@ def test_full_rule_and_defaults() -> None:
     ("{name: a, qps: 1, burst: 1000000000}", "spec.rateLimits[0].burst: must be at most"),
     ("{name: a, qps: 1, key: '{instance}', instanceAnnotation: q, maxQps: 1e9}",
      "maxQps: must be at most"),
+    # maxQps bounds an annotated instance's rate: below 1e-9 its bucket was out of bounds too
+    ("{name: a, qps: 1, key: '{instance}', instanceAnnotation: q, maxQps: 1e-10}",
+     "spec.rateLimits[0].maxQps: must be at least 1e-09"),
     ("{name: a, qps: 1, key: '{user}/{pod}'}", "unknown placeholder {pod}"),
     ("{name: a, qps: 1, key: '{user'}", "unbalanced brace"),
     ("{name: a, qps: 1, key: ''}", "spec.rateLimits[0].key: must not be empty"),
