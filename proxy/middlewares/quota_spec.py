@@ -97,6 +97,9 @@ def _literals(f: Fields, key: str, pattern: re.Pattern[str], what: str, *,
         if _GLOB_CHARS & set(item):
             f.fail(key, f'"{item}": globs are not supported here (each {what} is watched, so '
                         "name it)")
+        elif "/" in item and key == "apiGroups":
+            f.fail(key, f'"{item}": an API group has no version '
+                        f'("{item.partition("/")[0]}", not "{item}")')
         elif "/" in item:
             f.fail(key, f'"{item}": subresources have no object count')
         elif not (item == "" and allow_empty) and not pattern.fullmatch(item):

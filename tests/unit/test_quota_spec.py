@@ -83,6 +83,10 @@ def test_full_entry_and_defaults() -> None:
     ("- resources: [configmaps]\n  apiGroups: [\"apps*\"]\n  max: 1",
      'q.yaml:2: spec.quotas[0].apiGroups: "apps*": globs are not supported here (each API '
      "group is watched, so name it)"),
+    # a group with a version was refused as if it named a subresource
+    ("- resources: [deployments]\n  apiGroups: [apps/v1]\n  max: 1",
+     'q.yaml:2: spec.quotas[0].apiGroups: "apps/v1": an API group has no version ("apps", '
+     'not "apps/v1")'),
     ("- resources: [configmaps]\n  apiGroups: []\n  max: 1",
      'q.yaml:2: spec.quotas[0].apiGroups: must name at least one ("" is the core group)'),
     ("- resources: [configmaps]\n  namespaces: ['']\n  max: 1",
