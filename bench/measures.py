@@ -4,7 +4,7 @@
 * ``small_get``: closed-loop ``wrk`` on the ~1 KB ConfigMap: req/s, p50/p99, the proxy's CPU µs
   per request (``/proc`` utime+stime delta / requests) and, on the full chain, Redis calls per
   admitted request (``INFO commandstats`` delta / 2xx responses). Pinned rounds (every proxy a
-  single process on its one core: CPU per request), then one unpinned round (every process may
+  single process on its one core: CPU per request), then unpinned rounds (every process may
   use every core, as in a pod without CPU pinning) in which the full chain runs as
   ``--workers auto`` (one worker process per CPU on one ``SO_REUSEPORT`` port), as the issue's
   throughput target asks ("use every core"); the other paths are as in the pinned rounds.
@@ -95,9 +95,9 @@ def _summary(runs: list[Result]) -> Result:
 
 
 def small_get(bench: Bench, targets: Sequence[Target]) -> Result:
-    """Pinned rounds then one unpinned round (only the latter when the bench does not pin)."""
+    """Pinned rounds then unpinned ones (only the latter when the bench does not pin)."""
     out: Result = {}
-    modes = [("pinned", True, bench.plan.rounds), ("unpinned", False, 1)]
+    modes = [("pinned", True, bench.plan.rounds), ("unpinned", False, bench.plan.unpinned_rounds)]
     if not bench.pinning:
         modes = [("unpinned", False, bench.plan.rounds)]
     for label, pinned, rounds in modes:

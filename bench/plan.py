@@ -44,6 +44,7 @@ class Plan:
     # rounds (8 s each) move with the host's state (bench/README.md, "Rounds")
     list_rounds: int = 0  # the static upstream's LISTs (0: ``rounds``)
     latency_rounds: int = 0  # 0: ``rounds``
+    unpinned_rounds: int = 1  # of small GETs, after the pinned ones (its own interleaving)
     measures: tuple[str, ...] = MEASURES
     paths: tuple[str, ...] = NAMES  # + "opgate-aiohttp" with --with-aiohttp
 
@@ -59,7 +60,7 @@ class Plan:
         return cls(quick=False, rounds=3, wrk_seconds=6, connections=16, latency_rate=50,
                    latency_seconds=8, watch_events=500, watch_rate=250, open_watches=1000,
                    list_mb=(64, 200), apiserver_list_mb=32, reload_repeats=8, list_rounds=9,
-                   latency_rounds=5)
+                   latency_rounds=5, unpinned_rounds=3)
 
 
 @dataclass(slots=True)

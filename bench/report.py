@@ -217,7 +217,7 @@ def markdown(results: dict[str, Any]) -> str:
            f"{m.get('redis')}, kubectl {results.get('kubectl_version', '?')}.", "",
            f"opgate runs on Python {m.get('opgate_python', m.get('python'))} (bench/README.md, "
            "\"Which Python\").", "",
-           f"Placement: {results.get('layout')} (plus one unpinned round of small GETs, in which "
+           f"Placement: {results.get('layout')} (plus unpinned rounds of small GETs, in which "
            "the full chain runs as `--workers auto`).", "",
            "Paths: `direct` (no proxy), `opgate` (no policies, no access log), `opgate-full` "
            "(identity verifying the caller's service-account JWT, cached; a fault rule that "
@@ -288,8 +288,8 @@ def markdown(results: dict[str, Any]) -> str:
             "slower than `--redis-timeout` (50 ms) on a busy machine makes opgate answer 503, "
             "which the tables count as errors (decision `unavailable` in the identity table's "
             "calls).",
-            "* The unpinned small-GET round runs the full chain as `--workers auto`, a copy "
-            "started for that round; the pinned rounds and every other measure use the single "
+            "* The unpinned small-GET rounds run the full chain as `--workers auto`, a copy "
+            "started for them; the pinned rounds and every other measure use the single "
             "process.", ""]
     out += ["---", "Raw numbers: `bench/results/latest.json`.", ""]
     return "\n".join(out)

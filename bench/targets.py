@@ -92,7 +92,7 @@ def _why_unpinned(tls: Any) -> str:
             f"{_us(cpu('unpinned', KUBECTL))} against {_us(cpu('pinned', KUBECTL))} "
             f"({_more(cpu('unpinned', KUBECTL), cpu('pinned', KUBECTL))}): processes sharing "
             "both cores with wrk, nginx and Redis pay more per request than the threads of one "
-            "process. One round per run, so the ratio carries that round's noise.")
+            "process. The ratio is of the medians over the unpinned rounds (a full run has 3).")
 
 
 def _why_latency(tls: Any, key: str, wake: Any) -> str:
