@@ -237,13 +237,14 @@ def markdown(results: dict[str, Any]) -> str:
         out += [f"> {results['note']}", ""]
     out += ["## Targets (full chain)", ""]
     out += _table(["measure", "measured", "target", "met?"],
-                  [[c.what, f"{_fmt(c.measured)} {c.unit}" if c.measured is not None else "-",
+                  [[c.what, f"{_fmt(c.measured, c.digits)} {c.unit}" if c.measured is not None
+                    else "-",
                     c.target, {True: "yes", False: "**no**", None: "n/a"}[c.ok]]
                    for c in checks(results)])
     missed = [c for c in checks(results) if c.ok is False]
     if missed:
         out += ["**Missed targets: by how much, and why** (from this run's own numbers)", ""]
-        out += [f"* {c.what}: {_fmt(c.measured)} {c.unit} against {c.target}, {c.gap}. "
+        out += [f"* {c.what}: {_fmt(c.measured, c.digits)} {c.unit} against {c.target}, {c.gap}. "
                 f"{c.why or 'See the tables below.'}" for c in missed]
         out += [""]
     for name, tier in results.get("tiers", {}).items():
