@@ -439,7 +439,11 @@ class _Signals:
         self._loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             self._loop.add_signal_handler(sig, self._signalled, sig)
-        self._loop.add_signal_handler(signal.SIGHUP, self._hangup)
+        # SIGHUP by a handler of Python's own, not the loop's: removing a loop handler puts
+        # the default disposition back (which ends the process) before SIG_IGN can replace it,
+        # and a SIGHUP in that gap killed a shutdown; this one goes to SIG_IGN in one step.
+        # (The loop's wakeup fd, set for SIGTERM/SIGINT, wakes the loop to run it.)
+        signal.signal(signal.SIGHUP, self._on_sighup)
         if parent_fd is not None:  # readable only at EOF: nobody writes to it
             self._loop.add_reader(parent_fd, self._parent_gone)
 
@@ -450,6 +454,9 @@ class _Signals:
             log.warning("%s again: the calls still in flight are cut now", sig.name)
             self.again()
             self.again = None
+
+    def _on_sighup(self, signum: int, frame: object) -> None:
+        self._loop.call_soon_threadsafe(self._hangup)
 
     def _hangup(self) -> None:
         if self._store is None:
@@ -469,11 +476,10 @@ class _Signals:
             self._parent_fd = None
 
     def close(self) -> None:
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-            self._loop.remove_signal_handler(sig)
-        # removing a handler puts the default back, and SIGHUP's ends the process: ignored
-        # again until the process is gone, as before serving (proxy/cli.py)
+        # SIGHUP ignored again until the process is gone, as before serving (proxy/__main__.py)
         signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._loop.remove_signal_handler(sig)
         if self._parent_fd is not None:
             self._loop.remove_reader(self._parent_fd)
             self._parent_fd = None

@@ -194,7 +194,8 @@ class Supervisor:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._signalled)
-        loop.add_signal_handler(signal.SIGHUP, self._hangup)
+        # by a handler of Python's own, switched back to SIG_IGN in one step (see app.py)
+        signal.signal(signal.SIGHUP, lambda signum, frame: loop.call_soon_threadsafe(self._hangup))
         keepers: list[asyncio.Task[None]] = []
         admin = None
         try:
@@ -229,9 +230,9 @@ class Supervisor:
             await self._stop_workers()
             if admin is not None:
                 await admin.cleanup()
-            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-                loop.remove_signal_handler(sig)
             signal.signal(signal.SIGHUP, signal.SIG_IGN)  # not its default (the end): see app.py
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.remove_signal_handler(sig)
             for fd in self._pipe:
                 os.close(fd)
         return 0

@@ -290,3 +290,34 @@ async def test_sighups_during_shutdown_never_end_it(upstream: str, tmp_path: Pat
     finally:
         code = opgate.stop()
     assert code == 0, opgate.stderr()
+
+
+def test_sighup_is_never_at_its_default_while_the_signals_are_put_back(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The shutdown's last step switches SIGHUP from opgate's handler to SIG_IGN in one call:
+    removing a loop handler first (asyncio's ``remove_signal_handler``) set SIG_DFL for a moment,
+    and a SIGHUP then (a config tool's reload loop racing a rollout) ended the process with
+    -SIGHUP (the test above hit that window once, in a full CI run)."""
+    from proxy.app import _Signals
+
+    real = signal.signal
+    set_to: list[object] = []
+
+    def recording(sig: int, handler: object) -> object:
+        if sig == signal.SIGHUP:
+            set_to.append(handler)
+        return real(sig, handler)  # type: ignore[arg-type]
+
+    before = signal.getsignal(signal.SIGHUP)
+
+    async def serve_then_close() -> None:
+        signals = _Signals(None, None)
+        monkeypatch.setattr(signal, "signal", recording)
+        signals.close()
+
+    try:
+        asyncio.run(serve_then_close())  # asyncio's own loop: its removal calls signal.signal
+    finally:
+        real(signal.SIGHUP, before)
+    assert set_to == [signal.SIG_IGN], set_to
+
