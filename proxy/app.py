@@ -456,7 +456,8 @@ class _Signals:
             self.again = None
 
     def _on_sighup(self, signum: int, frame: object) -> None:
-        self._loop.call_soon_threadsafe(self._hangup)
+        if not self._loop.is_closed():  # (one caught just before close() ran: nothing to do)
+            self._loop.call_soon_threadsafe(self._hangup)
 
     def _hangup(self) -> None:
         if self._store is None:

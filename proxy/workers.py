@@ -195,7 +195,8 @@ class Supervisor:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._signalled)
         # by a handler of Python's own, switched back to SIG_IGN in one step (see app.py)
-        signal.signal(signal.SIGHUP, lambda signum, frame: loop.call_soon_threadsafe(self._hangup))
+        signal.signal(signal.SIGHUP, lambda signum, frame: None if loop.is_closed()
+                      else loop.call_soon_threadsafe(self._hangup))
         keepers: list[asyncio.Task[None]] = []
         admin = None
         try:
