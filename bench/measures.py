@@ -159,14 +159,15 @@ def lists(bench: Bench, targets: Sequence[Target], *, sizes: dict[int, str] | No
     ``transfers``: LISTs back to back per round and path (their CPU summed: the CPU clock ticks
     every 10 ms, a coarse grain for one transfer of a small LIST); ``rounds`` (0: the plan's)."""
     plan = bench.plan
+    rounds = rounds or plan.rounds
     paths = sizes or {mb: LISTS[mb] for mb in plan.list_mb}
     bench.place(targets, pinned=True)
     out: Result = {}
     for mb, path in paths.items():
         runs: dict[str, list[Result]] = {t.name: [] for t in targets}
-        for i in range(rounds or plan.rounds):
+        for i in range(rounds):
             for t in targets:
-                _log(f"  LIST {mb} MB round {i + 1}/{rounds or plan.rounds}: {t.name}")
+                _log(f"  LIST {mb} MB round {i + 1}/{rounds}: {t.name}")
                 run: Result = {}
                 if t.pid is not None:
                     before = procstat.rss_mb(t.pid)

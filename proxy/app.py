@@ -46,6 +46,7 @@ from proxy.relay.upstream import UpstreamConfigError, check_ca_file
 from proxy.settings import Settings
 from proxy.stores import Store, StoreConfigError, build_store, redis_password
 from proxy.stores.base import redacted_url
+from proxy.workers import on_sighup
 
 log = logging.getLogger("opgate")
 
@@ -439,11 +440,7 @@ class _Signals:
         self._loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             self._loop.add_signal_handler(sig, self._signalled, sig)
-        # SIGHUP by a handler of Python's own, not the loop's: removing a loop handler puts
-        # the default disposition back (which ends the process) before SIG_IGN can replace it,
-        # and a SIGHUP in that gap killed a shutdown; this one goes to SIG_IGN in one step.
-        # (The loop's wakeup fd, set for SIGTERM/SIGINT, wakes the loop to run it.)
-        signal.signal(signal.SIGHUP, self._on_sighup)
+        on_sighup(self._loop, self._hangup)
         if parent_fd is not None:  # readable only at EOF: nobody writes to it
             self._loop.add_reader(parent_fd, self._parent_gone)
 
@@ -454,10 +451,6 @@ class _Signals:
             log.warning("%s again: the calls still in flight are cut now", sig.name)
             self.again()
             self.again = None
-
-    def _on_sighup(self, signum: int, frame: object) -> None:
-        if not self._loop.is_closed():  # (one caught just before close() ran: nothing to do)
-            self._loop.call_soon_threadsafe(self._hangup)
 
     def _hangup(self) -> None:
         if self._store is None:

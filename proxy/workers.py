@@ -39,6 +39,7 @@ import signal
 import socket
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -168,6 +169,18 @@ class _Worker:
         return proc.pid if proc is not None and proc.returncode is None else None
 
 
+def on_sighup(loop: asyncio.AbstractEventLoop, callback: Callable[[], object]) -> None:
+    """Run ``callback`` on ``loop`` at each SIGHUP, by a handler of Python's own rather than
+    ``loop.add_signal_handler``: removing a loop handler puts back SIGHUP's default disposition
+    (which ends the process) before SIG_IGN can replace it, and a SIGHUP in that gap killed a
+    shutdown. This one goes to SIG_IGN in one ``signal.signal`` call. (The loop's wakeup fd,
+    set for its SIGTERM/SIGINT handlers, wakes it to run the handler.)"""
+    def handler(signum: int, frame: object) -> None:
+        if not loop.is_closed():  # (one caught just before the shutdown ignored them)
+            loop.call_soon_threadsafe(callback)
+    signal.signal(signal.SIGHUP, handler)
+
+
 class Supervisor:
     """Starts, watches and stops the workers; serves the admin listener for all of them."""
 
@@ -194,9 +207,7 @@ class Supervisor:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._signalled)
-        # by a handler of Python's own, switched back to SIG_IGN in one step (see app.py)
-        signal.signal(signal.SIGHUP, lambda signum, frame: None if loop.is_closed()
-                      else loop.call_soon_threadsafe(self._hangup))
+        on_sighup(loop, self._hangup)
         keepers: list[asyncio.Task[None]] = []
         admin = None
         try:
@@ -231,7 +242,7 @@ class Supervisor:
             await self._stop_workers()
             if admin is not None:
                 await admin.cleanup()
-            signal.signal(signal.SIGHUP, signal.SIG_IGN)  # not its default (the end): see app.py
+            signal.signal(signal.SIGHUP, signal.SIG_IGN)  # not its default (the end): on_sighup
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.remove_signal_handler(sig)
             for fd in self._pipe:

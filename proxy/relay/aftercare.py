@@ -62,10 +62,15 @@ class Aftercare:
         """The call was cancelled (its client went away, or the shutdown cut it): record that,
         and run the exit hooks in the background."""
         ctx.status_code = ctx.status_code or CLIENT_GONE
-        ctx.error = ctx.error or (CUT_AT_SHUTDOWN if self.cutting else "client went away")
+        ctx.error = ctx.error or self.gone_reason
         ctx.finished = time.monotonic()
         if self.has_hooks:
             self.exit_later(ctx)
+
+    @property
+    def gone_reason(self) -> str:
+        """What a call cancelled or disconnected now is recorded as (``ctx.error``)."""
+        return CUT_AT_SHUTDOWN if self.cutting else "client went away"
 
     def mark_cut(self) -> None:
         """The listener's shutdown cuts the calls still running now (see ``cutting``)."""

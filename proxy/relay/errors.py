@@ -101,9 +101,9 @@ _HOST_BYTES = bytes(range(ord("0"), ord("9") + 1)) + bytes(range(ord("a"), ord("
 
 
 def malformed_host(value: bytes) -> bool:
-    """Whether a ``Host`` value (surrounding blanks stripped) holds a byte the apiserver
+    """Whether a ``Host`` value holds, inside its surrounding blanks, a byte the apiserver
     refuses with 400 (a space, ``/``, ``@``, a control byte, anything not ASCII, …)."""
-    return bool(value.translate(None, _HOST_BYTES))
+    return bool(value.strip().translate(None, _HOST_BYTES))
 
 
 def head_too_large(max_line: int, max_headers: int, max_head: int) -> StatusError:

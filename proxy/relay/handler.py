@@ -29,7 +29,7 @@ from proxy.engine.status import StatusError, bad_request, internal_error
 from proxy.engine.subprotocol import carries_token
 from proxy.engine.telemetry import publish_levels
 from proxy.relay import errors, tunnel
-from proxy.relay.aftercare import CLIENT_GONE, CUT_AT_SHUTDOWN, Aftercare
+from proxy.relay.aftercare import CLIENT_GONE, Aftercare
 from proxy.relay.calls import (
     PolicyStoreLike,
     RelaySettings,
@@ -151,7 +151,7 @@ class Relay:
                 "Transfer-Encoding", "chunked").strip().lower() != "chunked":
             return (await send_status(request, errors.unsupported_coding(), close=True))[0]
         host = request.headers.get("Host")
-        if host and errors.malformed_host(host.strip().encode("utf-8", "surrogateescape")):
+        if host and errors.malformed_host(host.encode("utf-8", "surrogateescape")):
             return (await send_status(request, errors.bad_host(1), close=True))[0]
         raw = request.raw_path
         bad: str | None = None  # a request target the apiserver would refuse: 400 from here
@@ -215,8 +215,7 @@ class Relay:
                 status = internal_error("opgate: internal error; see the opgate log")
                 return await self._answer(request, ctx, status)
         except ConnectionError:  # the client has gone (or the shutdown closed it)
-            ctx.error = ctx.error or (CUT_AT_SHUTDOWN if self._after.cutting
-                                      else "client went away")
+            ctx.error = ctx.error or self._after.gone_reason
         except Exception as e:  # broke after the headers went out: cut the response short
             log.exception("relay failed (%s %s, trace %s)", ctx.method, ctx.path, ctx.trace_id)
             ctx.error = f"internal error: {type(e).__name__}"

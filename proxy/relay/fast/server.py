@@ -263,7 +263,7 @@ class ClientConnection(FlowForwarding, asyncio.Protocol):
                 req.connection = True
             elif low == b"host":
                 hosts += 1
-                if malformed_host(value.strip()):
+                if malformed_host(value):
                     raise _Refused(_ODD_HOST)
         if hosts != 1 and (hosts or (req.http11 and req.method != b"CONNECT")):
             raise _Refused(_MANY_HOSTS if hosts else _NO_HOST)  # (Go's net/http: a 400 each)
