@@ -52,7 +52,10 @@ KEYS = {"k1": jwt.PyJWK.from_dict(jwk(RSA_KEY.public_key(), "k1", "RS256")),
 
 
 def claims(ns: str = "ops", name: str = "op", *, aud: Sequence[str] = (ISSUER,),
-           exp_in: float = 600, iss: str = ISSUER) -> dict[str, Any]:
+           exp_in: float = 3600, iss: str = ISSUER) -> dict[str, Any]:
+    """A service-account token's claims, valid for ``exp_in`` seconds: an hour by default, as
+    the kubelet's projected tokens, because parametrized tokens are made when pytest collects
+    and a whole suite takes over 10 minutes (the "bad audience" token expired at 600 s)."""
     now = int(time.time())
     return {"iss": iss, "sub": f"system:serviceaccount:{ns}:{name}", "aud": list(aud),
             "iat": now, "nbf": now, "exp": int(now + exp_in),
