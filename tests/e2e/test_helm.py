@@ -17,6 +17,7 @@ import yaml
 
 from proxy.cli import build_parser
 from proxy.envtest.cluster import LocalCluster
+from proxy.stores import REDIS_SCHEMES
 
 pytestmark = pytest.mark.e2e
 
@@ -635,3 +636,23 @@ def test_a_loopback_api_port(helm: Path, listen: str) -> None:
     assert build_parser().parse_args(_sidecar(docs)["args"]).listen == listen
     config = yaml.safe_load(_one(docs, "ConfigMap", "-kubeconfig")["data"]["config"])
     assert config["clusters"][0]["cluster"]["server"] == f"http://{listen}"
+
+
+REDIS_URLS = {  # one URL of each scheme opgate's --redis-url takes
+    "redis": "redis://redis.redis:6379/0",
+    "rediss": "rediss://redis.redis:6380/0?ssl_ca_certs=/etc/redis-tls/ca.crt",
+    "unix": "unix:///run/redis/redis.sock",
+    "redis+cluster": "redis+cluster://redis-cluster.redis:6379",
+    "rediss+cluster": "rediss+cluster://redis-cluster.redis:6379",
+    "redis+sentinel": "redis+sentinel://sentinel.redis:26379/mymaster/0",
+    "rediss+sentinel": "rediss+sentinel://sentinel.redis:26379/mymaster",
+}
+
+
+@pytest.mark.parametrize("scheme", REDIS_SCHEMES)
+def test_every_redis_url_opgate_takes_is_a_valid_value(helm: Path, scheme: str) -> None:
+    """The schema's redis.url pattern follows opgate's schemes: a Cluster, a TLS Sentinel or a
+    socket URL is not refused at install while opgate would take it."""
+    url = REDIS_URLS[scheme]
+    args = build_parser().parse_args(_sidecar(_render(helm, f"redis.url={url}"))["args"])
+    assert args.redis_url == url
