@@ -656,3 +656,29 @@ def test_every_redis_url_opgate_takes_is_a_valid_value(helm: Path, scheme: str) 
     url = REDIS_URLS[scheme]
     args = build_parser().parse_args(_sidecar(_render(helm, f"redis.url={url}"))["args"])
     assert args.redis_url == url
+
+
+@pytest.mark.parametrize(("extra", "value"), [
+    ("{--listen=0.0.0.0:8001}", "sidecar.listen"),      # the API port on the pod IP
+    ("{--listen,0.0.0.0:8001}", "sidecar.listen"),
+    ("{--lis=0.0.0.0:8001}", "sidecar.listen"),         # argparse takes an abbreviation
+    ("{--admin-listen=0.0.0.0:9500}", "sidecar.adminListen"),  # probes on another port
+    ("{--policies=/etc/other}", "policies"),            # nothing mounted there
+    ("{--token-file,/t}", "sidecar.tokenFile"),
+    ("{--redis-url=redis://other:6379/0}", "redis.url"),
+])
+def test_extra_args_cannot_override_the_charts_flags(helm: Path, extra: str, value: str) -> None:
+    """opgate's parser keeps the last of a repeated flag: one in sidecar.extraArgs would win
+    over the chart's, out of its checks (the API port stays on loopback) and its mounts."""
+    sets = ("redis.url=redis://r:6379/0", f"sidecar.extraArgs={extra}")
+    err = _render_error(helm, *sets)
+    assert "sidecar.extraArgs" in err and f"set {value} instead" in err, err
+
+
+def test_extra_args_that_the_chart_does_not_set(helm: Path) -> None:
+    sidecar = _sidecar(_render(helm, "policies=null",
+                               "sidecar.extraArgs={--policies=/etc/mine,--workers,2,--loop=asyncio}",
+                               "redis.url=redis://r:6379/0"))
+    args = build_parser().parse_args(sidecar["args"])
+    assert (args.policies, args.workers, args.loop, args.listen) == (
+        "/etc/mine", 2, "asyncio", "127.0.0.1:8001")

@@ -121,6 +121,26 @@ chart's root context, they use the opgate subchart's (.Subcharts.opgate: the val
 {{- if and .Values.redis.passwordSecret.name (not .Values.redis.url) -}}
 {{- fail (printf "redis.passwordSecret.name=%s without redis.url: opgate would not use Redis (nor the password) and the pod would wait for that Secret; set redis.url too, or drop redis.passwordSecret.name" .Values.redis.passwordSecret.name) -}}
 {{- end -}}
+{{- /* the flags rendered from values below: the same flag in sidecar.extraArgs (or a prefix
+     of it, which opgate's parser takes as the flag) would win over the value, out of the
+     chart's checks (a --listen on the pod IP) and its mounts, probes and ports */ -}}
+{{- $own := dict "--listen" "sidecar.listen" "--admin-listen" "sidecar.adminListen" "--token-file" "sidecar.tokenFile" "--log-level" "sidecar.logLevel" "--header-timeout" "sidecar.headerTimeout" "--shutdown-grace" "sidecar.shutdownGraceSeconds" -}}
+{{- if .Values.policies }}{{ $_ := set $own "--policies" "policies" }}{{ end -}}
+{{- if not .Values.sidecar.accessLog }}{{ $_ := set $own "--no-access-log" "sidecar.accessLog" }}{{ end -}}
+{{- if .Values.sidecar.audit.enabled }}{{ $_ := merge $own (dict "--audit-log" "sidecar.audit.path" "--audit-log-maxsize" "sidecar.audit.maxSizeMB" "--audit-log-maxbackup" "sidecar.audit.maxBackups") }}{{ end -}}
+{{- if .Values.sidecar.capture.enabled }}{{ $_ := merge $own (dict "--capture" "sidecar.capture.path" "--capture-maxsize" "sidecar.capture.maxSizeMB" "--capture-maxbackup" "sidecar.capture.maxBackups") }}{{ end -}}
+{{- if .Values.redis.url }}{{ $_ := merge $own (dict "--redis-url" "redis.url" "--replicas" "redis.replicas") }}{{ end -}}
+{{- if .Values.redis.passwordSecret.name }}{{ $_ := set $own "--redis-password-file" "redis.passwordSecret" }}{{ end -}}
+{{- range .Values.sidecar.extraArgs -}}
+{{- $flag := regexReplaceAll "=.*$" (toString .) "" -}}
+{{- if and (hasPrefix "--" $flag) (gt (len $flag) 2) -}}
+{{- range $name, $value := $own -}}
+{{- if hasPrefix $flag $name -}}
+{{- fail (printf "sidecar.extraArgs has %s, which would override the chart's %s (set from %s): set %s instead" $flag $name $value $value) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
 - name: opgate
   image: "{{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}"
   imagePullPolicy: {{ .Values.image.pullPolicy }}
