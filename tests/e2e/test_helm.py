@@ -682,3 +682,26 @@ def test_extra_args_that_the_chart_does_not_set(helm: Path) -> None:
     args = build_parser().parse_args(sidecar["args"])
     assert (args.policies, args.workers, args.loop, args.listen) == (
         "/etc/mine", 2, "asyncio", "127.0.0.1:8001")
+
+
+@pytest.mark.parametrize(("listen", "says"), [
+    ("127.0.0.1:9091", "loopback"),   # the kubelet's probes come to the pod IP: restarted forever
+    ("[::1]:9091", "loopback"),
+    ("localhost:9091", "loopback"),
+    (":9091", "/sidecar/adminListen"),   # opgate refuses an empty host at start
+    ("[]:9091", "/sidecar/adminListen"),
+    ("0.0.0.0:0", "from 1 to 65535"),
+    ("0.0.0.0:99999", "from 1 to 65535"),
+])
+def test_an_admin_port_the_probes_cannot_reach_is_refused(
+    helm: Path, listen: str, says: str
+) -> None:
+    err = _render_error(helm, f"sidecar.adminListen={listen}")
+    assert "adminListen" in err and says in err, err
+
+
+@pytest.mark.parametrize("listen", ["127.0.0.1:0", "127.0.0.1:99999"])
+def test_an_api_port_out_of_range_is_refused(helm: Path, listen: str) -> None:
+    """opgate refuses 99999 at start; 0 is a random port the kubeconfig cannot name."""
+    err = _render_error(helm, f"sidecar.listen={listen}")
+    assert "sidecar.listen" in err and "from 1 to 65535" in err, err

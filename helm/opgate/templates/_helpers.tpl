@@ -60,10 +60,16 @@ and Prometheus). sidecar.adminPort is deprecated: accepted only when it names th
 */}}
 {{- define "opgate.adminPort" -}}
 {{- $listen := toString .Values.sidecar.adminListen -}}
-{{- if not (regexMatch "^(\\[[0-9A-Fa-f:.]*\\]|[^:/\\[\\]]*):[0-9]{1,5}$" $listen) -}}
+{{- if not (regexMatch "^(\\[[0-9A-Fa-f:.]+\\]|[^:/\\[\\]]+):[0-9]{1,5}$" $listen) -}}
 {{- fail (printf "sidecar.adminListen must be HOST:PORT or [V6]:PORT (the kubelet's probes and Prometheus need a TCP port), got %q" $listen) -}}
 {{- end -}}
 {{- $port := regexFind "[0-9]+$" $listen -}}
+{{- if or (lt (atoi $port) 1) (gt (atoi $port) 65535) -}}
+{{- fail (printf "sidecar.adminListen=%s: the port must be from 1 to 65535" $listen) -}}
+{{- end -}}
+{{- if regexMatch "^(127\\.[0-9.]+|\\[::1\\]|localhost):" $listen -}}
+{{- fail (printf "sidecar.adminListen=%s is a loopback address: the kubelet's probes (/healthz, /readyz) and Prometheus come to the pod IP, so the container would be restarted for failing its liveness probe; listen on 0.0.0.0:PORT or [::]:PORT (the admin port serves only health, metrics and the active policy set)" $listen) -}}
+{{- end -}}
 {{- $old := .Values.sidecar.adminPort -}}
 {{- if and $old (ne (toString $old) $port) -}}
 {{- fail (printf "sidecar.adminPort (%v) is deprecated and disagrees with sidecar.adminListen (%s): the admin port is the one in sidecar.adminListen; drop sidecar.adminPort" $old $listen) -}}
@@ -117,6 +123,9 @@ chart's root context, they use the opgate subchart's (.Subcharts.opgate: the val
 {{- $listen := toString .Values.sidecar.listen -}}
 {{- if not (or (hasPrefix "unix:" $listen) (regexMatch "^(127\\.[0-9.]+|\\[::1\\]|localhost):[0-9]+$" $listen)) -}}
 {{- fail (printf "sidecar.listen=%s is not a loopback address: opgate adds the pod's ServiceAccount token to the calls it relays, so its API port must stay inside the pod (127.0.0.1:PORT, [::1]:PORT, localhost:PORT or unix:/path)" $listen) -}}
+{{- end -}}
+{{- if and (not (hasPrefix "unix:" $listen)) (or (lt (atoi (regexFind "[0-9]+$" $listen)) 1) (gt (atoi (regexFind "[0-9]+$" $listen)) 65535)) -}}
+{{- fail (printf "sidecar.listen=%s: the port must be from 1 to 65535" $listen) -}}
 {{- end -}}
 {{- if and .Values.redis.passwordSecret.name (not .Values.redis.url) -}}
 {{- fail (printf "redis.passwordSecret.name=%s without redis.url: opgate would not use Redis (nor the password) and the pod would wait for that Secret; set redis.url too, or drop redis.passwordSecret.name" .Values.redis.passwordSecret.name) -}}
