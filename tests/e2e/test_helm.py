@@ -705,3 +705,33 @@ def test_an_api_port_out_of_range_is_refused(helm: Path, listen: str) -> None:
     """opgate refuses 99999 at start; 0 is a random port the kubeconfig cannot name."""
     err = _render_error(helm, f"sidecar.listen={listen}")
     assert "sidecar.listen" in err and "from 1 to 65535" in err, err
+
+
+def _readme_install_sets() -> list[str]:
+    """The ``--set`` values of the README's ``helm install`` in "the Helm chart" section."""
+    import re
+    import shlex
+
+    readme = (CHART.parents[1] / "README.md").read_text()
+    section = readme.split("### In a cluster: the Helm chart", 1)[1]
+    block = re.search(r"```sh\n(helm install .*?)```", section, re.S)
+    assert block, "no helm install block in the README's Helm section"
+    words = shlex.split(block.group(1).replace("\\\n", " "))
+    return [words[i + 1] for i, w in enumerate(words) if w == "--set"]
+
+
+def test_the_readmes_install_runs_the_operators_image_as_it_is(
+    helm: Path, kubectl: Path, cluster: LocalCluster, tmp_path: Path
+) -> None:
+    """The README installs an operator image of one's own: its pod must not run the sample
+    reconciler's command (python -m examples.reconciler), which that image does not hold."""
+    sets = _readme_install_sets()
+    assert "operator.image.repository=example.com/my-operator" in sets
+    docs = _render(helm, *sets)
+    operator = _operator(docs)
+    assert operator["image"] == "example.com/my-operator:1.2.3"
+    assert "command" not in operator and "args" not in operator, operator
+    args = build_parser().parse_args(_sidecar(docs)["args"])
+    assert (args.redis_url, args.redis_password_file) == (
+        "redis://redis-master.redis:6379/0", "/etc/opgate/redis/password")
+    _dry_run(kubectl, cluster, tmp_path, docs)
