@@ -735,3 +735,23 @@ def test_the_readmes_install_runs_the_operators_image_as_it_is(
     assert (args.redis_url, args.redis_password_file) == (
         "redis://redis-master.redis:6379/0", "/etc/opgate/redis/password")
     _dry_run(kubectl, cluster, tmp_path, docs)
+
+
+@pytest.mark.parametrize(("key", "path"), [
+    ("podAnnotations.prometheus\\.io/port", "/podAnnotations/prometheus.io~1port"),
+    ("serviceAccount.annotations.team", "/serviceAccount/annotations/team"),
+    ("nodeSelector.pool", "/nodeSelector/pool")])
+def test_an_annotation_or_node_selector_value_must_be_a_string(
+    helm: Path, kubectl: Path, cluster: LocalCluster, tmp_path: Path, key: str, path: str
+) -> None:
+    """``--set podAnnotations.prometheus\\.io/port=8080`` is a number, which the apiserver
+    refuses in an object's annotations or a pod's nodeSelector (a BadRequest at install that
+    names a Go struct); the schema names the value first."""
+    for value in ("8080", "true"):
+        err = _render_error(helm, f"{key}={value}")
+        assert "schema" in err and path in err, err
+    args = [str(helm), "template", "demo", str(CHART), "-n", "opgate-helm",
+            "--set-string", f"{key}=8080"]  # as a string it is taken
+    out = subprocess.run(args, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    _dry_run(kubectl, cluster, tmp_path, [d for d in yaml.safe_load_all(out.stdout) if d])
