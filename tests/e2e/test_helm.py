@@ -755,3 +755,27 @@ def test_an_annotation_or_node_selector_value_must_be_a_string(
     out = subprocess.run(args, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     _dry_run(kubectl, cluster, tmp_path, [d for d in yaml.safe_load_all(out.stdout) if d])
+
+
+def test_an_image_tag_written_as_a_number(helm: Path, tmp_path: Path) -> None:
+    """In a values file ``tag: 20240101`` is a number (a float to helm), which printed as
+    2.0240101e+07, and ``tag: 1.10`` printed as 1.1: an image that does not exist. An integral
+    one is printed as written; any other is refused, to be quoted."""
+    values = tmp_path / "values.yaml"
+    values.write_text("image: {tag: 20240101}\noperator: {image: {tag: 7}}\n")
+    out = subprocess.run([str(helm), "template", "demo", str(CHART), "-f", str(values)],
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    docs = [d for d in yaml.safe_load_all(out.stdout) if d]
+    assert _sidecar(docs)["image"] == "ghcr.io/opgate/opgate:20240101"
+    assert _operator(docs)["image"] == "ghcr.io/opgate/opgate:7"
+    values.write_text("operator: {image: {tag: 1.10}}\n")
+    out = subprocess.run([str(helm), "template", "demo", str(CHART), "-f", str(values)],
+                         capture_output=True, text=True)
+    assert out.returncode != 0 and "/operator/image/tag" in out.stderr, out.stderr
+    values.write_text("operator: {image: {tag: \"1.10\"}}\n")
+    out = subprocess.run([str(helm), "template", "demo", str(CHART), "-f", str(values)],
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    docs = [d for d in yaml.safe_load_all(out.stdout) if d]
+    assert _operator(docs)["image"] == "ghcr.io/opgate/opgate:1.10"

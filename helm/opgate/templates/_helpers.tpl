@@ -77,6 +77,16 @@ and Prometheus). sidecar.adminPort is deprecated: accepted only when it names th
 {{- $port -}}
 {{- end -}}
 
+{{/*
+An image's tag: (list tag default). A tag written as a number in a values file comes as a float
+(20240101 would print as 2.0240101e+07): an integral one is printed as the integer it is.
+*/}}
+{{- define "opgate.imageTag" -}}
+{{- $tag := index . 0 -}}
+{{- if kindIs "float64" $tag }}{{ $tag = int64 $tag }}{{ end -}}
+{{- toString ($tag | default (index . 1)) -}}
+{{- end -}}
+
 {{/* The audit log's directory (its volume's mountPath), when it is written to a file. */}}
 {{- define "opgate.auditDir" -}}
 {{- if and .Values.sidecar.audit.enabled (ne .Values.sidecar.audit.path "-") -}}
@@ -151,7 +161,7 @@ chart's root context, they use the opgate subchart's (.Subcharts.opgate: the val
 {{- end -}}
 {{- end -}}
 - name: opgate
-  image: "{{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}"
+  image: "{{ .Values.image.repository }}:{{ include "opgate.imageTag" (list .Values.image.tag .Chart.AppVersion) }}"
   imagePullPolicy: {{ .Values.image.pullPolicy }}
   args:
     - serve
