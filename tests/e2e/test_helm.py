@@ -779,3 +779,17 @@ def test_an_image_tag_written_as_a_number(helm: Path, tmp_path: Path) -> None:
     assert out.returncode == 0, out.stderr
     docs = [d for d in yaml.safe_load_all(out.stdout) if d]
     assert _operator(docs)["image"] == "ghcr.io/opgate/opgate:1.10"
+
+
+@pytest.mark.parametrize("url", ["redis://:s3cret@redis:6379/0", "rediss://app:s3cret@redis:6380/0",
+                                 "redis+sentinel://:s3cret@sentinel:26379/mymaster"])
+def test_a_redis_password_never_stands_in_the_pods_args(helm: Path, url: str) -> None:
+    """The args are in the Deployment, for whoever may read Deployments: the password comes
+    from a Secret (redis.passwordSecret), not from the URL."""
+    err = _render_error(helm, f"redis.url={url}")
+    assert "redis.passwordSecret.name" in err and "s3cret" not in err, err
+    docs = _render(helm, "redis.url=rediss://app@redis:6380/0",
+                   "redis.passwordSecret.name=redis-auth")  # a username stays in the URL
+    args = build_parser().parse_args(_sidecar(docs)["args"])
+    assert (args.redis_url, args.redis_password_file) == (
+        "rediss://app@redis:6380/0", "/etc/opgate/redis/password")

@@ -140,6 +140,9 @@ chart's root context, they use the opgate subchart's (.Subcharts.opgate: the val
 {{- if and .Values.redis.passwordSecret.name (not .Values.redis.url) -}}
 {{- fail (printf "redis.passwordSecret.name=%s without redis.url: opgate would not use Redis (nor the password) and the pod would wait for that Secret; set redis.url too, or drop redis.passwordSecret.name" .Values.redis.passwordSecret.name) -}}
 {{- end -}}
+{{- if regexMatch "^[A-Za-z+]+://[^/?#@]*:[^/?#@]+@" (toString .Values.redis.url) -}}
+{{- fail "redis.url holds a password, which would stand in clear in the pod's args (kubectl get deployment -o yaml shows them to whoever may read Deployments): put it in a Secret and give its name in redis.passwordSecret.name (a username stays in the URL: redis://USER@HOST:PORT/DB)" -}}
+{{- end -}}
 {{- /* the flags rendered from values below: the same flag in sidecar.extraArgs (or a prefix
      of it, which opgate's parser takes as the flag) would win over the value, out of the
      chart's checks (a --listen on the pod IP) and its mounts, probes and ports */ -}}
