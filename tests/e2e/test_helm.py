@@ -793,3 +793,23 @@ def test_a_redis_password_never_stands_in_the_pods_args(helm: Path, url: str) ->
     args = build_parser().parse_args(_sidecar(docs)["args"])
     assert (args.redis_url, args.redis_password_file) == (
         "rediss://app@redis:6380/0", "/etc/opgate/redis/password")
+
+
+@pytest.mark.parametrize(("setting", "key"), [
+    ("tolerance[0].key=dedicated", "tolerance"),
+    ("imagePullSecret[0].name=regcred", "imagePullSecret"),
+    ("nodeselector.pool=ops", "nodeselector"),
+    ("podAnnotation.team=platform", "podAnnotation"),
+    ("extraVolume[0].name=tls", "extraVolume"),
+])
+def test_a_misspelt_top_level_key_is_refused(helm: Path, setting: str, key: str) -> None:
+    """A misspelt top-level key was ignored without a word (no toleration, no pull secret)."""
+    err = _render_error(helm, setting)
+    assert "schema" in err and f"'{key}' not allowed" in err, err
+
+
+def test_a_parent_charts_global_values_reach_opgate(helm: Path, tmp_path: Path) -> None:
+    """helm hands a subchart the parent's ``global:`` values: the schema takes them."""
+    parent = _parent_chart(helm, tmp_path, "global: {team: platform}\n")
+    docs = _render(helm, release="shop", chart=parent)
+    assert _one(docs, "Deployment")["metadata"]["name"] == "shop-controller"
