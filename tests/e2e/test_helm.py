@@ -813,3 +813,33 @@ def test_a_parent_charts_global_values_reach_opgate(helm: Path, tmp_path: Path) 
     parent = _parent_chart(helm, tmp_path, "global: {team: platform}\n")
     docs = _render(helm, release="shop", chart=parent)
     assert _one(docs, "Deployment")["metadata"]["name"] == "shop-controller"
+
+
+@pytest.mark.parametrize(("extra", "sets", "says"), [
+    ("{--workers,2}", (), "without redis.url"),
+    ("{--workers=auto}", (), "without redis.url"),  # one per CPU of the node
+    ("{--wor=3}", (), "without redis.url"),          # an abbreviation
+    ("{--workers,2}", ("redis.url=redis://r:6379/0", "sidecar.listen=unix:/run/opgate/a.sock",
+                       "operator.kubeconfig=false"), "TCP port"),
+])
+def test_workers_that_opgate_would_refuse_fail_the_install(
+    helm: Path, extra: str, sets: tuple[str, ...], says: str
+) -> None:
+    """opgate refuses --workers N > 1 without Redis or on a unix: socket at start, in a pod
+    that would restart forever; the chart says so at install."""
+    err = _render_error(helm, f"sidecar.extraArgs={extra}", *sets)
+    assert "--workers" in err and says in err, err
+
+
+def test_workers_with_redis(
+    helm: Path, kubectl: Path, cluster: LocalCluster, tmp_path: Path
+) -> None:
+    for sets in (("redis.url=redis://r:6379/0",),
+                 ("sidecar.env[0].name=OPGATE_REDIS_URL",  # a URL from a Secret
+                  "sidecar.env[0].valueFrom.secretKeyRef.name=redis-url",
+                  "sidecar.env[0].valueFrom.secretKeyRef.key=url")):
+        docs = _render(helm, "sidecar.extraArgs={--workers,2}", *sets)
+        assert build_parser().parse_args(_sidecar(docs)["args"]).workers == 2
+        _dry_run(kubectl, cluster, tmp_path, docs)
+    docs = _render(helm, "sidecar.extraArgs={--workers,1}")
+    assert build_parser().parse_args(_sidecar(docs)["args"]).workers == 1

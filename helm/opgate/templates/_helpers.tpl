@@ -153,6 +153,26 @@ chart's root context, they use the opgate subchart's (.Subcharts.opgate: the val
 {{- if .Values.sidecar.capture.enabled }}{{ $_ := merge $own (dict "--capture" "sidecar.capture.path" "--capture-maxsize" "sidecar.capture.maxSizeMB" "--capture-maxbackup" "sidecar.capture.maxBackups") }}{{ end -}}
 {{- if .Values.redis.url }}{{ $_ := merge $own (dict "--redis-url" "redis.url" "--replicas" "redis.replicas") }}{{ end -}}
 {{- if .Values.redis.passwordSecret.name }}{{ $_ := set $own "--redis-password-file" "redis.passwordSecret" }}{{ end -}}
+{{- /* --workers N (N > 1, or auto: one per CPU of the node) needs Redis and a TCP listener;
+     opgate would refuse it at start, in a pod that restarts */ -}}
+{{- $extra := .Values.sidecar.extraArgs | default list -}}
+{{- $redis := .Values.redis.url -}}
+{{- range .Values.sidecar.env }}{{ if eq (toString .name) "OPGATE_REDIS_URL" }}{{ $redis = true }}{{ end }}{{ end -}}
+{{- range $i, $arg := $extra -}}
+{{- $arg = toString $arg -}}
+{{- if regexMatch "^--wo(r(k(e(r(s)?)?)?)?)?(=|$)" $arg -}}
+{{- $n := "" -}}
+{{- if contains "=" $arg }}{{ $n = regexReplaceAll "^[^=]*=" $arg "" }}{{ else if lt (add1 $i) (len $extra) }}{{ $n = toString (index $extra (add1 $i)) }}{{ end -}}
+{{- if ne (trim $n) "1" -}}
+{{- if not $redis -}}
+{{- fail (printf "sidecar.extraArgs has --workers %s without redis.url: each worker would keep its own rate-limit buckets (opgate refuses it at start); set redis.url, or run one worker" $n) -}}
+{{- end -}}
+{{- if hasPrefix "unix:" (toString $.Values.sidecar.listen) -}}
+{{- fail (printf "sidecar.extraArgs has --workers %s with sidecar.listen=%s: workers share a TCP port (opgate refuses a unix: socket with them at start); listen on a loopback HOST:PORT, or run one worker" $n $.Values.sidecar.listen) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
 {{- range .Values.sidecar.extraArgs -}}
 {{- $flag := regexReplaceAll "=.*$" (toString .) "" -}}
 {{- if and (hasPrefix "--" $flag) (gt (len $flag) 2) -}}
