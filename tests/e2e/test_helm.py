@@ -843,3 +843,15 @@ def test_workers_with_redis(
         _dry_run(kubectl, cluster, tmp_path, docs)
     docs = _render(helm, "sidecar.extraArgs={--workers,1}")
     assert build_parser().parse_args(_sidecar(docs)["args"]).workers == 1
+
+
+def test_fractional_seconds_from_set(helm: Path) -> None:
+    """``--set`` makes 0.5 a string (only whole numbers become numbers): opgate takes
+    fractional seconds, so the schema takes a numeric string, and still refuses "30s"."""
+    docs = _render(helm, "sidecar.headerTimeout=0.5", "sidecar.shutdownGraceSeconds=2.5")
+    args = build_parser().parse_args(_sidecar(docs)["args"])
+    assert (args.header_timeout, args.shutdown_grace) == (0.5, 2.5)
+    err = _render_error(helm, "sidecar.shutdownGraceSeconds=40.5")  # 5 + 40.5 > 30
+    assert "terminationGracePeriodSeconds" in err and "(45.5)" in err, err
+    for bad in ("sidecar.headerTimeout=30s", "sidecar.shutdownGraceSeconds=ten"):
+        assert "schema" in _render_error(helm, bad)
