@@ -855,3 +855,19 @@ def test_fractional_seconds_from_set(helm: Path) -> None:
     assert "terminationGracePeriodSeconds" in err and "(45.5)" in err, err
     for bad in ("sidecar.headerTimeout=30s", "sidecar.shutdownGraceSeconds=ten"):
         assert "schema" in _render_error(helm, bad)
+
+
+def test_an_existing_service_account_without_automount(
+    helm: Path, kubectl: Path, cluster: LocalCluster, tmp_path: Path
+) -> None:
+    """A hardened ServiceAccount (automountServiceAccountToken: false, as CIS benchmarks ask of
+    a namespace's default one) would leave opgate without the in-cluster CA and token, which it
+    reads from that mount: the pod asks for the mount itself."""
+    docs = _render(helm, "serviceAccount.create=false", "serviceAccount.name=hardened")
+    pod = _one(docs, "Deployment")["spec"]["template"]["spec"]
+    assert pod["automountServiceAccountToken"] is True
+    assert build_parser().parse_args(_sidecar(docs)["args"]).token_file.startswith(
+        "/var/run/secrets/kubernetes.io/serviceaccount/")
+    hardened = {"apiVersion": "v1", "kind": "ServiceAccount", "automountServiceAccountToken": False,
+                "metadata": {"name": "hardened", "namespace": "opgate-helm"}}
+    _dry_run(kubectl, cluster, tmp_path, [hardened, *docs])
