@@ -871,3 +871,18 @@ def test_an_existing_service_account_without_automount(
     hardened = {"apiVersion": "v1", "kind": "ServiceAccount", "automountServiceAccountToken": False,
                 "metadata": {"name": "hardened", "namespace": "opgate-helm"}}
     _dry_run(kubectl, cluster, tmp_path, [hardened, *docs])
+
+
+def test_a_parent_chart_with_workers(helm: Path, tmp_path: Path) -> None:
+    """The sidecar's checks read opgate's values, not the parent's (``$`` there is the
+    parent's root context)."""
+    parent = _parent_chart(helm, tmp_path, "  redis: {url: redis://r:6379/0}\n"
+                           "  sidecar: {extraArgs: [--workers, \"2\"]}\n")
+    docs = _render(helm, release="shop", chart=parent)
+    pod = _one(docs, "Deployment")["spec"]["template"]["spec"]
+    [sidecar] = [c for c in pod["containers"] if c["name"] == "opgate"]
+    assert build_parser().parse_args(sidecar["args"]).workers == 2
+    err = subprocess.run([str(helm), "template", "shop", str(parent), "--set",
+                          "opgate.sidecar.listen=unix:/run/a.sock"], capture_output=True,
+                         text=True).stderr
+    assert "--workers 2 with sidecar.listen=unix:/run/a.sock" in err, err

@@ -167,8 +167,8 @@ chart's root context, they use the opgate subchart's (.Subcharts.opgate: the val
 {{- if not $redis -}}
 {{- fail (printf "sidecar.extraArgs has --workers %s without redis.url: each worker would keep its own rate-limit buckets (opgate refuses it at start); set redis.url, or run one worker" $n) -}}
 {{- end -}}
-{{- if hasPrefix "unix:" (toString $.Values.sidecar.listen) -}}
-{{- fail (printf "sidecar.extraArgs has --workers %s with sidecar.listen=%s: workers share a TCP port (opgate refuses a unix: socket with them at start); listen on a loopback HOST:PORT, or run one worker" $n $.Values.sidecar.listen) -}}
+{{- if hasPrefix "unix:" $listen -}}
+{{- fail (printf "sidecar.extraArgs has --workers %s with sidecar.listen=%s: workers share a TCP port (opgate refuses a unix: socket with them at start); listen on a loopback HOST:PORT, or run one worker" $n $listen) -}}
 {{- end -}}
 {{- end -}}
 {{- end -}}
