@@ -356,9 +356,13 @@ def test_operator_args_follow_the_kubeconfig(helm: Path) -> None:
 
 def test_a_unix_socket_listener_needs_no_kubeconfig(helm: Path) -> None:
     # client-go cannot dial a Unix socket: a kubeconfig for it would be unusable
-    err = _render_error(helm, "sidecar.listen=unix:/run/opgate/api.sock")
+    mounted = ("extraVolumes[0].name=sock", "extraVolumes[0].emptyDir.medium=Memory",
+               "sidecar.extraVolumeMounts[0].name=sock",
+               "sidecar.extraVolumeMounts[0].mountPath=/run/opgate")
+    err = _render_error(helm, "sidecar.listen=unix:/run/opgate/api.sock", *mounted)
     assert "sidecar.listen" in err and "operator.kubeconfig" in err
-    docs = _render(helm, "sidecar.listen=unix:/run/opgate/api.sock", "operator.kubeconfig=false")
+    docs = _render(helm, "sidecar.listen=unix:/run/opgate/api.sock", "operator.kubeconfig=false",
+                   *mounted)
     assert build_parser().parse_args(_sidecar(docs)["args"]).listen == "unix:/run/opgate/api.sock"
 
 
@@ -886,3 +890,21 @@ def test_a_parent_chart_with_workers(helm: Path, tmp_path: Path) -> None:
                           "opgate.sidecar.listen=unix:/run/a.sock"], capture_output=True,
                          text=True).stderr
     assert "--workers 2 with sidecar.listen=unix:/run/a.sock" in err, err
+
+
+@pytest.mark.parametrize("mount", [(), ("sidecar.extraVolumeMounts[0].readOnly=true",),
+                                   ("sidecar.extraVolumeMounts[0].mountPath=/run/other",)])
+def test_a_socket_on_no_writable_mount_is_refused(helm: Path, mount: tuple[str, ...]) -> None:
+    """The sidecar's root filesystem is read-only: opgate could not create a socket outside a
+    writable mount (it would stop at start, in a pod that restarts)."""
+    sets = ("sidecar.listen=unix:/run/opgate/api.sock", "operator.kubeconfig=false")
+    if mount:
+        sets += ("extraVolumes[0].name=sock", "extraVolumes[0].emptyDir.medium=Memory",
+                 "sidecar.extraVolumeMounts[0].name=sock",
+                 "sidecar.extraVolumeMounts[0].mountPath=/run/opgate", *mount)
+    err = _render_error(helm, *sets)
+    assert "/run/opgate is on no writable mount" in err, err
+    # a mount above the socket's directory, or the sidecar's own /tmp, does
+    _render(helm, *sets[:2], "extraVolumes[0].name=run", "extraVolumes[0].emptyDir.medium=Memory",
+            "sidecar.extraVolumeMounts[0].name=run", "sidecar.extraVolumeMounts[0].mountPath=/run")
+    _render(helm, "sidecar.listen=unix:/tmp/api.sock", "operator.kubeconfig=false")

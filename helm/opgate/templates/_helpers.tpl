@@ -271,6 +271,19 @@ chart's root context, they use the opgate subchart's (.Subcharts.opgate: the val
   {{- end }}
   {{- $_ := set $seen .mountPath .name }}
   {{- end }}
+  {{- /* the root filesystem is read-only: a socket's directory must be a writable mount */}}
+  {{- if hasPrefix "unix:" $listen }}
+  {{- $sockDir := dir (trimPrefix "unix:" $listen) }}
+  {{- $writable := false }}
+  {{- range $mounts }}
+  {{- if and (not .readOnly) (or (eq $sockDir (trimSuffix "/" .mountPath)) (hasPrefix (printf "%s/" (trimSuffix "/" .mountPath)) $sockDir)) }}
+  {{- $writable = true }}
+  {{- end }}
+  {{- end }}
+  {{- if not $writable }}
+  {{- fail (printf "sidecar.listen=%s: %s is on no writable mount of the sidecar (its root filesystem is read-only, and the operator must reach the socket): mount a volume of extraVolumes there with sidecar.extraVolumeMounts and operator.extraVolumeMounts" $listen $sockDir) }}
+  {{- end }}
+  {{- end }}
   volumeMounts:
     {{- toYaml $mounts | nindent 4 }}
 {{- end }}
