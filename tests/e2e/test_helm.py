@@ -399,6 +399,8 @@ def test_a_shared_socket_directory(
     "sidecar.audit.maxSize=5",
     "sidecar.capture.maxBackup=2",
     "redis.passwordSecret.nam=redis-auth",
+    "redis.passwordSecret.key=../password",  # not a Secret key: no such file in the mount
+    "redis.passwordSecret.key=",
     "operator.replica=2",
     "image.tags=1.2",
     "serviceAccount.nam=ops",
