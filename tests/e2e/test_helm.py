@@ -388,6 +388,9 @@ def test_a_shared_socket_directory(
     "sidecar.audit.maxSizeMB=-5",
     "sidecar.capture.maxBackups=many",
     "sidecar.audit.path=audit.log",
+    "sidecar.audit.path=/audit.log",  # an emptyDir mounted at / (the container cannot start)
+    "sidecar.capture.path=/capture.flows",
+    "sidecar.capture.path=/var/log/",
     "sidecar.audit.sizeLimit=lots",
     "redis.replicas=0",
     "redis.url=localhost:6379",
