@@ -136,6 +136,17 @@ def test_no_policies_notes_name_no_configmap(
     assert "without --policies" in out.stdout
     kube.run_helm("uninstall", "bare")
 
+    # policies of one's own (a ConfigMap of extraVolumes) by --policies in sidecar.extraArgs
+    out = kube.run_helm("install", "own", str(CHART), "--set", "policies=null",
+                        "--set", "sidecar.extraArgs={--policies=/etc/corp-policies}",
+                        "--set", "extraVolumes[0].name=corp",
+                        "--set", "extraVolumes[0].configMap.name=corp-policies",
+                        "--set", "sidecar.extraVolumeMounts[0].name=corp",
+                        "--set", "sidecar.extraVolumeMounts[0].mountPath=/etc/corp-policies")
+    assert "without --policies" not in out.stdout, out.stdout
+    assert "--policies of sidecar.extraArgs" in out.stdout, out.stdout
+    kube.run_helm("uninstall", "own")
+
 
 def _documented_sidecar_rules() -> list[dict[str, Any]]:
     """The rbac.sidecarRules that values.yaml's comment lists (``#     - {apiGroups: ...}``)."""
