@@ -46,6 +46,7 @@ from proxy.relay.upstream import UpstreamConfigError, check_ca_file
 from proxy.settings import Settings
 from proxy.stores import Store, StoreConfigError, build_store, redis_password
 from proxy.stores.base import redacted_url
+from proxy.stores.breaker import ResilientStore
 from proxy.workers import on_sighup
 
 log = logging.getLogger("opgate")
@@ -333,7 +334,7 @@ async def _serve(settings: Settings, *, reuse_port: bool, parent_fd: int | None,
             log.error("%s", listen_failure(flag, settings.listen.admin_listen, exc))
             return 2
         if rl.redis_url:
-            tasks.append(asyncio.create_task(redis_check.run(), name="redis-probe"))
+            tasks.append(asyncio.create_task(redis_check.run(buckets), name="redis-probe"))
         if settings.policies.paths:
             tasks.append(asyncio.create_task(watch_policies(store), name="policy-watch"))
         freeze_startup_objects()
@@ -380,8 +381,9 @@ class RedisCheck:
 
     Once, in the background (startup is not held up), opgate PINGs Redis with a client of its
     own and a short timeout; a failure is logged as ONE error line naming the problem
-    (authentication, TLS, unreachable) and opgate goes on: the policies' failure modes apply
-    while Redis is away, and Redis may come up later. It then re-PINGs quietly every
+    (authentication, TLS, unreachable) and opgate goes on. The store's circuit opens at once, so
+    the policies' failure modes apply while Redis is away (``opgate_ratelimit_backend`` says
+    ``fallback``) until the store's own probes find it back. This check re-PINGs quietly every
     ``retry_every`` seconds until Redis answers (logged once, at info), so that ``/readyz``
     says the store is degraded rather than ok meanwhile."""
 
@@ -392,7 +394,7 @@ class RedisCheck:
         self.password_file = settings.ratelimit.redis_password_file
         self.problem: str | None = None
 
-    async def run(self) -> None:
+    async def run(self, store: Store) -> None:
         from proxy.stores.redis import probe
 
         assert self.url is not None
@@ -400,6 +402,8 @@ class RedisCheck:
         self.problem = await probe(self.url, password=password)
         if self.problem is None:
             return
+        if isinstance(store, ResilientStore):  # no call need wait for Redis to fail it first
+            store.trip(self.problem)
         log.error("Redis %s: %s; opgate goes on without it (the policies' failure modes "
                   "apply) and keeps trying", redacted_url(self.url), self.problem)
         while self.problem is not None:

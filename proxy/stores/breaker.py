@@ -106,12 +106,17 @@ class CircuitBreaker:
         if self.state == "half-open" or (
             self.state == "closed" and self.consecutive >= self.threshold
         ):
-            opened = self.state == "closed"
-            self.state = "open"
-            self.opened_at = self.clock()
-            self.trips += opened
-            return opened
+            return self.open(error)
         return False
+
+    def open(self, error: str) -> bool:
+        """Open the circuit now (or again, after a failed probe); True when it was closed."""
+        opened = self.state == "closed"
+        self.state = "open"
+        self.opened_at = self.clock()
+        self.last_error = error
+        self.trips += opened
+        return opened
 
 
 class ResilientStore:
@@ -213,10 +218,22 @@ class ResilientStore:
             telemetry.REDIS_ERRORS.inc()
             self.breaker.failure(self.breaker.last_error or "ping failed")
 
-    def _opened(self) -> None:
+    def trip(self, error: str) -> None:
+        """Open the circuit without waiting for calls to fail: a start-up probe found the store
+        away. Calls take the policies' failure modes at once instead of each waiting for the
+        store's timeout first, the backend gauge says ``fallback`` as ``/readyz`` says
+        degraded, and the recovery probes close the circuit when the store answers. Not
+        logged: the caller has said why."""
+        if self.breaker.open(error):
+            self._degrade()
+
+    def _degrade(self) -> None:
         set_backend_gauge("fallback")
         if self._recovery is None or self._recovery.done():
             self._recovery = asyncio.get_running_loop().create_task(self._recover())
+
+    def _opened(self) -> None:
+        self._degrade()
         log.warning(
             "rate-limit store unavailable after %d failures (%s): failure=open rules use "
             "in-process buckets at qps/%d (and quotas in-process reservations), failure=closed "

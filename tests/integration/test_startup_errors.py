@@ -160,6 +160,15 @@ def _readyz_store_line(opgate: OpgateProcess) -> str:
     return next(line for line in body.splitlines() if "ratelimit-store" in line)
 
 
+def _backend_gauge(opgate: OpgateProcess) -> dict[str, float]:
+    """``opgate_ratelimit_backend`` by backend, from ``/metrics``."""
+    with urllib.request.urlopen(opgate.admin_url + "/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    prefix = 'opgate_ratelimit_backend{backend="'
+    return {line[len(prefix):].split('"', 1)[0]: float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines() if line.startswith(prefix)}
+
+
 def _wait_for(opgate: OpgateProcess, text: str, timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
     while text not in opgate.stderr():
@@ -189,10 +198,41 @@ def test_redis_problem_is_one_error_line_and_opgate_serves_on(
         store = _readyz_store_line(opgate)
         assert store.startswith("[+]")  # readiness does not flap with Redis
         assert "degraded" in store and problem in store
+        # the circuit opened at the probe: no call waits for Redis to fail first, and the
+        # gauge says what /readyz says
+        assert _backend_gauge(opgate) == {"redis": 0, "local": 0, "fallback": 1}
         assert opgate.proc.poll() is None  # Redis down never takes the proxy down
         assert "Traceback" not in opgate.stderr()
     finally:
         assert opgate.stop() == 0
+
+
+def test_redis_that_comes_up_later_takes_over(tmp_path: Path) -> None:
+    """Redis away at start, then up on its address: the store's probes find it (no call
+    needed), the gauge and /readyz's breaker say so, and no further error is logged."""
+    port = free_port()
+    opgate = OpgateProcess("--upstream", UPSTREAM, "--redis-url", f"redis://127.0.0.1:{port}/0",
+                           log_dir=tmp_path)
+    redis = Proc("redis", [REDIS_BINARY, "--bind", "127.0.0.1", "--port", str(port), "--save",
+                           "", "--appendonly", "no", "--dir", str(tmp_path)],
+                 log=tmp_path / "redis.log")
+    try:
+        opgate.wait_ready()
+        _wait_for(opgate, "unreachable")
+        assert _backend_gauge(opgate)["fallback"] == 1
+        redis.start()
+        deadline = time.monotonic() + 15
+        while _backend_gauge(opgate)["redis"] != 1:
+            assert time.monotonic() < deadline, (_backend_gauge(opgate), opgate.stderr())
+            time.sleep(0.1)
+        assert _backend_gauge(opgate)["fallback"] == 0
+        _wait_for(opgate, "rate-limit store is back")
+        assert "breaker open" not in _readyz_store_line(opgate)
+        errors = [line for line in opgate.stderr().splitlines() if " ERROR " in line]
+        assert len(errors) == 1, opgate.stderr()
+    finally:
+        assert opgate.stop() == 0
+        redis.stop()
 
 
 def test_redis_ca_that_is_not_the_servers(password_redis: int, tmp_path: Path) -> None:

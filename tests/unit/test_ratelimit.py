@@ -448,6 +448,37 @@ def test_a_held_token_admits_with_the_headers_of_its_verdict(
     assert store.calls == 0
 
 
+def test_a_store_tripped_at_start_sends_no_call_to_the_primary() -> None:
+    """The start-up probe found Redis away (``trip``): the circuit is open at once, so no call
+    waits on the store (each would wait for its timeout to fail) and the gauge says so."""
+    from proxy.engine import telemetry
+
+    class Counting(Down):
+        calls = 0
+
+        async def acquire(self, requests: Sequence[BucketRequest]) -> Verdict:
+            self.calls += 1
+            return await super().acquire(requests)
+
+    primary = Counting()
+
+    async def go() -> None:
+        store = ResilientStore(primary, reset_after=60)
+        store.trip("unreachable (connection refused)")
+        store.trip("unreachable again")  # already open: still one trip, the latest reason
+        verdict = await store.acquire([BucketRequest(key="k", rate=10, burst=5, fail_open=True)])
+        assert verdict.allowed and verdict.backend == "fallback"
+        assert primary.calls == 0
+        health = store.health()
+        assert (health["breaker"], health["trips"]) == ("open", 1)
+        assert health["last_error"] == "unreachable again"
+        assert telemetry.REGISTRY.get_sample_value(
+            "opgate_ratelimit_backend", {"backend": "fallback"}) == 1
+        await store.close()
+
+    asyncio.run(go())
+
+
 def test_no_leased_token_is_taken_while_the_breaker_is_open() -> None:
     from proxy.stores.lease import LeasingStore
 
