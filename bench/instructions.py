@@ -94,8 +94,9 @@ def serve_argv(row: Row, work: Path, upstream: Upstream, redis_url: str, port: i
         policies.mkdir()
         (policies / "bench.yaml").write_text(policy_text(row.sections))
         argv += ["--policies", str(policies), "--redis-url", redis_url]
-    if row.audit_log:
-        argv += ["--audit-log", str(work / "audit.log")]
+    if row.audit_log:  # not in the policy directory's parent, which opgate watches (paths.py)
+        (work / "log").mkdir()
+        argv += ["--audit-log", str(work / "log" / "audit.log")]
     if not row.access_log:
         argv += ["--no-access-log"]
     return argv

@@ -178,8 +178,13 @@ def start_opgate(
         policies.mkdir(exist_ok=True)
         policy = policies / "bench.yaml"
         write_policy(policy, probe=False)
-        # the audit log at its default level (Metadata for every call), to a file
-        argv += ["--policies", str(policies), "--audit-log", str(work / f"audit-{name}.log")]
+        # the audit log at its default level (Metadata for every call), to a file in a
+        # directory of its own, as the chart has it (/var/log/opgate): opgate watches the policy
+        # directory's parent too (a ConfigMap's ..data swap), where each audit write would be
+        # an event for its watcher thread that no deployment sees
+        logs = work / "log"
+        logs.mkdir(exist_ok=True)
+        argv += ["--policies", str(policies), "--audit-log", str(logs / f"audit-{name}.log")]
         if redis_url:
             argv += ["--redis-url", redis_url]
     else:

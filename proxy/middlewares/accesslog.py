@@ -8,8 +8,8 @@ This runs on every call, so it is built for the hot path: the line is assembled 
 escaped by the C JSON encoder (no dict, no ``json.dumps``), the fields that depend only on the
 call's RequestInfo are escaped once per info (the user's once per user name), the time prefix is
 formatted once per second, the line is one f-string, and an :class:`AccessWriter` batches lines
-into one ``write`` every few milliseconds instead of a flushed write per call. Without a writer,
-lines go to the ``opgate.access`` logger.
+into one ``write`` every few milliseconds under load instead of a flushed write per call.
+Without a writer, lines go to the ``opgate.access`` logger.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import asyncio
 import json.encoder
 import logging
 import time
+from collections.abc import Callable
 from typing import IO
 
 from proxy.engine.context import RequestContext
@@ -27,6 +28,7 @@ log = logging.getLogger("opgate.access")
 
 _esc = json.encoder.encode_basestring  # the C encoder: quotes and escapes one string
 FLUSH_SECONDS = 0.05
+SPARSE_SECONDS = 0.005  # a line after this long without one is not held (AccessWriter)
 FLUSH_BYTES = 64 * 1024
 MEMO_SIZE = 4096  # calls (RequestInfo) whose escaped fields are remembered
 # the end of the timestamp, per millisecond, and the text up to the trace id's value
@@ -47,19 +49,34 @@ def duration_ms(seconds: float) -> str:
 class AccessWriter:
     """Batches access-log lines and writes them with one call per batch.
 
-    A batch goes out when it reaches ``FLUSH_BYTES`` or ``FLUSH_SECONDS`` after its first line
-    (so a line is never held longer than that), and at :meth:`close`.
+    While lines come often (less than ``SPARSE_SECONDS`` apart) a batch goes out when it
+    reaches ``FLUSH_BYTES`` or ``FLUSH_SECONDS`` after its first line, so a line is never held
+    longer than that. With ``prompt``, a line that comes after a quiet spell goes out at the
+    end of the event loop's current turn instead, with whatever other lines that turn wrote: at
+    an operator's usual few calls a second, a timer per batch would wake the loop once more per
+    call, which costs more than the write it saves. A stream whose every write wakes a thread
+    (the audit log's :class:`~proxy.middlewares.audit.QueuedStream`) is better batched by time
+    however quiet it is: ``prompt=False``. All is written at :meth:`close`.
     """
 
-    def __init__(self, stream: IO[str]) -> None:
+    def __init__(
+        self, stream: IO[str], *, prompt: bool = True,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._prompt = prompt
         self._stream = stream
+        self._clock = clock
         self._lines: list[str] = []
         self._size = 0
-        self._timer: asyncio.TimerHandle | None = None
+        self._timer: asyncio.Handle | None = None  # the pending flush: a timer or a call_soon
+        self._last = float("-inf")  # the clock's time of the line before
 
     def write(self, line: str) -> None:
         self._lines.append(line)
         self._size += len(line)
+        now = self._clock()
+        quiet = self._prompt and now - self._last >= SPARSE_SECONDS
+        self._last = now
         if self._size >= FLUSH_BYTES:
             self.flush()
         elif self._timer is None:
@@ -68,7 +85,8 @@ class AccessWriter:
             except RuntimeError:
                 self.flush()
                 return
-            self._timer = loop.call_later(FLUSH_SECONDS, self.flush)
+            self._timer = (loop.call_soon(self.flush) if quiet
+                           else loop.call_later(FLUSH_SECONDS, self.flush))
 
     def flush(self) -> None:
         if self._timer is not None:

@@ -109,27 +109,72 @@ def test_access_log_escapes_like_json(name: str) -> None:
 
 
 def test_writer_batches_and_flushes() -> None:
+    """Lines that come close together are held for one write up to FLUSH_SECONDS after the
+    first; a line after a quiet spell goes out at the end of the loop's turn, with the other
+    lines of that turn, and no timer is left to wake the loop for it."""
     import io
 
+    from proxy.middlewares import accesslog
+    from proxy.middlewares.accesslog import AccessWriter
+
+    out = io.StringIO()
+    now = [100.0]
+
+    async def main() -> None:
+        writer = AccessWriter(out, clock=lambda: now[0])
+        mw = AccessLog(writer=writer)
+
+        def call(i: int) -> None:
+            ctx = make_ctx("GET", f"/api/v1/namespaces/a/configmaps/c{i}")
+            ctx.status_code = 200
+            mw.exit(ctx)
+
+        call(0)  # the first line: quiet before it
+        call(1)  # the same turn
+        assert out.getvalue() == ""  # not within the turn
+        await asyncio.sleep(0)
+        assert len(out.getvalue().splitlines()) == 2  # at its end
+        assert writer._timer is None  # nothing left to wake the loop
+
+        for i in range(2, 5):  # busy: each line less than SPARSE_SECONDS after the one before
+            now[0] += accesslog.SPARSE_SECONDS / 2
+            call(i)
+            await asyncio.sleep(0)
+        assert len(out.getvalue().splitlines()) == 2  # held for one write
+        assert isinstance(writer._timer, asyncio.TimerHandle)
+        await asyncio.sleep(accesslog.FLUSH_SECONDS * 4)
+        assert len(out.getvalue().splitlines()) == 5  # written within FLUSH_SECONDS
+
+        now[0] += accesslog.SPARSE_SECONDS * 2  # a quiet spell again
+        call(5)
+        await asyncio.sleep(0)
+        assert len(out.getvalue().splitlines()) == 6
+        writer.close()
+
+    asyncio.run(main())
+    names = [json.loads(x)["name"] for x in out.getvalue().splitlines()]
+    assert names == [f"c{i}" for i in range(6)]
+
+
+def test_a_writer_that_is_not_prompt_holds_even_a_lone_line() -> None:
+    """The audit log's writer (each write wakes its thread) batches by time however quiet."""
+    import io
+
+    from proxy.middlewares import accesslog
     from proxy.middlewares.accesslog import AccessWriter
 
     out = io.StringIO()
 
     async def main() -> None:
-        writer = AccessWriter(out)
-        mw = AccessLog(writer=writer)
-        for i in range(3):
-            ctx = make_ctx("GET", f"/api/v1/namespaces/a/configmaps/c{i}")
-            ctx.status_code = 200
-            await settle(mw.exit(ctx))
-        assert out.getvalue() == ""  # batched, not yet written
-        await asyncio.sleep(0.2)
-        assert len(out.getvalue().splitlines()) == 3  # written within FLUSH_SECONDS
-        writer.close()
+        writer = AccessWriter(out, prompt=False)
+        writer.write("one\n")
+        await asyncio.sleep(0)
+        assert out.getvalue() == ""
+        assert isinstance(writer._timer, asyncio.TimerHandle)
+        await asyncio.sleep(accesslog.FLUSH_SECONDS * 4)
+        assert out.getvalue() == "one\n"
 
     asyncio.run(main())
-    names = [json.loads(x)["name"] for x in out.getvalue().splitlines()]
-    assert names == ["c0", "c1", "c2"]
 
 
 def test_a_batch_of_flush_bytes_goes_out_at_once() -> None:
