@@ -23,6 +23,7 @@ from aiohttp.web_protocol import RequestHandler
 from proxy.relay import errors
 from proxy.relay.endpoint import MAX_HEADER_LINE
 from proxy.relay.fast.server import MAX_HEAD, MAX_HEADERS
+from proxy.relay.response import StatusLine11
 
 __all__ = ["HeadTooLarge", "StatusServer"]
 
@@ -72,6 +73,10 @@ class _HeadBound:
         return getattr(self._parser, name)
 
 
+class _Refusal(StatusLine11, web.Response):
+    """The answer to a head aiohttp could not parse, in an ``HTTP/1.1`` status line."""
+
+
 class _Handler(RequestHandler):
     def __init__(self, manager: web.Server, **kwargs: Any) -> None:
         super().__init__(manager, **kwargs)
@@ -91,8 +96,7 @@ class _Handler(RequestHandler):
             answer = errors.bad_host(0 if text.startswith("Missing") else 2)
         else:
             answer = errors.malformed_request()
-        resp = web.Response(status=answer.code, body=answer.body(),
-                            content_type="application/json")
+        resp = _Refusal(status=answer.code, body=answer.body(), content_type="application/json")
         resp.force_close()
         return resp
 

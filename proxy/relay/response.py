@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterable
+from typing import Any
 
 import aiohttp
 from aiohttp import web
@@ -28,7 +29,9 @@ from proxy.relay.tap import tee_read
 
 __all__ = [
     "BufferedRelayResponse",
+    "Http11Refusal",
     "RelayResponse",
+    "StatusLine11",
     "abort",
     "pump",
     "pump_watch",
@@ -61,6 +64,25 @@ class BufferedRelayResponse(RelayResponse):
     _send_headers_immediately = False
 
 
+class StatusLine11:
+    """A mixin for opgate's refusal of a request line that is not HTTP/1.0 or 1.1
+    (``HTTP/2.0``), or of a head aiohttp could not parse: the status line says ``HTTP/1.1``, as
+    Go's net/http (the apiserver's) and the fast relay write it. aiohttp echoes the request's
+    version (an ``HTTP/2.0 505`` on an HTTP/1 connection), or ``HTTP/1.0`` for a head it
+    could not read."""
+
+    async def _write_headers(self: Any) -> None:
+        writer = self._payload_writer
+        assert writer is not None
+        await writer.write_headers(f"HTTP/1.1 {self.status} {self.reason}", self.headers)
+        if self._send_headers_immediately:
+            writer.send_headers()
+
+
+class Http11Refusal(StatusLine11, BufferedRelayResponse):
+    """:func:`send_status`'s answer to a request line of another HTTP version."""
+
+
 async def send_status(
     request: web.BaseRequest,
     status: StatusError,
@@ -72,7 +94,8 @@ async def send_status(
     body = status.body()
     headers: CIMultiDict[str] = CIMultiDict(status.response_headers())
     headers.extend(extra)
-    resp = BufferedRelayResponse(status=status.code, headers=headers)
+    kind = BufferedRelayResponse if request.version.major == 1 else Http11Refusal
+    resp = kind(status=status.code, headers=headers)
     resp.content_length = len(body)
     if close:
         resp.force_close()
