@@ -84,7 +84,7 @@ from proxy.stores.base import SHOWN, Reservation, Store
 from proxy.stores.memory import MemoryStore
 
 __all__ = ["SECTION", "MemoryQuotaCounts", "Quota", "QuotaCounts", "denial_message",
-           "generate_name", "parse_section"]
+           "format_count", "generate_name", "parse_section"]
 
 log = logging.getLogger("opgate.quota")
 
@@ -151,7 +151,29 @@ def generate_name(prefix: str, rng: random.Random | None = None) -> str:
     return prefix[:_MAX_GENERATED_PREFIX] + "".join(choice(_NAME_ALPHABET) for _ in range(5))
 
 
-def _pairs(items: Sequence[tuple[str, int]], value: Callable[[int], int]) -> str:
+_DECIMAL_SUFFIXES = ("", "k", "M", "G", "T", "P", "E")
+
+
+def format_count(count: int) -> str:
+    """A count as the apiserver prints a decimal quantity: canonical, so ``1000`` is ``1k``
+    and ``1500`` stays ``1500`` (its quota controller writes ``used`` so, and a ``hard: 1000``
+    reads back as ``1k``)."""
+    if count == 0:
+        return "0"
+    power = 0
+    while count % 1000 == 0 and power < len(_DECIMAL_SUFFIXES) - 1:
+        count //= 1000
+        power += 1
+    return f"{count}{_DECIMAL_SUFFIXES[power]}"
+
+
+def _limit_text(hard: int) -> str:
+    """A limit as the apiserver prints it: an aligned quota's own quantity (its ``text``, as
+    ``proxy.relay.counts.Count`` carries it: ``1Ki`` stays ``1Ki``), else canonically."""
+    return getattr(hard, "text", "") or format_count(hard)
+
+
+def _pairs(items: Sequence[tuple[str, int]], value: Callable[[int], str]) -> str:
     return ",".join(f"{key}={value(hard)}" for key, hard in items)
 
 
@@ -161,9 +183,9 @@ def denial_message(group: str, resource: str, name: str, quota: str,
     what = qualified(group, resource)
     subject = f'{what} "{name}"' if name else what
     return (f"{subject} is forbidden: exceeded quota: {quota}, "
-            f"requested: {_pairs(exceeded, lambda _h: 1)}, "
-            f"used: {_pairs(exceeded, lambda _h: used)}, "
-            f"limited: {_pairs(exceeded, lambda h: h)}")
+            f"requested: {_pairs(exceeded, lambda _h: '1')}, "
+            f"used: {_pairs(exceeded, lambda _h: format_count(used))}, "
+            f"limited: {_pairs(exceeded, _limit_text)}")
 
 
 def exceeded_limit(

@@ -50,7 +50,7 @@ from proxy.relay.endpoint import Endpoint, TokenSource, make_ssl_context
 from proxy.relay.listwatch import Absent, Failed, ListWatch, reason
 from proxy.relay.upstream import UpstreamConfig
 
-__all__ = ["Expected", "QuotaCounts", "Tally", "parse_count", "selects"]
+__all__ = ["Count", "Expected", "QuotaCounts", "Tally", "parse_limit", "selects"]
 
 log = logging.getLogger("opgate.counts")
 
@@ -74,32 +74,48 @@ _SUFFIXES = {"": 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15
              "m": Decimal("0.001")}
 
 
-def parse_count(raw: object) -> int | None:
-    """A Kubernetes quantity as an object count (``"10"``, ``"1k"``, ``5``), rounded up as
-    the apiserver's ``Value()`` does; ``None`` when it is not one."""
+class Count(int):
+    """An object-count limit (``int``), with its quantity as the apiserver prints it in a quota
+    denial (``text``: ``"1k"``, ``"1Ki"``; ``""`` for a bare number, printed canonically)."""
+
+    text: str
+
+    def __new__(cls, value: int, text: str = "") -> Count:
+        self = super().__new__(cls, value)
+        self.text = text
+        return self
+
+
+def parse_limit(raw: object) -> Count | None:
+    """A ``hard`` quantity (``"10"``, ``"1k"``, ``5``) as the most objects it admits: n objects
+    fit while n <= the quantity (the apiserver compares quantities, so ``"1.5"`` admits one);
+    ``None`` when it is not one. A typed quota's quantities come canonical from the apiserver,
+    so their text is what its denial prints."""
     if isinstance(raw, bool):
         return None
     if isinstance(raw, int):
-        return raw
+        return Count(raw) if raw >= 0 else None
     if not isinstance(raw, str):
         return None
-    m = _QUANTITY.fullmatch(raw.strip())
+    text = raw.strip()
+    m = _QUANTITY.fullmatch(text)
     if m is None or m.group(2) not in _SUFFIXES:
         return None
     try:
         value = Decimal(m.group(1)) * _SUFFIXES[m.group(2)]
     except InvalidOperation:
         return None
-    whole = int(value.to_integral_value(rounding="ROUND_CEILING"))
-    return whole if whole >= 0 else None
+    if value < 0:
+        return None
+    return Count(int(value.to_integral_value(rounding="ROUND_FLOOR")), text)
 
 
 def _hard(raw: object) -> dict[str, int]:
     if not isinstance(raw, dict):
         return {}
-    out = {}
+    out: dict[str, int] = {}
     for key, value in raw.items():
-        count = parse_count(value)
+        count = parse_limit(value)
         if count is not None and isinstance(key, str):
             out[key] = count
     return out

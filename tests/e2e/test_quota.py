@@ -33,6 +33,7 @@ pytestmark = pytest.mark.e2e
 BELOW, ABOVE, FREED = "quota-below", "quota-above", "quota-freed"
 DRY, CLUSTER, BARE = "quota-dry", "quota-crq", "quota-bare"
 SSA, SHARED = "quota-ssa", "quota-shared"
+QUANTITY = "quota-quantity"
 POLICY = f"""\
 apiVersion: opgate.dev/v1alpha1
 kind: Policy
@@ -46,6 +47,9 @@ spec:
     - resources: [secrets]
       namespaces: [{FREED}]
       max: 2
+    - resources: [configmaps]
+      namespaces: [{QUANTITY}]
+      alignWith: [ResourceQuota]
     - name: team-crq-mirror
       resources: [configmaps]
       namespaces: [{CLUSTER}]
@@ -130,7 +134,7 @@ def start_synced(opgate_factory: Callable[..., Opgate], token_file: Path, crq: s
 
 @pytest.fixture(scope="module")
 def token_file(cluster: LocalCluster, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    for namespace in (BELOW, ABOVE, FREED, DRY, BARE, SSA, SHARED):
+    for namespace in (BELOW, ABOVE, FREED, DRY, BARE, SSA, SHARED, QUANTITY):
         cluster.create_namespace(namespace)
     cluster.create_namespace(CLUSTER, labels={"team": "crq"})
     path = tmp_path_factory.mktemp("quota") / "opgate-token"
@@ -238,6 +242,35 @@ def test_a_smaller_resource_quota_is_named_exactly_as_the_apiserver_does(
     assert re.fullmatch(r'configmaps "gen-[a-z0-9]{5}" is forbidden: exceeded quota: rq-tight, '
                         r"requested: count/configmaps=1, used: count/configmaps=2, "
                         r"limited: count/configmaps=2", gen.json()["message"]), gen.body
+
+
+def test_a_thousand_reads_as_the_apiserver_prints_it(
+        cluster: LocalCluster, gate: Opgate) -> None:
+    """The apiserver prints counts as canonical quantities: a ResourceQuota's ``hard: 1000``
+    reads back ``1k``, and its ``used`` of 1000 too; opgate's 403 says the same."""
+    path = f"/api/v1/namespaces/{QUANTITY}/configmaps"
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        codes = set(pool.map(lambda i: cluster.call(
+            "POST", path, body={"metadata": {"name": f"k-{i}"}}).status, range(1000)))
+    assert codes == {201}
+    cluster.apply({"apiVersion": "v1", "kind": "ResourceQuota",
+                   "metadata": {"name": "rq-1k", "namespace": QUANTITY},
+                   "spec": {"hard": {"count/configmaps": "1000"}}})
+    quota_path = f"/api/v1/namespaces/{QUANTITY}/resourcequotas/rq-1k"
+    quota = cluster.call("GET", quota_path).ok().json()  # what the quota controller writes
+    quota["status"] = {"hard": quota["spec"]["hard"], "used": {"count/configmaps": "1000"}}
+    cluster.call("PUT", quota_path + "/status", body=quota).ok()
+    wait_for("the watch to count them", lambda: metric(
+        gate, "opgate_quota_usage", {"namespace": QUANTITY, "resource": "configmaps"}) == 1000)
+    wait_for("opgate to see rq-1k", lambda: cluster.call(
+        "POST", path + "?dryRun=All", body={"metadata": {"name": "probe"}},
+        server=gate.url).status == 403)
+    ours = cluster.call("POST", path, body=configmap("over", QUANTITY), server=gate.url)
+    theirs = cluster.call("POST", path, body=configmap("over", QUANTITY))
+    assert (ours.status, theirs.status) == (403, 403), (ours.body, theirs.body)
+    assert ours.json()["message"] == theirs.json()["message"] == (
+        'configmaps "over" is forbidden: exceeded quota: rq-1k, requested: count/configmaps=1, '
+        "used: count/configmaps=1k, limited: count/configmaps=1k")
 
 
 def test_deletes_free_room_and_direct_creates_count(

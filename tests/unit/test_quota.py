@@ -25,9 +25,10 @@ from proxy.middlewares.quota import (
     MemoryQuotaCounts,
     Quota,
     denial_message,
+    format_count,
     generate_name,
 )
-from proxy.relay.counts import QuotaCounts, Tally, parse_count, selects
+from proxy.relay.counts import Count, QuotaCounts, Tally, parse_limit, selects
 from proxy.relay.upstream import UpstreamConfig
 from proxy.stores.base import Reservation
 from proxy.stores.memory import MemoryStore
@@ -223,6 +224,36 @@ def test_legacy_names_and_ties() -> None:
     assert decision.status.message == (
         'secrets "s" is forbidden: exceeded quota: both, requested: count/secrets=1,secrets=1, '
         "used: count/secrets=4,secrets=4, limited: count/secrets=4,secrets=4")
+
+
+def test_counts_are_printed_as_the_apiserver_prints_quantities() -> None:
+    """The apiserver prints a count as a canonical quantity: 1000 is "1k" (its controller's
+    ``used``, and an entry's own ``max`` as a ResourceQuota's ``hard: 1000`` would be), and an
+    aligned quota's limit as its ``hard`` reads ("1Ki", "1500m")."""
+    counts = MemoryQuotaCounts()
+    counts.set("", "configmaps", "team-a", 1000)
+    mw = Quota(counts=counts)
+    own = policies("    - {resources: [configmaps], max: 1000}")
+    decision = decide(mw, ctx_for(own, body={"metadata": {"name": "c"}}))
+    assert isinstance(decision, Deny)
+    assert decision.status.message == (
+        'configmaps "c" is forbidden: exceeded quota: team-quota, requested: count/configmaps=1, '
+        "used: count/configmaps=1k, limited: count/configmaps=1k")
+    counts.set("", "configmaps", "team-a", 1024)
+    counts.add_quota("ResourceQuota", "binary", {"count/configmaps": Count(1024, "1Ki")},
+                     namespaces=["team-a"])
+    aligned = policies("    - {resources: [configmaps], alignWith: [ResourceQuota]}")
+    decision = decide(mw, ctx_for(aligned, body={"metadata": {"name": "c"}}))
+    assert isinstance(decision, Deny)
+    assert decision.status.message.endswith(
+        "used: count/configmaps=1024, limited: count/configmaps=1Ki")
+
+
+@pytest.mark.parametrize("count, text", [
+    (0, "0"), (1, "1"), (999, "999"), (1000, "1k"), (1500, "1500"), (2000, "2k"),
+    (10000, "10k"), (1_000_000, "1M"), (3 * 10**9, "3G"), (1234000, "1234k")])
+def test_format_count(count: int, text: str) -> None:
+    assert format_count(count) == text
 
 
 def test_cluster_resource_quota_and_custom_resources() -> None:
@@ -739,11 +770,16 @@ def test_a_relist_ends_named_expected_creates() -> None:
     assert fired == ["cm-1"] and tally.observed("a") == 1
 
 
-@pytest.mark.parametrize("raw, value", [
-    ("10", 10), (7, 7), ("1k", 1000), ("2Ki", 2048), ("1.5", 2), ("500m", 1), ("1e3", 1000),
-    ("abc", None), (True, None), ("-1", None), ("5X", None)])
-def test_parse_count(raw: object, value: int | None) -> None:
-    assert parse_count(raw) == value
+@pytest.mark.parametrize("raw, value, text", [
+    ("10", 10, "10"), (7, 7, ""), ("1k", 1000, "1k"), ("2Ki", 2048, "2Ki"), ("1e3", 1000, "1e3"),
+    # n objects fit while n <= the quantity (the apiserver compares quantities): 1.5 lets one in
+    ("1500m", 1, "1500m"), ("1.5", 1, "1.5"), ("500m", 0, "500m"), (" 3 ", 3, "3"),
+    ("abc", None, ""), (True, None, ""), ("-1", None, ""), ("5X", None, ""), (1.5, None, "")])
+def test_parse_limit(raw: object, value: int | None, text: str) -> None:
+    limit = parse_limit(raw)
+    assert limit == value
+    if limit is not None:
+        assert isinstance(limit, Count) and limit.text == text
 
 
 def test_cluster_resource_quota_selectors() -> None:
