@@ -6,7 +6,8 @@ body to a named object that the counts do not show in the namespace; an apply to
 exists is an update) against the entry's effective limit: the smallest of its ``max`` and,
 with ``alignWith``, the ``count/<resource>[.<group>]`` (or legacy ``configmaps``, ``secrets``…)
 hard limits of every ResourceQuota in that namespace and of every ClusterResourceQuota
-(``quota.openshift.io/v1``, when the cluster serves it) that selects the namespace. Over it,
+(``quota.openshift.io/v1``, when the cluster serves it) that selects the namespace (less the
+objects in the other namespaces it selects: OpenShift counts them together). Over it,
 the call gets the 403 the apiserver's ResourceQuota admission would send, word for word::
 
     configmaps "cm-7" is forbidden: exceeded quota: team-quota, requested: count/configmaps=1,
@@ -135,6 +136,11 @@ class QuotaCounts(Protocol):
         when the cluster serves no such API); ``None`` until synced."""
         ...
 
+    def beyond(self, group: str, resource: str, namespace: str, quota: str) -> int:
+        """Objects of the resource in the other namespaces that ClusterResourceQuota ``quota``
+        selects (its limit is for all of them together)."""
+        ...
+
     def expect(self, group: str, resource: str, namespace: str, name: str, generate_name: str,
                token: str, on_seen: Callable[[], None] | None = None) -> object:
         """Wait for the object of an admitted create; ``on_seen`` runs when it appears."""
@@ -189,27 +195,34 @@ def denial_message(group: str, resource: str, name: str, quota: str,
 
 
 def exceeded_limit(
-    b: BoundQuota, group: str, resource: str, used: int, aligned: Sequence[AlignedQuota]
-) -> tuple[str, list[tuple[str, int]]] | None:
-    """``(quota name, [(key, hard)])`` of the smallest limit that one more object exceeds (the
-    entry's own ``max`` on a tie), or ``None`` when the create fits."""
-    keys = [count_key(group, resource)]
-    legacy = legacy_key(group, resource)
-    if legacy:
-        keys.append(legacy)
-    found: list[tuple[int, int, str, list[tuple[str, int]]]] = []
+    b: BoundQuota, group: str, resource: str, used: int, aligned: Sequence[AlignedQuota],
+    beyond: Sequence[int] = (),
+) -> tuple[str, list[tuple[str, int]], int] | None:
+    """``(quota name, [(key, hard)], its used)`` of the smallest limit that one more object
+    exceeds (the entry's own ``max`` on a tie), or ``None`` when the create fits. ``beyond[i]``
+    is what ``aligned[i]`` counts outside the namespace (a ClusterResourceQuota's other
+    namespaces): it takes room here, and the quota's "used" is the sum, as OpenShift says it."""
+    keys = _keys(group, resource)
+    found: list[tuple[int, int, str, list[tuple[str, int]], int]] = []
     if b.rule.max is not None and used + 1 > b.rule.max:
-        found.append((b.rule.max, 0, b.quota_name, [(keys[0], b.rule.max)]))
+        found.append((b.rule.max, 0, b.quota_name, [(keys[0], b.rule.max)], used))
     for order, (kind, name, hard) in enumerate(aligned, start=1):
         if kind not in b.rule.align_with:
             continue
-        over = sorted((k, hard[k]) for k in keys if k in hard and used + 1 > hard[k])
+        total = used + (beyond[order - 1] if order <= len(beyond) else 0)
+        over = sorted((k, hard[k]) for k in keys if k in hard and total + 1 > hard[k])
         if over:
-            found.append((min(h for _, h in over), order, name, over))
+            found.append((min(h for _, h in over) - (total - used), order, name, over, total))
     if not found:
         return None
-    _, _, name, over = min(found, key=lambda f: (f[0], f[1]))
-    return name, over
+    _, _, name, over, shown = min(found, key=lambda f: (f[0], f[1]))
+    return name, over, shown
+
+
+def _keys(group: str, resource: str) -> list[str]:
+    """The names a quota may count the resource by: ``count/…``, and the legacy one."""
+    legacy = legacy_key(group, resource)
+    return [count_key(group, resource)] + ([legacy] if legacy else [])
 
 
 def _body_name(ctx: RequestContext) -> tuple[str, str]:
@@ -264,17 +277,16 @@ def _outcome(code: int, apply: bool = False) -> bool | None:
 
 
 def effective_limit(b: BoundQuota, group: str, resource: str,
-                    aligned: Sequence[AlignedQuota]) -> int | None:
-    """The smallest limit an entry applies (its ``max`` and its aligned quotas' hard counts);
-    ``None`` when nothing limits it here. ``exceeded_limit`` names the one a create exceeds."""
-    keys = [count_key(group, resource)]
-    legacy = legacy_key(group, resource)
-    if legacy:
-        keys.append(legacy)
+                    aligned: Sequence[AlignedQuota], beyond: Sequence[int] = ()) -> int | None:
+    """The most objects an entry lets the namespace hold (its ``max``, and its aligned quotas'
+    hard counts less what they count elsewhere, ``beyond``); ``None`` when nothing limits it
+    here. ``exceeded_limit`` names the one a create exceeds."""
+    keys = _keys(group, resource)
     limits = [b.rule.max] if b.rule.max is not None else []
-    for kind, _name, hard in aligned:
+    for i, (kind, _name, hard) in enumerate(aligned):
         if kind in b.rule.align_with:
-            limits.extend(hard[k] for k in keys if k in hard)
+            elsewhere = beyond[i] if i < len(beyond) else 0
+            limits.extend(max(0, hard[k] - elsewhere) for k in keys if k in hard)
     return min(limits) if limits else None
 
 
@@ -388,9 +400,11 @@ class Quota:
         if observed is None or not checked:
             return None
         aligned = aligned or ()
+        beyond = [self.counts.beyond(group, resource, namespace, name)
+                  if kind == CLUSTER_RESOURCE_QUOTA else 0 for kind, name, _hard in aligned]
         enforced = [b for b in checked if not b.dryrun]
         limits = [x for b in enforced
-                  if (x := effective_limit(b, group, resource, aligned)) is not None]
+                  if (x := effective_limit(b, group, resource, aligned, beyond)) is not None]
         names = (info.name, "") if apply else _body_name(ctx)
         token = secrets.token_hex(8)
         scope = f"{group}/{resource}/{namespace}"
@@ -406,13 +420,13 @@ class Quota:
                 f'"{b.policy}" ({b.where}) fails closed; retry later'), "unavailable")
         used = reserved.used
         for b in checked:
-            over = exceeded_limit(b, group, resource, used, aligned)
+            over = exceeded_limit(b, group, resource, used, aligned, beyond)
             if over is None:
                 continue
             name = names[0] or info.name or (
                 generate_name(names[1], self._rng) if names[1] else "")
-            quota_name, keys = over
-            message = denial_message(group, resource, name, quota_name, keys, used)
+            quota_name, keys, shown = over
+            message = denial_message(group, resource, name, quota_name, keys, shown)
             if b.dryrun:
                 telemetry.DRYRUN_DENIALS.labels("quota").inc()
                 log.info("dryrun: quota %s of policy %s would deny %s: %s", b.quota_name,
@@ -544,6 +558,12 @@ class MemoryQuotaCounts:
             return None
         return [(kind, name, hard) for kind, name, where, hard in self.quotas
                 if where is None or namespace in where]
+
+    def beyond(self, group: str, resource: str, namespace: str, quota: str) -> int:
+        return sum(len(self.names.get((group, resource, ns), ()))
+                   for kind, name, where, _hard in self.quotas
+                   if kind == CLUSTER_RESOURCE_QUOTA and name == quota and where is not None
+                   for ns in where if ns != namespace)
 
     def expect(self, group: str, resource: str, namespace: str, name: str, generate_name: str,
                token: str, on_seen: Callable[[], None] | None = None) -> object:

@@ -6,9 +6,10 @@
 namespace; objects created or deleted by anyone are counted. With ``resource_quotas`` it
 watches every ResourceQuota (their ``spec.hard``); with ``cluster_quotas`` it discovers
 ``quota.openshift.io`` and, only when the cluster serves it, watches the ClusterResourceQuotas
-and the namespaces' labels and annotations (metadata only) that their selectors match. When the
-API is absent nothing fails: no ClusterResourceQuota applies (it is looked for again every
-``rediscover_seconds``).
+and the namespaces' labels and annotations (metadata only) that their selectors match; such a
+quota limits all its namespaces together, so :meth:`QuotaCounts.beyond` sums the objects of
+its other namespaces. When the API is absent nothing fails: no ClusterResourceQuota applies (it
+is looked for again every ``rediscover_seconds``).
 
 It keeps the names, not only the count, of each namespace's objects (one short string per
 object), so the middleware can tell a server-side apply that creates an object from one that
@@ -412,6 +413,7 @@ class QuotaCounts:
         self._crq_synced = False
         self._ns: dict[str, tuple[dict[str, str], dict[str, str]]] = {}
         self._ns_synced = False
+        self._selected: dict[str, frozenset[str]] = {}  # CRQ -> namespaces; cleared on change
         self._crq_task: asyncio.Task[None] | None = None
         self._ns_task: asyncio.Task[None] | None = None
         self._crq_path = ""
@@ -470,6 +472,21 @@ class QuotaCounts:
                          for name, (selector, hard) in sorted(self._crq.items())
                          if selects(selector, labels, annotations))
         return found
+
+    def beyond(self, group: str, resource: str, namespace: str, quota: str) -> int:
+        """Objects of (group, resource) in the other namespaces ClusterResourceQuota ``quota``
+        selects: its limit is for all of them together (OpenShift checks its status.total)."""
+        counted = self._counted.get((group, resource))
+        if counted is None or quota not in self._crq:
+            return 0
+        selected = self._selected.get(quota)
+        if selected is None:
+            selector = self._crq[quota][0]
+            selected = frozenset(ns for ns, (labels, annotations) in self._ns.items()
+                                 if selects(selector, labels, annotations))
+            self._selected[quota] = selected
+        tally = counted.tally
+        return sum(tally.count(ns) for ns in selected if ns != namespace)
 
     def expect(self, group: str, resource: str, namespace: str, name: str, generate_name: str,
                token: str, on_seen: Callable[[], None] | None = None) -> object:
@@ -550,6 +567,7 @@ class QuotaCounts:
             self._crq_task = self._ns_task = None
             self._crq_state, self._crq_synced, self._ns_synced = "unknown", False, False
             self._crq, self._ns = {}, {}
+            self._selected.clear()
 
     # --- quota'd resources --------------------------------------------------------------------
 
@@ -674,11 +692,13 @@ class QuotaCounts:
         def keep(obj: dict[str, Any]) -> None:
             meta = obj.get("metadata") or {}
             spec = obj.get("spec") or {}
+            self._selected.clear()
             self._crq[meta.get("name") or ""] = (
                 spec.get("selector") or {}, _hard((spec.get("quota") or {}).get("hard")))
 
         def replace(items: list[dict[str, Any]]) -> None:
             self._crq = {}
+            self._selected.clear()
             for item in items:
                 keep(item)
             self._crq_synced = True
@@ -688,6 +708,7 @@ class QuotaCounts:
                 keep(obj)
             elif kind == "DELETED":
                 self._crq.pop((obj.get("metadata") or {}).get("name") or "", None)
+                self._selected.clear()
 
         async def path() -> str:
             return self._crq_path
@@ -697,11 +718,15 @@ class QuotaCounts:
 
     async def _run_namespaces(self) -> None:
         def keep(meta: dict[str, Any]) -> None:
-            self._ns[meta.get("name") or ""] = (dict(meta.get("labels") or {}),
-                                               dict(meta.get("annotations") or {}))
+            name = meta.get("name") or ""
+            held = (dict(meta.get("labels") or {}), dict(meta.get("annotations") or {}))
+            if self._ns.get(name) != held:  # a namespace's status changes select nothing new
+                self._ns[name] = held
+                self._selected.clear()
 
         def replace(items: list[dict[str, Any]]) -> None:
             self._ns = {}
+            self._selected.clear()
             for item in items:
                 keep(item.get("metadata") or {})
             self._ns_synced = True
@@ -712,6 +737,7 @@ class QuotaCounts:
                 keep(meta)
             elif kind == "DELETED":
                 self._ns.pop(meta.get("name") or "", None)
+                self._selected.clear()
 
         async def path() -> str:
             return "/api/v1/namespaces"

@@ -34,6 +34,7 @@ BELOW, ABOVE, FREED = "quota-below", "quota-above", "quota-freed"
 DRY, CLUSTER, BARE = "quota-dry", "quota-crq", "quota-bare"
 SSA, SHARED = "quota-ssa", "quota-shared"
 QUANTITY = "quota-quantity"
+CRQ_A, CRQ_B = "quota-crq-a", "quota-crq-b"
 POLICY = f"""\
 apiVersion: opgate.dev/v1alpha1
 kind: Policy
@@ -52,7 +53,7 @@ spec:
       alignWith: [ResourceQuota]
     - name: team-crq-mirror
       resources: [configmaps]
-      namespaces: [{CLUSTER}]
+      namespaces: [{CLUSTER}, {CRQ_A}, {CRQ_B}]
       max: 5
       alignWith: [ClusterResourceQuota]
 ---
@@ -137,6 +138,8 @@ def token_file(cluster: LocalCluster, tmp_path_factory: pytest.TempPathFactory) 
     for namespace in (BELOW, ABOVE, FREED, DRY, BARE, SSA, SHARED, QUANTITY):
         cluster.create_namespace(namespace)
     cluster.create_namespace(CLUSTER, labels={"team": "crq"})
+    for namespace in (CRQ_A, CRQ_B):
+        cluster.create_namespace(namespace, labels={"crq-total": "yes"})
     path = tmp_path_factory.mktemp("quota") / "opgate-token"
     path.write_text(cluster.admin_token)
     path.chmod(0o600)
@@ -350,6 +353,30 @@ def test_a_cluster_resource_quota_selecting_the_namespace_limits_it(
     wait_for("opgate to see the new labels", lambda: probe().status == 201)
     assert cluster.call("POST", path, body=configmap("c-1", CLUSTER), server=gate.url).status \
         == 201
+
+
+def test_a_cluster_resource_quota_counts_all_its_namespaces_together(
+        cluster: LocalCluster, gate: Opgate) -> None:
+    """OpenShift checks a ClusterResourceQuota against its status.total, the objects of all the
+    namespaces it selects: objects in one take room in the other, and its 403 says the sum."""
+    cluster.apply({"apiVersion": "quota.openshift.io/v1", "kind": "ClusterResourceQuota",
+                   "metadata": {"name": "crq-total"},
+                   "spec": {"selector": {"labels": {"matchLabels": {"crq-total": "yes"}}},
+                            "quota": {"hard": {"count/configmaps": "3"}}}})
+    for i in range(2):  # directly, in the other namespace
+        assert cluster.call("POST", f"/api/v1/namespaces/{CRQ_B}/configmaps",
+                            body=configmap(f"b-{i}", CRQ_B)).status == 201
+    wait_for("the watch to count them", lambda: metric(
+        gate, "opgate_quota_usage", {"namespace": CRQ_B, "resource": "configmaps"}) == 2)
+    path = f"/api/v1/namespaces/{CRQ_A}/configmaps"
+    assert cluster.call("POST", path, body=configmap("a-0", CRQ_A), server=gate.url).status \
+        == 201
+    wait_for("opgate to see crq-total", lambda: cluster.call(
+        "POST", path + "?dryRun=All", body=configmap("probe", CRQ_A),
+        server=gate.url).status == 403)
+    denied = cluster.call("POST", path, body=configmap("a-1", CRQ_A), server=gate.url)
+    assert denied.status == 403
+    assert denied.json()["message"] == quota_message("a-1", "crq-total", 3, 3)
 
 
 def test_counts_recover_after_the_apiserver_comes_back(

@@ -275,6 +275,76 @@ def test_cluster_resource_quota_and_custom_resources() -> None:
     assert counts.interest["cluster_quotas"] and not counts.interest["resource_quotas"]
 
 
+def test_a_cluster_resource_quota_limits_all_its_namespaces_together() -> None:
+    """OpenShift checks a ClusterResourceQuota against its status.total, the objects of every
+    namespace it selects: the objects elsewhere take room here, and the 403 says their sum."""
+    counts = MemoryQuotaCounts()
+    counts.set("", "configmaps", "team-a", 1)
+    counts.set("", "configmaps", "team-b", 3)
+    counts.set("", "configmaps", "other", 9)  # not selected
+    counts.add_quota("ClusterResourceQuota", "crq-team", {"count/configmaps": 5},
+                     namespaces=["team-a", "team-b"])
+    mw = Quota(counts=counts)
+    pset = policies("    - {resources: [configmaps], max: 4, alignWith: [ClusterResourceQuota]}")
+    assert decide(mw, ctx_for(pset, body={"metadata": {"name": "c-1"}})) is None  # 5 of 5
+    decision = decide(mw, ctx_for(pset, body={"metadata": {"name": "c-2"}}))
+    assert isinstance(decision, Deny)
+    assert decision.status.message == (
+        'configmaps "c-2" is forbidden: exceeded quota: crq-team, requested: count/configmaps=1, '
+        "used: count/configmaps=5, limited: count/configmaps=5")
+    counts.set("", "configmaps", "team-b", 9)  # over already: no room at all, and no error
+    decision = decide(mw, ctx_for(pset, body={"metadata": {"name": "c-3"}}))
+    assert isinstance(decision, Deny)
+    assert "used: count/configmaps=11, limited: count/configmaps=5" in decision.status.message
+
+
+def test_the_counter_sums_a_cluster_resource_quotas_namespaces() -> None:
+    counts = QuotaCounts(UpstreamConfig(url="http://127.0.0.1:9"))
+    counts.track({("", "configmaps"): lambda ns: True}, resource_quotas=False,
+                 cluster_quotas=True)
+    fed: dict[str, dict[str, object]] = {}
+
+    async def capture(label: str, path: object, replace: object, event: object, *,
+                      metadata_only: bool) -> None:
+        fed[label] = {"replace": replace, "event": event}
+
+    async def discover(path: str) -> dict[str, object]:
+        if path == "/apis/quota.openshift.io":
+            return {"preferredVersion": {"version": "v1"}}
+        return {"resources": [{"name": "clusterresourcequotas"}]}
+
+    counts._list_watch = capture  # type: ignore[method-assign]
+    counts._get_json = discover  # type: ignore[method-assign]
+
+    async def start() -> None:
+        counts._started = True
+        await counts._run_crq()
+        await counts._run_namespaces()
+        await counts._run_counted(counts._counted[("", "configmaps")])
+
+    run(start())
+
+    def ns(name: str, team: str) -> dict[str, object]:
+        return {"metadata": {"name": name, "labels": {"team": team}}}
+
+    fed["namespaces"]["replace"]([ns("a", "x"), ns("b", "x"), ns("c", "y")])  # type: ignore[operator]
+    fed["clusterresourcequotas"]["replace"]([{  # type: ignore[operator]
+        "metadata": {"name": "crq"},
+        "spec": {"selector": {"labels": {"matchLabels": {"team": "x"}}},
+                 "quota": {"hard": {"count/configmaps": "10"}}}}])
+    fed["configmaps"]["replace"]([  # type: ignore[operator]
+        {"metadata": {"namespace": n, "name": f"{n}-{i}"}}
+        for n, k in (("a", 1), ("b", 2), ("c", 4)) for i in range(k)])
+    assert counts.beyond("", "configmaps", "a", "crq") == 2
+    assert counts.beyond("", "configmaps", "b", "crq") == 1
+    fed["configmaps"]["event"]("ADDED", {"metadata": {"namespace": "b", "name": "b-9"}})  # type: ignore[operator]
+    assert counts.beyond("", "configmaps", "a", "crq") == 3
+    fed["namespaces"]["event"]("MODIFIED", ns("c", "x"))  # type: ignore[operator]
+    assert counts.beyond("", "configmaps", "a", "crq") == 7
+    assert counts.beyond("", "configmaps", "a", "gone") == 0
+    assert counts.beyond("", "secrets", "a", "crq") == 0
+
+
 def _pb(number: int, payload: bytes) -> bytes:
     assert len(payload) < 128 and number < 16  # one-byte varints
     return bytes([number << 3 | 2, len(payload)]) + payload
