@@ -15,8 +15,9 @@ moving the entry to the end: the oldest entry goes, unless a call used it since 
 or last passed over, in which case it is moved to the end, unflagged, and the next oldest is
 considered.
 
-A JWT of an accepted issuer is verified here (asymmetric signatures only, ``iss``, ``aud``,
-``exp``/``nbf`` with 30 s of leeway) with the keys the :class:`Authenticator` fetches; any other
+A JWT of an accepted issuer is verified here (asymmetric signatures only, ``iss``, ``aud``, and
+the time claims as the apiserver checks them: :func:`_check_times`) with the keys the
+:class:`Authenticator` fetches; any other
 token goes to the apiserver (a TokenReview) and the apiserver decides, and so does a
 service-account token of a key opgate has not fetched (yet: it fetches at most every
 ``retry_seconds``), so a signing-key rotation refuses no valid token. Its refusals are cached
@@ -89,7 +90,10 @@ log = logging.getLogger("opgate.identity")
 
 ALGORITHMS = frozenset({"RS256", "RS384", "RS512", "PS256", "PS384", "PS512",
                         "ES256", "ES384", "ES512", "EdDSA"})  # never none, never HS*
-LEEWAY = 30.0
+# seconds of clock skew the apiserver allows a service-account token (go-jose's jwt.DefaultLeeway,
+# on exp, nbf and iat: pkg/serviceaccount) and an OIDC token's nbf (go-oidc v2, which gives exp
+# none and does not check iat): a stricter opgate refused what the apiserver accepts
+LEEWAY = 60.0
 TOKEN_TTL = 300.0
 NEGATIVE_TTL = 10.0
 SAR_TTL = 10.0
@@ -198,6 +202,35 @@ def _credentials(headers: Mapping[str, str], key: bytes | None,
             return
         if token is not None and token != bearer:
             yield token, _token_key(token.encode())
+
+
+# PyJWT checks the signature, iss and that exp is there; _check_times the times
+_DECODE = {"verify_aud": False, "verify_exp": False, "verify_nbf": False, "verify_iat": False,
+           "require": ["exp", "iss"]}
+
+
+def _check_times(claims: Mapping[str, Any], *, oidc: bool, now: float) -> None:
+    """``exp``, ``nbf`` and ``iat`` as the apiserver checks them (raises :class:`_Invalid`).
+
+    A service-account token as go-jose's ``Claims.Validate``: ``LEEWAY`` either way on all
+    three (a kubelet's token read 45 s after its exp, or minted by an apiserver whose clock is
+    45 s ahead of the node's, passes); an OIDC token as go-oidc's verifier: expired at its
+    ``exp``, ``nbf`` with ``LEEWAY``, ``iat`` unchecked. Each, when present, must be a number."""
+    times: dict[str, float] = {}
+    for name in ("exp", "nbf", "iat"):
+        value = claims.get(name)
+        if value is None:
+            continue
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            raise _Invalid(f"the token's {name} claim is not a number")
+        times[name] = float(value)
+    exp, nbf, iat = times.get("exp"), times.get("nbf"), times.get("iat")
+    if exp is not None and now - (0.0 if oidc else LEEWAY) > exp:
+        raise _Invalid("the token has expired")
+    if nbf is not None and now + LEEWAY < nbf:
+        raise _Invalid("the token is not valid yet (nbf)")
+    if not oidc and iat is not None and now + LEEWAY < iat:
+        raise _Invalid("the token is issued in the future (iat)")
 
 
 def _same_caller(one: Identity | None, other: Identity | None) -> bool:
@@ -465,18 +498,16 @@ class IdentityCheck:
         for key in keys:
             try:
                 claims = jwt.decode(token, getattr(key, "key", key), algorithms=[alg],
-                                    issuer=iss, leeway=LEEWAY,
-                                    options={"verify_aud": False, "require": ["exp", "iss"]})
+                                    issuer=iss, options=_DECODE)
                 break
             except (jwt.InvalidSignatureError, jwt.InvalidAlgorithmError, jwt.InvalidKeyError,
                     TypeError, ValueError):  # not this key (or not a key of this type)
                 continue
-            except jwt.ExpiredSignatureError:
-                raise _Invalid("the token has expired") from None
             except jwt.PyJWTError as exc:
                 raise _Invalid(f"{type(exc).__name__}: {exc}") from None
         if claims is None:
             raise _Invalid(f"the signature does not verify with the keys of issuer {iss}")
+        _check_times(claims, oidc=issuer.kind != KUBERNETES, now=time.time())
         identity = identity_from_claims(issuer, iss, claims)
         if identity is None:
             raise _Invalid(f"the token's claims name no {issuer.kind} user")
@@ -487,7 +518,8 @@ class IdentityCheck:
             audiences = () if aud is None else (aud,)
         else:
             raise _Invalid("the token's aud claim is not a string or a list of strings")
-        return _Verified(identity, issuer.key, iss, audiences, self._expiry(claims))
+        leeway = 0.0 if issuer.kind != KUBERNETES else LEEWAY
+        return _Verified(identity, issuer.key, iss, audiences, self._expiry(claims, leeway))
 
     async def _review(self, token: str, claims: Mapping[str, Any]) -> _Verified:
         """A TokenReview, once one of ``REVIEWS_IN_FLIGHT`` is free (module docstring)."""
@@ -512,11 +544,13 @@ class IdentityCheck:
         return _Verified(identity, TOKENREVIEW, "", audiences, self._expiry(claims))
 
     @staticmethod
-    def _expiry(claims: Mapping[str, Any]) -> float:
+    def _expiry(claims: Mapping[str, Any], leeway: float = 0.0) -> float:
+        """When the cached verdict ends: ``TOKEN_TTL`` from now, or when the token stops being
+        accepted (its ``exp``, plus the ``leeway`` it was verified with), whichever is first."""
         ttl = TOKEN_TTL
         exp = claims.get("exp")
         if isinstance(exp, (int, float)) and not isinstance(exp, bool):
-            ttl = min(ttl, exp - time.time())
+            ttl = min(ttl, exp + leeway - time.time())
         return time.monotonic() + max(ttl, 0.0)
 
     # --- SubjectAccessReview (cached) ---------------------------------------------------------

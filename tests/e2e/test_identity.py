@@ -7,13 +7,18 @@ admin token); each client's own token passes through to the apiserver, whose RBA
 
 from __future__ import annotations
 
+import base64
 import json
+import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import jwt
 import pytest
+from cryptography.hazmat.primitives import serialization
 
 from proxy.envtest.cluster import LocalCluster
 from tests.e2e.conftest import Opgate
@@ -163,3 +168,25 @@ def test_subject_access_review_denies_what_rbac_denies(
     message = status(denied)["message"]
     assert message.startswith("opgate: ") and "the apiserver denies it" in message
     assert "subjectAccessReview" in message and "identity.yaml" in message
+
+
+@pytest.mark.parametrize("offsets", [{"nbf": 45, "iat": 45}, {"nbf": 90, "iat": 90},
+                                     {"exp": -45}, {"exp": -90}],
+                         ids=["ahead-45s", "ahead-90s", "expired-45s", "expired-90s"])
+def test_time_claims_are_read_as_the_apiserver_reads_them(
+        cluster: LocalCluster, gate: Opgate, setup: Setup, offsets: dict[str, int]) -> None:
+    """Tokens of the cluster's own key as an apiserver whose clock runs ahead of the node's
+    mints them, or read after their exp: opgate accepts what the apiserver accepts (a minute of
+    leeway either way) and refuses what it refuses."""
+    head, claims = (json.loads(base64.urlsafe_b64decode(part + "=="))
+                    for part in setup.allowed.split(".")[:2])
+    now = int(time.time())
+    claims = {**claims, "iat": now, "nbf": now, "exp": now + 600, "jti": str(uuid.uuid4()),
+              **{claim: now + offset for claim, offset in offsets.items()}}
+    key = serialization.load_pem_private_key((cluster.workdir / "pki" / "sa.key").read_bytes(),
+                                             None)
+    token = jwt.encode(claims, key, algorithm="RS256", headers={"kid": head["kid"]})
+    direct = cluster.call("GET", CM, token=token).status  # the reference
+    assert direct in (200, 401)
+    through = cluster.call("GET", CM, server=gate.url, token=token)
+    assert through.status == direct, through.body

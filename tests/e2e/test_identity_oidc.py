@@ -166,3 +166,24 @@ def test_a_groups_claim_the_apiserver_refuses(
     assert through.status == 401, through.body
     assert "opgate: " in json.loads(through.body)["message"]
     assert "claims name no oidc user" in json.loads(through.body)["message"]
+
+
+@pytest.mark.parametrize("offsets", [{"iat": 120}, {"nbf": 45}, {"nbf": 90}, {"exp": -5}],
+                         ids=["iat+120", "nbf+45", "nbf+90", "exp-5"])
+def test_time_claims_are_read_as_the_apiserver_reads_them(
+        oidc_cluster: LocalCluster, gate: Opgate, idp: tuple[FakeIdp, Path],
+        offsets: dict[str, int]) -> None:
+    """A provider whose clock runs ahead of the node's (iat, nbf in the future), a token just
+    expired: opgate accepts what the apiserver accepts and refuses what it refuses."""
+    fake, _ca = idp
+    good = fake.token()
+    deadline = time.monotonic() + 60
+    while review(oidc_cluster, good).status != 201:
+        assert time.monotonic() < deadline
+        time.sleep(0.5)
+    now = int(time.time())
+    token = fake.token(**{claim: now + offset for claim, offset in offsets.items()})
+    direct = review(oidc_cluster, token).status  # the reference
+    assert direct in (201, 401)
+    through = review(oidc_cluster, token, server=gate.url)
+    assert through.status == direct, through.body

@@ -579,3 +579,51 @@ def test_an_aud_claim_of_another_type_is_401(tmp_path: Path, aud: Any) -> None:
     decision = run(IdentityCheck(authenticator=FakeAuth()), ctx)
     assert decision is not None and body(decision)["code"] == 401
     assert "aud claim is not a string" in body(decision)["message"]
+
+
+def timed(kind: str, **offsets: float) -> str:
+    """A token of ``kind`` (``kubernetes``, ``oidc``) whose ``exp``/``nbf``/``iat`` are ``now``
+    plus the given offsets (``exp`` an hour ahead unless given)."""
+    now = int(time.time())
+    times = {"exp": now + 3600, "nbf": now, "iat": now,
+             **{k: now + int(v) for k, v in offsets.items()}}
+    if kind == "oidc":
+        return oidc_token(**times)
+    return jwt.encode({**claims(), **times}, RSA_KEY, algorithm="RS256", headers={"kid": "k1"})
+
+
+@pytest.mark.parametrize(("kind", "offsets", "accepted"), [
+    # a service-account token: go-jose's one minute either way on exp, nbf and iat
+    # (pkg/serviceaccount: Claims.Validate, jwt.DefaultLeeway), e.g. the apiserver's clock 45 s
+    # ahead of the node's, or a token kept 45 s past its exp
+    ("kubernetes", {"exp": -45}, True),
+    ("kubernetes", {"exp": -90}, False),
+    ("kubernetes", {"nbf": 45, "iat": 45}, True),
+    ("kubernetes", {"nbf": 90, "iat": 90}, False),
+    ("kubernetes", {"iat": 90}, False),
+    # an OIDC token as go-oidc checks it: exp without leeway, nbf with a minute, iat not at all
+    ("oidc", {"exp": -5}, False),
+    ("oidc", {"nbf": 45, "iat": 45}, True),
+    ("oidc", {"nbf": 90}, False),
+    ("oidc", {"iat": 600}, True),
+])
+def test_time_claims_are_checked_as_the_apiserver_does(
+        tmp_path: Path, kind: str, offsets: dict[str, float], accepted: bool) -> None:
+    text = OIDC_POLICY if kind == "oidc" else policy()
+    ctx = ctx_for(policy_set(tmp_path, text), "GET", CM, timed(kind, **offsets))
+    decision = run(IdentityCheck(authenticator=FakeAuth()), ctx)
+    if accepted:
+        assert decision is None, body(decision)["message"]
+    else:
+        assert decision is not None and body(decision)["code"] == 401
+        assert "invalid bearer token" in body(decision)["message"]
+
+
+@pytest.mark.parametrize("claim", ["exp", "nbf", "iat"])
+def test_a_time_claim_that_is_no_number_is_401(tmp_path: Path, claim: str) -> None:
+    token = jwt.encode({**claims(), claim: "soon"}, RSA_KEY, algorithm="RS256",
+                       headers={"kid": "k1"})
+    decision = run(IdentityCheck(authenticator=FakeAuth()),
+                   ctx_for(policy_set(tmp_path, policy()), "GET", CM, token))
+    assert decision is not None and body(decision)["code"] == 401
+    assert f"{claim} claim is not a number" in body(decision)["message"]
