@@ -20,8 +20,11 @@ the time claims as the apiserver checks them: :func:`_check_times`) with the key
 :class:`Authenticator` fetches; any other
 token goes to the apiserver (a TokenReview) and the apiserver decides, and so does a
 service-account token of a key opgate has not fetched (yet: it fetches at most every
-``retry_seconds``), so a signing-key rotation refuses no valid token. Its refusals are cached
-too (``NEGATIVE_TTL``, by digest): a bad token repeated costs one TokenReview. At most
+``retry_seconds``), so a signing-key rotation refuses no valid token, or of an audience opgate
+does not know (``--api-audiences`` may name others than the issuer); the verdict on such a
+token is then the one opgate's own verification would give (:meth:`IdentityCheck._vouched`).
+Its refusals are cached too (``NEGATIVE_TTL``, by digest): a bad token repeated costs one
+TokenReview. At most
 ``REVIEWS_IN_FLIGHT`` TokenReviews are in flight at once (per process), so a flood of distinct
 tokens is not a flood of TokenReviews: a verification waits up to ``REVIEW_WAIT`` for its turn,
 then the call gets ``429`` with ``Retry-After: 1`` (goes on under ``failure: open``). ``429``
@@ -120,6 +123,8 @@ class _Verified:
     issuer_url: str
     audiences: tuple[str, ...]
     expires: float  # monotonic
+    # a cluster-issuer token the apiserver vouched for (a TokenReview): any audience it took
+    vouched: bool = False
     # call shapes that every policy of the current plan allowed (the plan clears the cache)
     allowed: set[Shape] = field(default_factory=set, repr=False)
     # second chance: a call used the entry since eviction last passed over it (with
@@ -231,6 +236,16 @@ def _check_times(claims: Mapping[str, Any], *, oidc: bool, now: float) -> None:
         raise _Invalid("the token is not valid yet (nbf)")
     if not oidc and iat is not None and now + LEEWAY < iat:
         raise _Invalid("the token is issued in the future (iat)")
+
+
+def _audiences(claims: Mapping[str, Any]) -> tuple[str, ...]:
+    """The ``aud`` claim: a string or a list of strings, as the apiserver reads it."""
+    aud = claims.get("aud")
+    if isinstance(aud, list) and all(isinstance(a, str) for a in aud):
+        return tuple(aud)
+    if isinstance(aud, str) or aud is None:
+        return () if aud is None else (aud,)
+    raise _Invalid("the token's aud claim is not a string or a list of strings")
 
 
 def _same_caller(one: Identity | None, other: Identity | None) -> bool:
@@ -378,8 +393,8 @@ class IdentityCheck:
         if not spec.accepts(verified.issuer):
             return 401, "invalid_token", f"the token's issuer is not one of {where}'s issuers"
         issuer = spec.issuer(verified.issuer)
-        if (issuer is not None
-                and not issuer.audience_ok(verified.audiences, verified.issuer_url)):
+        if (issuer is not None and not issuer.audience_ok(
+                verified.audiences, verified.issuer_url, vouched=verified.vouched)):
             return 401, "invalid_token", f"the token's audience is not accepted by {where}"
         if not spec.allow.allows(identity):
             return 403, "not_allowed", (f'user "{identity.user}" is not allowed by {where}: not '
@@ -492,7 +507,7 @@ class IdentityCheck:
         if not keys:
             if issuer.kind == KUBERNETES:  # a key opgate has not fetched yet (rotated within
                 # retry_seconds of its last fetch): the apiserver knows its keys, ask it
-                return await self._review(token, unverified)
+                return await self._vouched(token, unverified, iss)
             raise _Invalid(f"no signing key of issuer {iss} matches the token's key id")
         claims: dict[str, Any] | None = None
         for key in keys:
@@ -511,15 +526,22 @@ class IdentityCheck:
         identity = identity_from_claims(issuer, iss, claims)
         if identity is None:
             raise _Invalid(f"the token's claims name no {issuer.kind} user")
-        aud = claims.get("aud")  # a string or a list of strings, as the apiserver reads it
-        if isinstance(aud, list) and all(isinstance(a, str) for a in aud):
-            audiences = tuple(aud)
-        elif isinstance(aud, str) or aud is None:
-            audiences = () if aud is None else (aud,)
-        else:
-            raise _Invalid("the token's aud claim is not a string or a list of strings")
+        audiences = _audiences(claims)
+        if issuer.kind == KUBERNETES and not issuer.known(audiences, iss):
+            return await self._vouched(token, claims, iss)  # an audience only it knows
         leeway = 0.0 if issuer.kind != KUBERNETES else LEEWAY
         return _Verified(identity, issuer.key, iss, audiences, self._expiry(claims, leeway))
+
+    async def _vouched(self, token: str, claims: Mapping[str, Any], iss: str) -> _Verified:
+        """A token of the cluster's issuer that the apiserver judges (a TokenReview): when it
+        accepts it, the verdict is the one opgate's own verification gives (the ``kubernetes``
+        issuer, the token's audiences, which each policy's ``audiences`` then narrow), with the
+        user the apiserver names."""
+        found = await self._review(token, claims)
+        if found.identity is None:
+            return found
+        return _Verified(found.identity, KUBERNETES, iss, _audiences(claims), found.expires,
+                         vouched=True)
 
     async def _review(self, token: str, claims: Mapping[str, Any]) -> _Verified:
         """A TokenReview, once one of ``REVIEWS_IN_FLIGHT`` is free (module docstring)."""

@@ -49,7 +49,8 @@ _DNS_LABEL = re.compile(r"[a-z0-9*?\[\]]([-a-z0-9.*?\[\]]*[a-z0-9*?\[\]])?")
 @dataclass(frozen=True, slots=True)
 class Issuer:
     """One accepted issuer. ``url`` is ``""`` for ``kubernetes`` (discovered from the apiserver);
-    ``audiences`` ``()`` for ``kubernetes`` means the issuer and the in-cluster service names."""
+    ``audiences`` ``()`` for ``kubernetes`` means those the apiserver accepts: the issuer and the
+    in-cluster service names are verified offline, any other is asked (:meth:`known`)."""
 
     kind: str  # kubernetes | oidc
     url: str = ""
@@ -64,8 +65,21 @@ class Issuer:
     def key(self) -> str:
         return KUBERNETES if self.kind == KUBERNETES else self.url
 
-    def audience_ok(self, token_audiences: tuple[str, ...], issuer_url: str) -> bool:
+    def audience_ok(self, token_audiences: tuple[str, ...], issuer_url: str, *,
+                    vouched: bool = False) -> bool:
+        """Whether this declaration accepts a token of these audiences: one of ``audiences``
+        when listed; else one the apiserver accepts, so any of a token it ``vouched`` for (a
+        TokenReview: its ``--api-audiences`` may name others), or one of :meth:`known`."""
+        if not self.audiences and vouched:
+            return True
         wanted = self.audiences or (issuer_url, *DEFAULT_KUBERNETES_AUDIENCES)
+        return any(a in wanted for a in token_audiences)
+
+    def known(self, token_audiences: tuple[str, ...], issuer_url: str) -> bool:
+        """Whether a ``kubernetes`` token of these audiences may be verified offline: one is
+        the issuer, an in-cluster name of the apiserver or one listed; the apiserver is asked
+        about any other (a TokenReview), which its ``--api-audiences`` may hold."""
+        wanted = (issuer_url, *DEFAULT_KUBERNETES_AUDIENCES, *self.audiences)
         return any(a in wanted for a in token_audiences)
 
 

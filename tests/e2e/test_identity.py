@@ -20,8 +20,9 @@ import jwt
 import pytest
 from cryptography.hazmat.primitives import serialization
 
-from proxy.envtest.cluster import LocalCluster
-from tests.e2e.conftest import Opgate
+from proxy.envtest.binaries import KubeBinaries
+from proxy.envtest.cluster import DEFAULT_ISSUER, LocalCluster
+from tests.e2e.conftest import Opgate, start_opgate
 
 NS = "idt"
 CM = f"/api/v1/namespaces/{NS}/configmaps"
@@ -190,3 +191,28 @@ def test_time_claims_are_read_as_the_apiserver_reads_them(
     assert direct in (200, 401)
     through = cluster.call("GET", CM, server=gate.url, token=token)
     assert through.status == direct, through.body
+
+
+def test_a_token_of_another_api_audience_passes_as_the_apiserver_lets_it(
+        kube_binaries: KubeBinaries, tmp_path: Path) -> None:
+    """An apiserver with ``--api-audiences`` beyond its issuer (an istio-ca, a platform's own):
+    a TokenRequest for one of them is a token the apiserver accepts, and so does opgate (it
+    asks the apiserver about an audience it does not know); another audience stays a 401."""
+    with LocalCluster(binaries=kube_binaries, extra_apiserver_args=(
+            f"--api-audiences={DEFAULT_ISSUER},extra-aud",)) as cluster:
+        rules = [{"apiGroups": [""], "resources": ["configmaps"], "verbs": ["list"]}]
+        cluster.create_service_account_with_rbac(NS, "allowed", rules)
+        token_file = tmp_path / "opgate-token"
+        token_file.write_text(cluster.admin_token)
+        token_file.chmod(0o600)
+        gate = start_opgate(cluster, tmp_path / "opgate", policies={
+            "identity.yaml": POLICY.format(ns=NS, sar="false")},
+            extra_args=["--token-file", str(token_file)])
+        try:
+            for audience, code in (("extra-aud", 200), ("vault", 401)):
+                token = cluster.token_request(NS, "allowed", audiences=[audience])
+                assert cluster.call("GET", CM, token=token).status == code  # the reference
+                through = cluster.call("GET", CM, server=gate.url, token=token)
+                assert through.status == code, through.body
+        finally:
+            gate.stop()
