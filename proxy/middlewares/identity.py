@@ -592,9 +592,10 @@ class IdentityCheck:
 
     async def _access_review(self, ctx: RequestContext, identity: Identity) -> tuple[bool, str]:
         info, verb = ctx.info, ctx.info.policy_verb
-        key = (identity.user, identity.groups, identity.extra, verb, info.api_group,
-               info.resource, info.subresource, info.namespace, info.name,
-               "" if info.is_resource_request else info.path)
+        # everything the review below says (an allow for one is never another's)
+        key = (identity.user, identity.uid, identity.groups, identity.extra, verb,
+               info.api_group, info.api_version, info.resource, info.subresource,
+               info.namespace, info.name, "" if info.is_resource_request else info.path)
         now = time.monotonic()
         hit = self._sar.get(key)
         if hit is not None and hit[2] > now:

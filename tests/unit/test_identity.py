@@ -671,3 +671,23 @@ def test_listed_audiences_narrow_what_the_apiserver_vouches_for(tmp_path: Path,
     decision = run(check, ctx_for(policies, "GET", CM, other))
     assert decision is not None and body(decision)["code"] == 401
     assert "audience is not accepted" in body(decision)["message"]
+
+
+def test_a_cached_subject_access_review_is_for_the_same_uid_and_version(tmp_path: Path) -> None:
+    """Everything a SubjectAccessReview says is part of its cache key: the uid (a ServiceAccount
+    recreated under the same name, a webhook authorizer that reads it) and the API version
+    (an authorizer may answer per version) too, not only the user, groups and the call."""
+    auth = FakeAuth()
+    check, policies = IdentityCheck(authenticator=auth), policy_set(tmp_path, policy(sar=True))
+
+    def token(uid: str) -> str:
+        body = claims()
+        body["kubernetes.io"]["serviceaccount"]["uid"] = uid
+        return jwt.encode(body, RSA_KEY, algorithm="RS256", headers={"kid": "k1"})
+
+    deployments = "/apis/apps/{}/namespaces/team-a/deployments/d"
+    for uid, version in (("uid-1", "v1"), ("uid-2", "v1"), ("uid-2", "v1beta1"),
+                         ("uid-2", "v1")):
+        assert run(check, ctx_for(policies, "GET", deployments.format(version), token(uid))) is None
+    assert [(a["uid"], a["resourceAttributes"]["version"]) for a in auth.sar_attrs] == [
+        ("uid-1", "v1"), ("uid-2", "v1"), ("uid-2", "v1beta1")]
