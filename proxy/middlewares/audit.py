@@ -17,9 +17,9 @@ the tools that read its ``--audit-log-path`` files read opgate's too:
   ``{}`` when none was verified, with the annotation ``opgate.dev/user: unverified``.
   ``impersonatedUser`` when the call forwards ``Impersonate-User``: the user the apiserver
   switches to (groups, uid, extra from the ``Impersonate-*`` headers, as
-  :func:`impersonated_user`). ``sourceIPs`` as the apiserver lists them: ``X-Forwarded-For``,
-  ``X-Real-Ip``, then the caller's address (on a loopback sidecar the controller's 127.0.0.1;
-  none on a Unix socket).
+  :func:`proxy.engine.impersonation.impersonated_user`). ``sourceIPs`` as the apiserver lists
+  them: ``X-Forwarded-For``, ``X-Real-Ip``, then the caller's address (on a loopback sidecar
+  the controller's 127.0.0.1; none on a Unix socket).
 * ``responseStatus`` has the code; for an answer opgate gave itself (a denial, throttling, a
   fault, a quota, the relay's own 4xx/5xx) also ``status``, ``message``, ``reason``, ``details``
   of the Status it sent. The apiserver's own error bodies are not read (only their code).
@@ -54,13 +54,14 @@ import json
 import logging
 import re
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import IO, Any
-from urllib.parse import quote, unquote
+from urllib.parse import quote
 
 from proxy.engine import telemetry
 from proxy.engine.context import Identity, RequestContext
+from proxy.engine.impersonation import impersonation_of
 from proxy.engine.logfile import BackgroundWriter, RotatingFile
 from proxy.engine.policies import PlanPerSet
 from proxy.engine.protometa import MAGIC as PROTOBUF_MAGIC
@@ -90,11 +91,6 @@ _REASONS = {400: "BadRequest", 401: "Unauthorized", 403: "Forbidden", 404: "NotF
             500: "InternalError", 503: "ServiceUnavailable", 504: "Timeout"}
 _PATH_SAFE = "/:@!$&'()*+,;=-._~"
 _NEEDS_QUOTE = re.compile(r"[^A-Za-z0-9/:@!$&'()*+,;=\-._~]")
-# system:serviceaccount:<namespace (a DNS label)>:<name (a DNS subdomain)>, as the apiserver
-# splits an impersonated user name
-_SERVICE_ACCOUNT = re.compile(
-    r"system:serviceaccount:([a-z0-9](?:[-a-z0-9]{0,61}[a-z0-9])?)"
-    r":((?=.{1,253}$)[a-z0-9](?:[-a-z0-9]*[a-z0-9])?(?:\.[a-z0-9](?:[-a-z0-9]*[a-z0-9])?)*)")
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 _ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
 _DECISIONS = {d: _ENCODER.encode(d) for d in (
@@ -156,46 +152,6 @@ def source_ips(ctx: RequestContext) -> list[str]:
     if remote is not None and (not found or found[-1] != remote):
         found.append(remote)
     return found
-
-
-def _header_pairs(headers: Mapping[str, str]) -> list[tuple[str, str]]:
-    """Every header, repeated names included, as (lower-case name, value)."""
-    pairs = getattr(headers, "pairs", None)
-    if pairs is not None:  # the fast relay's WireHeaders: bytes as received
-        return [(n.decode("latin-1").lower(), v.decode("latin-1")) for n, v in pairs()]
-    items = headers.items()  # a CIMultiDict's items() has the repeated names too
-    return [(n.lower(), v) for n, v in items]
-
-
-def impersonated_user(headers: Mapping[str, str], username: str) -> dict[str, Any]:
-    """``impersonatedUser`` as the apiserver logs the user it switches to: ``Impersonate-Uid``,
-    the ``Impersonate-Group`` values (a ServiceAccount's two groups when none is given), then
-    ``system:authenticated`` (``system:unauthenticated`` for ``system:anonymous``) unless
-    listed, and ``Impersonate-Extra-<key>`` values by key (lower-case, percent-decoded)."""
-    groups: list[str] = []
-    extra: dict[str, list[str]] = {}
-    uid = ""
-    for name, value in _header_pairs(headers):
-        if name == "impersonate-group":
-            groups.append(value)
-        elif name.startswith("impersonate-extra-"):
-            extra.setdefault(unquote(name[len("impersonate-extra-"):]), []).append(value)
-        elif name == "impersonate-uid" and not uid:
-            uid = value
-    if not groups and (sa := _SERVICE_ACCOUNT.fullmatch(username)) is not None:
-        groups = ["system:serviceaccounts", f"system:serviceaccounts:{sa.group(1)}"]
-    if username != "system:anonymous":
-        if "system:authenticated" not in groups and "system:unauthenticated" not in groups:
-            groups.append("system:authenticated")
-    elif "system:unauthenticated" not in groups:
-        groups.append("system:unauthenticated")
-    out: dict[str, Any] = {"username": username}  # authentication/v1 UserInfo's field order
-    if uid:
-        out["uid"] = uid
-    out["groups"] = groups
-    if extra:
-        out["extra"] = dict(sorted(extra.items()))  # a Go map: keys sorted
-    return out
 
 
 def request_uri(path: str, query: str, *, escaped: bool = False) -> str:
@@ -493,10 +449,9 @@ class Audit:
         else:
             ev["user"] = {}
             notes["opgate.dev/user"] = "unverified"
-        impersonated = ctx.headers.get("impersonate-user")
-        if impersonated and (ctx.allow_impersonation
-                             or getattr(ctx.policies, "allow_impersonation", False)):
-            ev["impersonatedUser"] = impersonated_user(ctx.headers, impersonated)
+        impersonated = impersonation_of(ctx)
+        if impersonated is not None:
+            ev["impersonatedUser"] = impersonated
         sources = source_ips(ctx)
         if sources:
             ev["sourceIPs"] = sources

@@ -66,7 +66,8 @@ from typing import Any, Protocol
 
 from proxy.engine import telemetry
 from proxy.engine.chain import Maybe
-from proxy.engine.context import Decision, Deny, Identity, RequestContext
+from proxy.engine.context import Decision, Deny, Identity, RequestContext, user_extra
+from proxy.engine.impersonation import impersonation_of
 from proxy.engine.limitlog import log_limited
 from proxy.engine.requestinfo import RequestInfo, Shape
 from proxy.engine.status import (
@@ -246,6 +247,18 @@ def _audiences(claims: Mapping[str, Any]) -> tuple[str, ...]:
     if isinstance(aud, str) or aud is None:
         return () if aud is None else (aud,)
     raise _Invalid("the token's aud claim is not a string or a list of strings")
+
+
+def _authorized_user(ctx: RequestContext, caller: Identity) -> Identity:
+    """The user the apiserver authorizes the call as: the one it impersonates, where the policy
+    set lets ``Impersonate-*`` through (the apiserver checks that the caller may impersonate,
+    then authorizes the impersonated user), else the caller."""
+    user = impersonation_of(ctx)
+    if user is None:
+        return caller
+    extra = user_extra((key, values) for key, values in user.get("extra", {}).items())
+    return Identity(user["username"], tuple(user["groups"]), user.get("uid", ""),
+                    source="impersonated", extra=extra)
 
 
 def _same_caller(one: Identity | None, other: Identity | None) -> bool:
@@ -580,17 +593,22 @@ class IdentityCheck:
     async def _sar_denial(self, ctx: RequestContext, policy: Any, identity: Identity | None,
                           done: list[tuple[bool, str]]) -> tuple[int, str, str] | None:
         assert identity is not None
+        subject = _authorized_user(ctx, identity)
         if not done:
-            done.append(await self._access_review(ctx, identity))
+            done.append(await self._access_review(ctx, subject))
         allowed, reason = done[0]
         if allowed:
             return None
+        who = f'user "{subject.user}"'
+        if subject is not identity:
+            who += f' (impersonated by "{identity.user}")'
         return 403, "sar_denied", (
-            f'user "{identity.user}" cannot {_action(ctx.info, ctx.info.policy_verb)}: the '
+            f'{who} cannot {_action(ctx.info, ctx.info.policy_verb)}: the '
             f'apiserver denies it ({reason or "no RBAC rule allows it"}; subjectAccessReview '
             f'of policy "{policy.name}" ({policy.source}))')
 
     async def _access_review(self, ctx: RequestContext, identity: Identity) -> tuple[bool, str]:
+        """May ``identity`` (the user the apiserver authorizes) make the call? Cached."""
         info, verb = ctx.info, ctx.info.policy_verb
         # everything the review below says (an allow for one is never another's)
         key = (identity.user, identity.uid, identity.groups, identity.extra, verb,

@@ -216,3 +216,53 @@ def test_a_token_of_another_api_audience_passes_as_the_apiserver_lets_it(
                 assert through.status == code, through.body
         finally:
             gate.stop()
+
+
+IMPERSONATION_POLICY = """\
+apiVersion: opgate.dev/v1alpha1
+kind: Policy
+metadata: {{name: impersonation-e2e}}
+spec:
+  allowImpersonation: true
+  identity:
+    issuers: [{{kubernetes: {{}}}}]
+    allow: [{{serviceAccount: {ns}/impersonator}}]
+    rules: [{{verbs: [get, list], resources: [configmaps]}}]
+    subjectAccessReview: true
+"""
+
+
+def test_a_subject_access_review_asks_about_the_impersonated_user(
+        cluster: LocalCluster, opgate_factory: Callable[..., Opgate], setup: Setup) -> None:
+    """A ServiceAccount that may impersonate `tenant` (who may list configmaps) and may not list
+    them itself: the apiserver serves its impersonating call (it authorizes `tenant`), so does
+    opgate, whose review asks about `tenant` too; impersonating `nobody` is refused by both."""
+    rbac = "rbac.authorization.k8s.io/v1"
+    cluster.create_service_account_with_rbac(NS, "impersonator", [
+        {"apiGroups": [""], "resources": ["users"], "verbs": ["impersonate"],
+         "resourceNames": ["tenant", "nobody"]}], cluster_wide=True)
+    cluster.apply({"apiVersion": rbac, "kind": "Role",
+                   "metadata": {"name": "tenant-reads", "namespace": NS},
+                   "rules": [{"apiGroups": [""], "resources": ["configmaps"],
+                              "verbs": ["list"]}]})
+    cluster.apply({"apiVersion": rbac, "kind": "RoleBinding",
+                   "metadata": {"name": "tenant-reads", "namespace": NS},
+                   "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
+                               "name": "tenant-reads"},
+                   "subjects": [{"kind": "User", "name": "tenant",
+                                 "apiGroup": "rbac.authorization.k8s.io"}]})
+    token = cluster.token_request(NS, "impersonator")
+    gate = opgate_factory(policies={"impersonation.yaml": IMPERSONATION_POLICY.format(ns=NS)},
+                          extra_args=["--token-file", setup.token_file])
+    as_tenant = {"Impersonate-User": "tenant"}
+    assert cluster.call("GET", CM, token=token).status == 403  # not the ServiceAccount itself
+    assert cluster.call("GET", CM, token=token, headers=as_tenant).status == 200
+    served = cluster.call("GET", CM, server=gate.url, token=token, headers=as_tenant)
+    assert served.status == 200, served.body
+    for server in (None, gate.url):
+        refused = cluster.call("GET", CM, server=server, token=token,
+                               headers={"Impersonate-User": "nobody"})
+        assert refused.status == 403, refused.body
+    message = status(refused)["message"]
+    assert message.startswith('opgate: user "nobody" (impersonated by '
+                              f'"system:serviceaccount:{NS}:impersonator") cannot list'), message

@@ -21,6 +21,7 @@ import jwt
 import pytest
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
+from multidict import CIMultiDict
 
 from proxy.engine import telemetry
 from proxy.engine.chain import settle
@@ -691,3 +692,46 @@ def test_a_cached_subject_access_review_is_for_the_same_uid_and_version(tmp_path
         assert run(check, ctx_for(policies, "GET", deployments.format(version), token(uid))) is None
     assert [(a["uid"], a["resourceAttributes"]["version"]) for a in auth.sar_attrs] == [
         ("uid-1", "v1"), ("uid-2", "v1"), ("uid-2", "v1beta1")]
+
+
+IMPERSONATING = """\
+apiVersion: opgate.dev/v1alpha1
+kind: Policy
+metadata: {name: impersonation}
+spec:
+  allowImpersonation: true
+"""
+
+
+@pytest.mark.parametrize("allowed", [True, False], ids=["allowed", "stripped"])
+def test_a_subject_access_review_asks_about_the_user_the_call_impersonates(
+        tmp_path: Path, allowed: bool) -> None:
+    """Where a policy lets Impersonate-* through, the apiserver authorizes the impersonated
+    user (after checking the caller may impersonate): the review asks about that user, not the
+    caller, who may well not list configmaps themselves (a 403 the apiserver never gives).
+    Where the headers are stripped, the call runs as the caller, and the review asks so."""
+    auth = FakeAuth()
+    docs = (policy(sar=True), IMPERSONATING) if allowed else (policy(sar=True),)
+    check, policies = IdentityCheck(authenticator=auth), policy_set(tmp_path, *docs)
+    ctx = ctx_for(policies, "GET", CM + "/c", sa_token())
+    ctx.headers = CIMultiDict([*ctx.headers.items(), ("Impersonate-User", "tenant"),
+                               ("Impersonate-Group", "tenants"), ("Impersonate-Uid", "u-7"),
+                               ("Impersonate-Extra-Scopes", "view")])
+    auth.sar = (False, "")
+    decision = run(check, ctx)
+    assert decision is not None
+    (attrs,) = auth.sar_attrs
+    caller = "system:serviceaccount:ops:op"
+    if allowed:
+        assert {k: attrs[k] for k in ("user", "uid", "groups", "extra")} == {
+            "user": "tenant", "uid": "u-7", "groups": ["tenants", "system:authenticated"],
+            "extra": {"scopes": ["view"]}}
+        assert body(decision)["message"].startswith(
+            f'opgate: user "tenant" (impersonated by "{caller}") cannot get')
+    else:
+        assert (attrs["user"], attrs["uid"]) == (caller, "uid-1") and "extra" not in attrs
+        assert body(decision)["message"].startswith(f'opgate: user "{caller}" cannot get')
+    # the caller's own call is another question than the impersonated user's (cached apart)
+    auth.sar = (True, "")
+    denied = run(check, ctx_for(policies, "GET", CM + "/c", sa_token()))
+    assert (denied is None, len(auth.sar_attrs)) == ((True, 2) if allowed else (False, 1))
