@@ -39,6 +39,7 @@ from redis.asyncio.sentinel import Sentinel
 from redis.backoff import NoBackoff
 from redis.credentials import CredentialProvider
 from redis.exceptions import AuthenticationError, RedisError, ResponseError
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from proxy.engine import telemetry
 from proxy.stores.base import (
@@ -116,8 +117,10 @@ def connect(url: str, *, password: str | None = None, password_file: str | None 
     """A redis-py asyncio client for ``url`` and whether it is a Cluster client.
 
     ``password`` is used when the URL carries none; read from ``password_file``, it is read
-    again for each new connection (:class:`FilePassword`). Clients never retry by themselves
-    (the breaker does), and every socket operation is bounded by ``timeout``.
+    again for each new connection (:class:`FilePassword`). A command whose connection turns out
+    closed is sent once more on a new one: after Redis restarts, every pooled connection is
+    dead, and failing a call on each would trip the breaker with Redis back. Nothing else is
+    retried (a timeout is the breaker's business), and each call is bounded by ``timeout``.
     """
     url, tls = _tls_options(url)
     parts = urlsplit(url)
@@ -126,7 +129,7 @@ def connect(url: str, *, password: str | None = None, password_file: str | None 
         **tls,
         "socket_timeout": timeout,
         "socket_connect_timeout": timeout,
-        "retry": Retry(NoBackoff(), 0),
+        "retry": Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
     }
     if password_file and parts.password is None:
         common["credential_provider"] = FilePassword(

@@ -321,3 +321,30 @@ def test_a_burst_of_first_calls_shares_a_bounded_pool(server: RedisServer) -> No
     failed, clients = run(burst())
     assert failed == []
     assert clients <= MAX_CONNECTIONS + 1  # (+1: another test's client may still be there)
+
+
+def test_connections_from_before_a_redis_restart_are_replaced_not_failed() -> None:
+    """Redis restarted (a pod rolled, a failover) while opgate idled: every pooled connection
+    is dead. The first call on each must reconnect and be decided, not fail: sixteen stale
+    connections tripped the breaker, and ``failure: closed`` rules answered 503 for a second
+    with Redis already back."""
+    from proxy.stores import build_store
+    from proxy.stores.redis import MAX_CONNECTIONS
+
+    async def go(server: RedisServer) -> tuple[list[Verdict], dict[str, object]]:
+        store = build_store(redis_url=server.url, timeout=0.5)
+        requests = [BucketRequest(key=f"restart-{i}", rate=1000, burst=1000, fail_open=False)
+                    for i in range(MAX_CONNECTIONS)]
+        try:
+            await asyncio.gather(*(store.acquire([q]) for q in requests))  # a full pool
+            server.restart()
+            answers = list(await asyncio.gather(*(store.acquire([q]) for q in requests)))
+            answers += [await store.acquire([q]) for q in requests]
+            return answers, store.health()
+        finally:
+            await store.close()
+
+    with RedisServer.launch() as server:
+        answers, health = run(go(server))
+    assert [a.backend for a in answers if a.backend != "redis" or not a.allowed] == []
+    assert (health["trips"], health["breaker"]) == (0, "closed"), health
