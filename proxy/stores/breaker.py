@@ -203,10 +203,13 @@ class ResilientStore:
 
     async def _run_probe(self) -> None:
         ping = getattr(self.primary, "ping", None)
+        error = ""
         try:
             ok = bool(await ping()) if ping is not None else True
+        except StoreUnavailable as exc:  # why, as a failed decision says it
+            ok, error = False, str(exc)
         except Exception as exc:  # a probe never takes anything down
-            ok, self.breaker.last_error = False, f"{type(exc).__name__}: {exc}"
+            ok, error = False, f"{type(exc).__name__}: {exc}"
         if ok:
             self.breaker.success()
             forget = getattr(self.primary, "forget", None)
@@ -216,7 +219,10 @@ class ResilientStore:
             log.warning("rate-limit store is back: deciding with Redis again")
         else:
             telemetry.REDIS_ERRORS.inc()
-            self.breaker.failure(self.breaker.last_error or "ping failed")
+            error = error or "ping failed"
+            if error != self.breaker.last_error:  # a new reason (refused, then a password)
+                log.warning("rate-limit store still unavailable, now: %s", error)
+            self.breaker.failure(error)
 
     def trip(self, error: str) -> None:
         """Open the circuit without waiting for calls to fail: a start-up probe found the store

@@ -351,18 +351,21 @@ class RedisStore:
                       self.timeout)
 
     async def ping(self) -> bool:
-        """Whether a decision would succeed now: the breaker's probe. Not a ``PING``, which a
-        Redis answers while it refuses every write (``maxmemory`` with ``noeviction``, a
-        read-only replica after a failover), so the circuit would close and trip again every
-        probe; one ``gcra.lua`` call that writes (cost 0 on a key of its own, expiring at
-        once), as decisions do, and also reloads the script if Redis lost it."""
+        """True when a decision would succeed now, else :class:`StoreUnavailable` saying why
+        (the breaker's probe: its reason is what ``/readyz`` shows, so a Redis back with
+        another password says so, not the refused connection that opened the circuit). Not
+        a ``PING``, which a Redis answers while it refuses every write (``maxmemory`` with
+        ``noeviction``, a read-only replica after a failover), so the circuit would close and
+        trip again every probe; one ``gcra.lua`` call that writes (cost 0 on a key of its
+        own, expiring at once), as decisions do, and also reloads the script if Redis lost
+        it. Not counted in ``opgate_redis_errors_total``: the breaker counts failed probes."""
         key = f"{self.prefix}{{probe}}:probe"
         try:
             async with asyncio.timeout(self.timeout):
                 await self._script(keys=[key], args=["", US, 1, 0, 0])
             return True
-        except (RedisError, OSError, TimeoutError):
-            return False
+        except (RedisError, OSError, TimeoutError) as exc:
+            raise StoreUnavailable(f"redis: {type(exc).__name__}: {exc}") from exc
 
     def health(self) -> dict[str, object]:
         return {"backend": self.backend, "url": self.url, "cluster": self.cluster,

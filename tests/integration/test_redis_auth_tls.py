@@ -165,3 +165,48 @@ def test_a_rotated_password_file_is_read_again(password_redis: int, tmp_path: Pa
             await store.close()
 
     asyncio.run(main())
+
+
+def test_a_redis_back_with_another_password_says_so(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Redis goes away (the circuit opens: connection refused), then comes back asking for a
+    password opgate does not have. /readyz and the log must say that, not the refused
+    connection of minutes ago: the fix is a Secret, not the network."""
+    import logging
+
+    caplog.set_level(logging.WARNING, logger="opgate.ratelimit.store")
+    port = free_port()
+    redis = _start(tmp_path, "--port", str(port))
+    deadline = time.monotonic() + 15
+    while not ping(port):
+        assert time.monotonic() < deadline, "redis-server did not answer"
+        time.sleep(0.05)
+
+    async def main() -> dict[str, Any]:
+        nonlocal redis
+        store: Any = build_store(redis_url=f"redis://127.0.0.1:{port}/0", timeout=0.5,
+                                 breaker_reset=0.1)
+        request = BucketRequest(key="moved", rate=1000.0, burst=1000, fail_open=False)
+        try:
+            assert (await store.acquire([request])).backend == "redis"
+            redis.stop(grace=0)
+            while store.health()["breaker"] == "closed":
+                await store.acquire([request])
+            assert "connecting to" in str(store.health()["last_error"]), store.health()
+            redis = _start(tmp_path, "--port", str(port), "--requirepass", PASSWORD)
+            deadline = time.monotonic() + 10
+            while "connecting to" in str(store.health()["last_error"]):
+                assert time.monotonic() < deadline, store.health()
+                await asyncio.sleep(0.05)
+            return store.health()
+        finally:
+            await store.close()
+
+    try:
+        health = asyncio.run(main())
+    finally:
+        redis.stop(grace=0)
+    assert health["breaker"] != "closed"
+    assert "NOAUTH" in str(health["last_error"]) or "Authentication" in str(
+        health["last_error"]), health
+    assert "Authentication" in caplog.text or "NOAUTH" in caplog.text, caplog.text
