@@ -245,7 +245,7 @@ class RateLimit:
         denied = [i for i, k in enumerate(verdict.keys) if not k.allowed]
         if all(rules[i].rule.on_exceed == "wait" for i in denied):
             return await self._wait(ctx, rules, requests, verdict, denied)
-        return self._reject(ctx, rules, verdict)
+        return self._reject(ctx, rules, requests, verdict)
 
     @staticmethod
     def _admit_held(ctx: RequestContext, b: BoundRule, held: Held) -> None:
@@ -273,7 +273,10 @@ class RateLimit:
         k = verdict.keys[index]
         ctx.response_headers.extend(_headers(rules[index].rule.burst, k.remaining, k.reset))
 
-    def _reject(self, ctx: RequestContext, rules: list[BoundRule], verdict: Verdict) -> Deny:
+    def _reject(self, ctx: RequestContext, rules: list[BoundRule],
+                requests: list[BucketRequest], verdict: Verdict) -> Deny:
+        """429 for the bucket that frees last, naming the rate it has: an instance's own
+        (``instanceAnnotation``) where it got one, which is what the caller ran into."""
         index = max(range(len(rules)), key=lambda i: (not verdict.keys[i].allowed,
                                                      verdict.keys[i].retry_after))
         b, k = rules[index], verdict.keys[index]
@@ -285,7 +288,7 @@ class RateLimit:
                   ctx.method, ctx.path, retry)
         status = too_many_requests(
             f'opgate: rate limit "{b.rule.name}" of policy "{b.policy}" ({b.where}) exceeded: '
-            f"{_num(b.rule.qps)} requests/s, burst {b.rule.burst}; retry after {retry}s",
+            f"{_num(requests[index].rate)} requests/s, burst {b.rule.burst}; retry after {retry}s",
             retry_after=retry, extra_headers=_headers(b.rule.burst, k.remaining, retry))
         return Deny(status, "throttled")
 
@@ -308,7 +311,8 @@ class RateLimit:
         qkey = requests[waiting_on[0]].key
         queue = self._queues.setdefault(qkey, deque())
         if len(queue) >= min(rules[i].rule.max_queue for i in waiting_on):
-            return self._reject(ctx, rules, verdict or _queued(requests, waiting_on, len(queue)))
+            return self._reject(ctx, rules, requests,
+                                verdict or _queued(requests, waiting_on, len(queue)))
         turn: asyncio.Future[None] = loop.create_future()
         queue.append(turn)
         if len(queue) == 1:
@@ -318,7 +322,8 @@ class RateLimit:
                 try:
                     await asyncio.wait_for(asyncio.shield(turn), max(0.0, deadline - loop.time()))
                 except TimeoutError:
-                    return self._reject(ctx, rules, _queued(requests, waiting_on, len(queue)))
+                    return self._reject(ctx, rules, requests,
+                                        _queued(requests, waiting_on, len(queue)))
                 verdict = None  # our turn: the earlier answer is stale
             if verdict is None:
                 verdict = await self._acquire(rules, requests)
@@ -326,7 +331,7 @@ class RateLimit:
                 if verdict.unavailable:
                     return self._unavailable(ctx, rules, verdict)
                 if loop.time() + verdict.retry_after > deadline:
-                    return self._reject(ctx, rules, verdict)
+                    return self._reject(ctx, rules, requests, verdict)
                 await asyncio.sleep(verdict.retry_after)
                 verdict = await self._acquire(rules, requests)
             self._admit(ctx, rules, verdict, "waited")
@@ -343,7 +348,8 @@ class RateLimit:
     async def _dryrun(
         self, ctx: RequestContext, rules: list[BoundRule], values: dict[str, str]
     ) -> None:
-        verdict = await self._acquire(rules, [self._bucket(b, values) for b in rules])
+        requests = [self._bucket(b, values) for b in rules]
+        verdict = await self._acquire(rules, requests)
         if verdict.allowed:
             self._admit(ctx, rules, verdict, "allowed")
             return
@@ -354,7 +360,7 @@ class RateLimit:
                      f'"{b.policy}" would answer 503 (dryrun)')
             return
         retry = max(1, math.ceil(verdict.retry_after))
-        for b, k in zip(rules, verdict.keys, strict=True):
+        for b, r, k in zip(rules, requests, verdict.keys, strict=True):
             if k.allowed:
                 continue
             telemetry.DRYRUN_DENIALS.labels("ratelimit").inc()
@@ -362,7 +368,7 @@ class RateLimit:
             log.info("dryrun: rate limit %s/%s would reject %s %s (retry after %ds)",
                      b.policy, b.rule.name, ctx.method, ctx.path, retry)
             ctx.warn(f'rate limit "{b.rule.name}" of policy "{b.policy}" would reject this call '
-                     f"(dryrun): {_num(b.rule.qps)} requests/s, burst {b.rule.burst}, "
+                     f"(dryrun): {_num(r.rate)} requests/s, burst {b.rule.burst}, "
                      f"retry after {retry}s")
 
 

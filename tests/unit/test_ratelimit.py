@@ -245,6 +245,33 @@ def test_instance_header_annotation_override_and_shards() -> None:
     assert [r.shard for r in seen] == ["alice"] * 6 + ["-"]
 
 
+@pytest.mark.parametrize("mode", ["enforce", "dryrun"])
+def test_a_429_names_the_qps_the_instance_got(mode: str) -> None:
+    """An instance annotated down to 0.5/s is throttled at 0.5/s: its 429 (or dryrun warning)
+    must say so, not the rule's 2/s, which the caller never reached."""
+    pset = policies("""
+- name: per-instance
+  key: "{instance}"
+  qps: 2
+  burst: 1
+  instanceAnnotation: opgate.dev/qps
+""", mode=mode)
+    overrides = MemoryInstanceOverrides()
+    overrides.set("a", "Widget", "slow", {"opgate.dev/qps": "0.5"})
+    mw, _ = make(overrides=overrides)
+    calls = [ctx_for(pset, headers={"Opgate-Instance": "a/Widget/slow"}) for _ in range(2)]
+    results = [asyncio.run(settle(mw.entry(c))) for c in calls]
+    if mode == "enforce":
+        denied = results[1]
+        assert isinstance(denied, Deny), results
+        text = denied.status.message
+        assert dict(denied.status.headers)["Retry-After"] == "2"
+    else:
+        assert results == [None, None]
+        text = " ".join(v for k, v in calls[1].response_headers if k == "Warning")
+    assert "0.5 requests/s" in text and "2 requests/s" not in text, text
+
+
 def test_instance_without_header_gets_its_own_qps() -> None:
     """The ownerReference of a JSON create, and the object itself, find the annotated qps."""
     pset = policies("""
