@@ -177,11 +177,16 @@ def gcra_step(
 
     Mirrors ``gcra.lua`` operation for operation (doubles holding integers, ``math.floor`` of a
     quotient). A stored TAT at or before ``now`` is a full bucket, which is why a Redis key may
-    expire as soon as its TAT has passed.
+    expire as soon as its TAT has passed. One more than ``burst`` intervals ahead is an empty
+    bucket: a debt run up at a lower qps (a reload, an instance's own qps raised) would
+    otherwise keep the caller waiting as long as the old rate needed to pay it off; on a
+    denial ``new_tat`` is then that cut TAT, which the store keeps (see :func:`decide`).
     """
     if tat < now:
         tat = now
     limit = burst * interval
+    if tat > now + limit:  # deeper than this bucket: its qps was raised (or burst lowered)
+        tat = now + limit  # since, so it is empty, and its next token comes at the new rate
     new_tat = tat + cost * interval
     allow_at = new_tat - limit
     if allow_at > now:
@@ -202,14 +207,18 @@ def decide(
 ) -> tuple[bool, list[tuple[bool, float, float, float, float]], dict[str, float]]:
     """All-or-nothing over ``requests`` against ``tats`` (missing key = full bucket).
 
-    Returns ``(allowed, per-key (allowed, granted, remaining, retry_us, reset_us), new tats)``;
-    the caller writes the new TATs only when allowed. A key named twice sees its first charge.
+    Returns ``(allowed, per-key (allowed, granted, remaining, retry_us, reset_us), writes)``;
+    the caller stores ``writes``: the charged TATs when allowed, else only the debts that
+    :func:`gcra_step` cut to a bucket's new depth (no charge). A key named twice sees its
+    first charge.
     """
     pending: dict[str, float] = {}
+    cut: dict[str, float] = {}
     results: list[tuple[bool, float, float, float, float]] = []
     allowed = True
     for r in requests:
-        tat = pending.get(r.key, tats.get(r.key, 0.0))
+        fresh = r.key not in pending
+        tat = tats.get(r.key, 0.0) if fresh else pending[r.key]
         ok, new_tat, granted, remaining, retry, reset = gcra_step(
             tat, now, interval=interval_us(r.rate), burst=r.burst, cost=r.cost, extra=r.extra
         )
@@ -218,7 +227,9 @@ def decide(
             pending[r.key] = new_tat
         else:
             allowed = False
-    return allowed, results, pending
+            if fresh and new_tat < tat:
+                cut[r.key] = new_tat
+    return allowed, results, pending if allowed else cut
 
 
 def verdict_from(

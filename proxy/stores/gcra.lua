@@ -8,7 +8,10 @@
 --
 -- Returns {allowed, then per key: allowed, granted, remaining, retry_us, reset_us}.
 -- Same arithmetic as proxy.stores.base.gcra_step. A key that is missing or whose TAT has passed
--- is a full bucket, so PEXPIRE at the TAT never changes an outcome.
+-- is a full bucket, so PEXPIRE at the TAT never changes an outcome. A TAT more than burst
+-- intervals ahead (a debt run up at a lower qps: a reload, an instance's own qps raised) is an
+-- empty bucket: it is cut to that depth and kept so even when the call is denied (nothing is
+-- charged), as base.decide does.
 
 if redis.replicate_commands then
   pcall(redis.replicate_commands)
@@ -24,6 +27,7 @@ else
 end
 
 local pending = {}
+local cut = {}
 local out = {1}
 local allowed = 1
 local n = #KEYS
@@ -36,14 +40,19 @@ for i = 1, n do
   local cost = tonumber(ARGV[base + 2])
   local extra = tonumber(ARGV[base + 3])
 
-  local tat = pending[key]
-  if tat == nil then
-    tat = tonumber(redis.call("GET", key) or "0") or 0
+  local fresh = pending[key] == nil
+  local stored = pending[key]
+  if fresh then
+    stored = tonumber(redis.call("GET", key) or "0") or 0
   end
+  local tat = stored
   if tat < now then
     tat = now
   end
   local limit = burst * interval
+  if tat > now + limit then
+    tat = now + limit
+  end
   local new_tat = tat + cost * interval
   local allow_at = new_tat - limit
   local base_out = 2 + (i - 1) * 5
@@ -53,6 +62,9 @@ for i = 1, n do
       remaining = 0
     end
     allowed = 0
+    if fresh and tat < stored then
+      cut[key] = tat
+    end
     out[base_out] = 0
     out[base_out + 1] = 0
     out[base_out + 2] = remaining
@@ -75,18 +87,20 @@ for i = 1, n do
 end
 
 out[1] = allowed
-if allowed == 1 then
-  for key, tat in pairs(pending) do
-    local ttl = math.ceil((tat - now) / 1000)
-    if ttl < 1 then
-      ttl = 1
-    end
-    if explicit then
-      -- test time runs apart from the server's clock, so a real expiry could come "early"
-      redis.call("SET", key, string.format("%.0f", tat))
-    else
-      redis.call("SET", key, string.format("%.0f", tat), "PX", ttl)
-    end
+local writes = pending
+if allowed == 0 then
+  writes = cut
+end
+for key, tat in pairs(writes) do
+  local ttl = math.ceil((tat - now) / 1000)
+  if ttl < 1 then
+    ttl = 1
+  end
+  if explicit then
+    -- test time runs apart from the server's clock, so a real expiry could come "early"
+    redis.call("SET", key, string.format("%.0f", tat))
+  else
+    redis.call("SET", key, string.format("%.0f", tat), "PX", ttl)
   end
 end
 return out

@@ -79,7 +79,9 @@ class LeasingStore:
         self.ahead = ahead  # refill leases ahead of demand (see the module's docstring)
         self._clock = clock
         self._leases: dict[str, _Lease] = {}
-        self._denied: dict[str, tuple[float, KeyVerdict]] = {}
+        # key -> (until, the denial, the rate and burst it was answered for: a reload that
+        # changes them is answered afresh, not by a Retry-After of the old rate)
+        self._denied: dict[str, tuple[float, KeyVerdict, float, int]] = {}
         self._inflight: dict[str, asyncio.Future[None]] = {}
         self._ahead: set[asyncio.Task[None]] = set()  # refills running ahead of demand
         self._next_sweep = 0.0
@@ -165,7 +167,7 @@ class LeasingStore:
         keys: list[KeyVerdict] = []
         for r in requests:
             entry = self._denied.get(r.key) if self._leased(r) else None
-            if entry is not None and entry[0] > now:
+            if entry is not None and entry[0] > now and entry[2:] == (r.rate, r.burst):
                 hit = True
                 keys.append(replace(entry[1], retry_after=entry[0] - now))
             else:
@@ -254,7 +256,7 @@ class LeasingStore:
             for r in asked:
                 answer = answers[r.key]
                 if self._leased(r) and not answer.allowed and answer.retry_after > 0:
-                    self._denied[r.key] = (now + answer.retry_after, answer)
+                    self._denied[r.key] = (now + answer.retry_after, answer, r.rate, r.burst)
             keys = tuple(answers.get(r.key, KeyVerdict(True, r.burst)) for r in requests)
             return replace(verdict, keys=keys)
         for r in asked:
@@ -267,7 +269,8 @@ class LeasingStore:
                     # retry-after the store would answer), so don't ask before then
                     wait = answer.reset - (r.burst - 1) * interval_us(r.rate) / US
                     if wait > 0:
-                        self._denied[r.key] = (now + wait, KeyVerdict(False, 0, wait, answer.reset))
+                        self._denied[r.key] = (now + wait, KeyVerdict(False, 0, wait, answer.reset),
+                                               r.rate, r.burst)
         keys = tuple(
             answers[r.key] if r.key in answers else self._lease_verdict(r, now) for r in requests
         )

@@ -58,19 +58,19 @@ class MemoryStore:
         at = self.now_us() if now is None else float(now)
         if len(requests) == 1:  # the common case: decide() and verdict_from() for one bucket
             r = requests[0]
+            stored = self._tats.get(r.key, 0.0)
             ok, tat, granted, remaining, retry, reset = gcra_step(
-                self._tats.get(r.key, 0.0), at, interval=interval_us(r.rate), burst=r.burst,
-                cost=r.cost, extra=r.extra)
-            if ok:
+                stored, at, interval=interval_us(r.rate), burst=r.burst, cost=r.cost,
+                extra=r.extra)
+            if ok or tat < stored:  # charged, or a debt cut to the bucket's depth (gcra_step)
                 self._tats[r.key] = tat
             if at >= self._next_sweep:
                 self._sweep(at)
             key = KeyVerdict(allowed=ok, remaining=int(remaining), retry_after=retry / US,
                              reset=reset / US, granted=int(granted) if ok else 0)
             return Verdict(allowed=ok, keys=(key,), backend=self.backend)
-        allowed, results, pending = decide(self._tats, requests, at)
-        if allowed:
-            self._tats.update(pending)
+        allowed, results, writes = decide(self._tats, requests, at)
+        self._tats.update(writes)
         if at >= self._next_sweep:
             self._sweep(at)
         return verdict_from(allowed, results, backend=self.backend)

@@ -65,6 +65,10 @@ TABLE = [  # (µs after T0, requests) — burst, refill, multi-key all-or-nothin
     (250_000, [r("d", 3, 2), r("d", 3, 2), r("d", 3, 2)]),
     (5_000_000, [r("a", 10, 3), r("b", 1, 5), r("c", 1000, 100, cost=7)]),
     (5_000_000, [r("e", 0.25, 1, cost=2)]),  # cost above burst never passes
+    # the qps raised (a reload, an instance's annotation): the old debt is no deeper than
+    # the new bucket, whose next token comes at the new rate
+    (6_000_000, [r("f", 0.1, 2)]), (6_000_000, [r("f", 0.1, 2)]), (6_000_000, [r("f", 0.1, 2)]),
+    (6_000_000, [r("f", 100, 100)]), (6_010_000, [r("f", 100, 100)]),
 ]
 
 
@@ -75,6 +79,7 @@ def test_lua_matches_in_process_table(server: RedisServer) -> None:
     allowed = [a.allowed for a, _ in results]
     assert allowed[:8] == [True, True, True, False, False, True, False, True]
     assert [results[i][0].keys[0].granted for i in (8, 9, 10)] == [40, 29, 14]  # half of the rest
+    assert allowed[-5:] == [True, True, False, False, True]
 
 
 def test_lua_matches_in_process_random(server: RedisServer) -> None:

@@ -402,6 +402,26 @@ def test_plan_is_rebuilt_only_for_a_new_policy_set() -> None:
     assert mw._plan is not plan
 
 
+def test_a_reload_raising_qps_lets_a_throttled_caller_on_at_the_new_rate() -> None:
+    """An operator throttled at 0.1/s (burst 5: 50 s of debt) gets its rule raised to 50/s:
+    it must be let on one token of the new rate after its first call under it, not after the
+    old debt has cleared (Retry-After: 50)."""
+    clock = Clock()
+    mw, _ = make(clock)
+    slow = policies("- {name: writes, qps: 0.1, burst: 5}")
+    results = [asyncio.run(settle(mw.entry(ctx_for(slow)))) for _ in range(6)]
+    assert results[:5] == [None] * 5 and isinstance(results[5], Deny)
+    assert dict(results[5].status.headers)["Retry-After"] == "10"
+    fast = policies("- {name: writes, qps: 50, burst: 50}")
+    denied = asyncio.run(settle(mw.entry(ctx_for(fast))))
+    assert isinstance(denied, Deny)  # an empty bucket at the new rate, not a full one …
+    assert dict(denied.status.headers)["Retry-After"] == "1"
+    assert "retry after 1s" in denied.status.message
+    clock.now += 0.02  # … whose next token comes 1/50 s later
+    assert asyncio.run(settle(mw.entry(ctx_for(fast)))) is None
+    assert isinstance(asyncio.run(settle(mw.entry(ctx_for(fast)))), Deny)
+
+
 def test_a_leased_token_is_taken_without_the_store_round_trip_and_answers_the_same() -> None:
     """With leasing, a call whose token this replica holds takes it synchronously
     (``take_local``): the same decisions, headers and store state as the full acquire."""

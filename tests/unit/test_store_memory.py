@@ -72,6 +72,11 @@ def test_burst_then_one_token_per_interval() -> None:
     (1300, 1000, 100, 3, -2, 0, (True, 1100, 0, 2, 0, 100)),
     # cost larger than burst can never pass
     (0, 1000, 100, 3, 4, 0, (False, 1000, 0, 3, 100, 0)),
+    # the rule's qps raised (or burst lowered) since: a debt deeper than this bucket holds is
+    # an empty bucket, whose next token comes at the new rate, not when the old debt clears
+    # (the store keeps that cut debt, denied or not: else the next token would stay one
+    # interval away from every call until the old debt cleared)
+    (1000 + 10 * 5000, 1000, 100, 3, 1, 0, (False, 1300, 0, 0, 100, 300)),
 ])
 def test_gcra_step_table(
     tat: float, now: float, interval: float, burst: int, cost: int, extra: int,
@@ -113,9 +118,8 @@ def test_one_bucket_decides_as_the_general_path() -> None:
         now += rnd.choice([0, 1, 50, 1000, 20_000, 400_000])
         r = req(rnd.choice("abc"), rate=rnd.choice([0.5, 3, 10, 1e4]), burst=rnd.randint(1, 6),
                 cost=rnd.randint(1, 2), extra=rnd.choice([0, 0, 3]))
-        allowed, results, pending = decide(tats, [r], now)
-        if allowed:
-            tats.update(pending)
+        allowed, results, writes = decide(tats, [r], now)
+        tats.update(writes)  # the charges, or a debt cut to a bucket's new depth
         assert store.acquire_now([r], now=now) == verdict_from(allowed, results, backend="local")
 
 
@@ -269,6 +273,23 @@ def test_leasing_caches_denials_until_retry_after() -> None:
     for _ in range(10):
         assert not run(store.acquire([req("c2", rate=1, burst=1, lease=True)])).allowed
     assert other.calls == 2
+
+
+def test_a_cached_denial_is_not_kept_for_a_bucket_whose_rate_changed() -> None:
+    """A policy reload raises the rule's qps: the denial this replica cached at the old rate
+    (its Retry-After 100 s away) must not answer for the new one."""
+    clock = Clock()
+    remote = Remote(clock)
+    store = LeasingStore(remote, clock=clock)
+    slow = req("r", rate=0.01, burst=1, lease=True)
+    assert run(store.acquire([slow])).allowed
+    assert not run(store.acquire([slow])).allowed  # cached: the next token is 100 s away
+    fast = req("r", rate=100, burst=100, lease=True)
+    denied = run(store.acquire([fast]))  # asked afresh: an empty bucket at the new rate
+    assert not denied.allowed and denied.retry_after == pytest.approx(0.01)
+    assert remote.calls == 2
+    clock.now += 0.01  # one token at the new rate
+    assert run(store.acquire([fast])).allowed
 
 
 def test_leasing_one_refill_in_flight_per_key() -> None:
