@@ -242,8 +242,8 @@ class RateLimit:
             return None
         if verdict.unavailable:
             return self._unavailable(ctx, rules, verdict)
-        denied = [i for i, k in enumerate(verdict.keys) if not k.allowed]
-        if all(rules[i].rule.on_exceed == "wait" for i in denied):
+        if _waits(rules, verdict):
+            denied = [i for i, k in enumerate(verdict.keys) if not k.allowed]
             return await self._wait(ctx, rules, requests, verdict, denied)
         return self._reject(ctx, rules, requests, verdict)
 
@@ -305,7 +305,8 @@ class RateLimit:
         self, ctx: RequestContext, rules: list[BoundRule], requests: list[BucketRequest],
         verdict: Verdict | None, waiting_on: list[int],
     ) -> Decision | None:
-        """Queue behind earlier waiters for the same bucket, then retry until ``maxWait``."""
+        """Queue behind earlier waiters for the same bucket, then retry until ``maxWait``, as
+        long as only ``wait`` rules deny (a ``reject`` rule that denies meanwhile: its 429)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + min(rules[i].rule.max_wait for i in waiting_on)
         qkey = requests[waiting_on[0]].key
@@ -330,7 +331,7 @@ class RateLimit:
             while not verdict.allowed:
                 if verdict.unavailable:
                     return self._unavailable(ctx, rules, verdict)
-                if loop.time() + verdict.retry_after > deadline:
+                if loop.time() + verdict.retry_after > deadline or not _waits(rules, verdict):
                     return self._reject(ctx, rules, requests, verdict)
                 await asyncio.sleep(verdict.retry_after)
                 verdict = await self._acquire(rules, requests)
@@ -370,6 +371,12 @@ class RateLimit:
             ctx.warn(f'rate limit "{b.rule.name}" of policy "{b.policy}" would reject this call '
                      f"(dryrun): {_num(r.rate)} requests/s, burst {b.rule.burst}, "
                      f"retry after {retry}s")
+
+
+def _waits(rules: list[BoundRule], verdict: Verdict) -> bool:
+    """Whether every rule that denies ``verdict`` says ``onExceed: wait`` (else: 429 now)."""
+    return all(b.rule.on_exceed == "wait"
+               for b, k in zip(rules, verdict.keys, strict=True) if not k.allowed)
 
 
 def _unreachable(rules: list[BoundRule]) -> Verdict:

@@ -346,6 +346,32 @@ def test_wait_mode_queues_fifo_then_rejects_past_max_wait() -> None:
     assert not mw._queues  # queues are dropped when empty
 
 
+def test_a_waiting_call_that_a_reject_rule_then_denies_is_rejected_at_once() -> None:
+    """Waiting is for the rules that say ``wait``: a call queued on its own bucket, which
+    then finds a shared ``onExceed: reject`` rule empty (another caller took its last token
+    meanwhile), gets that rule's 429 then, instead of waiting on for a rule that rejects."""
+    pset = policies("""
+- {name: per-user, key: "{user}", qps: 10, burst: 1, onExceed: wait, maxWait: 3s}
+- {name: shared, key: all, qps: 1, burst: 2}
+""")
+    mw, _ = make(clock=time.monotonic)  # type: ignore[arg-type]
+
+    async def go() -> tuple[Any, float]:
+        assert await settle(mw.entry(ctx_for(pset))) is None
+        start = time.monotonic()
+        waiting = asyncio.ensure_future(settle(mw.entry(ctx_for(pset))))
+        await asyncio.sleep(0)  # alice waits for her own bucket (100 ms) …
+        assert not waiting.done()
+        assert await settle(mw.entry(ctx_for(pset, user="bob"))) is None  # … bob empties shared
+        result = await waiting
+        return result, time.monotonic() - start
+
+    result, elapsed = asyncio.run(go())
+    assert isinstance(result, Deny) and result.status.code == 429, result
+    assert '"shared"' in result.status.message
+    assert elapsed < 0.5  # not the ~1 s until shared has a token again
+
+
 def test_wait_mode_bounded_queue() -> None:
     pset = policies("- {name: w, qps: 20, burst: 1, onExceed: wait, maxWait: 1s, maxQueue: 2}")
     mw, _ = make(clock=time.monotonic)  # type: ignore[arg-type]
