@@ -12,7 +12,8 @@ under-admission, bounded by the tokens a replica holds when it stops or when its
 second a key costs about two refills a second instead of one every few calls (at 50 calls/s, a
 0.1 s window meant a round trip for one call in five: ~6% more CPU per call and a higher p99,
 bench/README.md), and the caps above bound what it holds all the same. Refills run one at a
-time per key (others wait for it), and a denied key is answered locally until its Retry-After
+time per key (others wait for it, and fail with it when the store does: no call waits longer
+than one store timeout for its answer), and a denied key is answered locally until its Retry-After
 (and so is a key whose last token was just taken, until the next one is due), so a throttled
 hot key costs about one Redis call per admitted request and none for the requests it rejects.
 
@@ -41,6 +42,7 @@ from proxy.stores.base import (
     Reservation,
     Reserved,
     Store,
+    StoreUnavailable,
     Verdict,
     interval_us,
 )
@@ -82,7 +84,9 @@ class LeasingStore:
         # key -> (until, the denial, the rate and burst it was answered for: a reload that
         # changes them is answered afresh, not by a Retry-After of the old rate)
         self._denied: dict[str, tuple[float, KeyVerdict, float, int]] = {}
-        self._inflight: dict[str, asyncio.Future[None]] = {}
+        # key -> its refill in flight; the future's result is the refill's StoreUnavailable
+        # (None when it answered): who waited for it fails with it, not after a try of its own
+        self._inflight: dict[str, asyncio.Future[StoreUnavailable | None]] = {}
         self._ahead: set[asyncio.Task[None]] = set()  # refills running ahead of demand
         self._next_sweep = 0.0
         self.local_hits = 0
@@ -126,6 +130,10 @@ class LeasingStore:
                 if self._leased(r):
                     self._leases[r.key].hits -= 1
             await asyncio.wait([asyncio.shield(f) for f in busy])
+            for f in busy:  # the store failed it just now: each waiter trying in turn would
+                failed = f.result()  # wait one timeout per caller ahead of it
+                if failed is not None:
+                    raise StoreUnavailable(str(failed)) from failed
 
     def take_local(self, r: BucketRequest) -> Held | None:
         """A token this replica holds for one leased request, taken without a round trip:
@@ -226,7 +234,8 @@ class LeasingStore:
         remote: list[BucketRequest], now: float,
     ) -> Verdict:
         loop = asyncio.get_running_loop()
-        mine: dict[str, asyncio.Future[None]] = {}
+        mine: dict[str, asyncio.Future[StoreUnavailable | None]] = {}
+        failed: StoreUnavailable | None = None
         asked: list[BucketRequest] = []
         for r in remote:
             if self._leased(r):
@@ -236,13 +245,14 @@ class LeasingStore:
                 asked.append(r)
         try:
             verdict = await self.inner.acquire(asked)
-        except BaseException:
+        except BaseException as exc:  # (a cancelled caller's waiters go on and ask themselves)
             self._unreserve(requests, local)
+            failed = exc if isinstance(exc, StoreUnavailable) else None
             raise
         finally:
             for key, future in mine.items():
                 del self._inflight[key]
-                future.set_result(None)
+                future.set_result(failed)
         return self._merge(requests, local, asked, verdict)
 
     def _merge(
@@ -294,17 +304,21 @@ class LeasingStore:
         self._ahead.add(task)
         task.add_done_callback(self._ahead.discard)
 
-    async def _run_ahead(self, ask: BucketRequest, done: asyncio.Future[None]) -> None:
+    async def _run_ahead(
+        self, ask: BucketRequest, done: asyncio.Future[StoreUnavailable | None]
+    ) -> None:
         answer: KeyVerdict | None = None
+        failed: StoreUnavailable | None = None
         try:
             verdict = await self.inner.acquire([ask])
             answer = verdict.keys[0] if verdict.allowed else None
-        except Exception as exc:  # the next call that needs a token asks (and feeds the breaker)
-            log.debug("refill ahead of %s failed: %s", ask.key, exc)
+        except Exception as exc:  # the calls that waited for it fail (and feed the breaker);
+            log.debug("refill ahead of %s failed: %s", ask.key, exc)  # the next one asks
+            failed = exc if isinstance(exc, StoreUnavailable) else None
         finally:
             if self._inflight.get(ask.key) is done:
                 del self._inflight[ask.key]
-            done.set_result(None)
+            done.set_result(failed)
         lease = self._leases.get(ask.key)
         if lease is None:  # forgotten meanwhile (an outage ended): what was granted lapses
             return

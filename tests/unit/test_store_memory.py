@@ -308,6 +308,43 @@ def test_leasing_one_refill_in_flight_per_key() -> None:
     assert all(len(call) == 1 for call in remote.seen)
 
 
+@pytest.mark.parametrize("ahead", [False, True])
+def test_calls_waiting_on_a_refill_that_fails_fail_with_it(ahead: bool) -> None:
+    """Redis stalls (every call times out) while 20 calls want a hot leased key: the ones
+    waiting for the refill in flight (in line, or ahead of demand) fail when it does, instead
+    of each trying Redis in turn after it: the last one waited 20 timeouts (2.5 s behind a
+    50 ms --redis-timeout) for its 503."""
+    import time
+
+    clock = Clock()
+    remote = Remote(clock)
+    store = LeasingStore(remote, clock=clock)
+    key = req("k", rate=100, burst=100, lease=True)
+
+    async def go() -> tuple[list[object], float]:
+        if ahead:  # 100 calls/s for half a second: this replica leases tokens
+            for _ in range(50):
+                clock.now += 0.01
+                assert (await store.acquire([key])).allowed
+                await asyncio.sleep(0)
+            assert store._leases["k"].tokens > 0
+        remote.failing, remote.delay = True, 0.05
+        if ahead:  # the calls that leave the lease low start a refill ahead, which stalls
+            while "k" not in store._inflight:
+                assert store.take_local(key) is not None
+            while store.take_local(key) is not None:  # and the lease runs dry meanwhile
+                pass
+        calls_before, start = remote.calls, time.monotonic()
+        answers = await asyncio.gather(*(store.acquire([key]) for _ in range(20)),
+                                       return_exceptions=True)
+        return [remote.calls - calls_before, *answers], time.monotonic() - start
+
+    (calls, *answers), elapsed = run(go())
+    assert all(isinstance(a, StoreUnavailable) for a in answers), answers
+    assert calls == 1  # the refill they all waited for
+    assert elapsed < 0.05 * 4  # one timeout, not one each
+
+
 def test_non_leased_requests_go_straight_through() -> None:
     clock = Clock()
     remote = Remote(clock)
