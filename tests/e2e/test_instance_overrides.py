@@ -6,7 +6,8 @@ bounded by maxQps), the other at 1/s; a changed annotation is followed within se
 opgate's watch, and the apiserver's own request counters show that opgate never GETs (nor
 relists) a Widget while serving those calls. A ConfigMap created with a controller
 ownerReference and no header counts against its Widget's bucket, and so does a call for the
-Widget itself.
+Widget itself. A throttled Widget whose annotation is raised goes on at its new rate at once
+(not when the debt of the old rate has cleared), and its deletion restores the rule's qps.
 """
 
 from __future__ import annotations
@@ -55,7 +56,8 @@ def gate(cluster: LocalCluster, opgate_factory: Callable[..., Opgate],
          tmp_path_factory: pytest.TempPathFactory) -> Iterator[Opgate]:
     cluster.install_crd((REPO / "examples" / "reconciler" / "widget-crd.yaml").read_text())
     cluster.create_namespace(NAMESPACE)
-    for name, notes in (("fast", {ANNOTATION: "20"}), ("slow", {}), ("owner", {})):
+    for name, notes in (("fast", {ANNOTATION: "20"}), ("slow", {}), ("owner", {}),
+                        ("raised", {ANNOTATION: "0.1"})):
         cluster.apply({"apiVersion": "demo.opgate.dev/v1", "kind": "Widget",
                        "metadata": {"name": name, "namespace": NAMESPACE,
                                     "annotations": notes},
@@ -153,6 +155,32 @@ def test_annotation_sets_the_instance_rate_and_follows_changes_without_gets(
     calls = fast_admitted + slow_admitted + lowered
     assert after.get("GET", 0) == before.get("GET", 0), (before, after, calls)
     assert after.get("LIST", 0) == before.get("LIST", 0), (before, after)
+
+
+def test_a_throttled_instance_whose_qps_is_raised_is_let_on_and_its_deletion_restores_the_rule(
+    cluster: LocalCluster, gate: Opgate,
+) -> None:
+    """A Widget at 0.1/s has used its token (the next is 10 s away); its owner raises the
+    annotation to 10: calls must go on at the new rate within a couple of seconds, not once
+    the 10 s debt of the old rate has cleared. Deleting the Widget restores the rule's 1/s."""
+    client = Client(cluster, gate)
+    raised = f"{NAMESPACE}/Widget/raised"
+    client.until(lambda n: n == 0, instance=raised, timeout=30)  # watched: 0.1/s applies
+    deadline = time.monotonic() + 15
+    while client.call("GET", CONFIGMAPS + "?limit=1", instance=raised)[0] != 200:
+        assert time.monotonic() < deadline, gate.log_tail()
+        time.sleep(0.2)
+    code, status = client.call("GET", CONFIGMAPS + "?limit=1", instance=raised)
+    assert code == 429 and status["details"]["retryAfterSeconds"] >= 9, status
+
+    cluster.call("PATCH", f"{WIDGETS}/raised",
+                 body={"metadata": {"annotations": {ANNOTATION: "10"}}},
+                 content_type="application/merge-patch+json").ok()
+    client.until(lambda n: n >= 5, instance=raised, timeout=5)
+
+    cluster.call("DELETE", f"{WIDGETS}/raised").ok()
+    client.until(lambda n: n <= 2, instance=raised, timeout=10)  # the rule's plain 1/s
+    assert 1 <= client.admitted(2.0, instance=raised) <= 4
 
 
 def test_owner_reference_and_the_object_itself_count_against_the_widget(
