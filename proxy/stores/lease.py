@@ -13,9 +13,10 @@ second a key costs about two refills a second instead of one every few calls (at
 0.1 s window meant a round trip for one call in five: ~6% more CPU per call and a higher p99,
 bench/README.md), and the caps above bound what it holds all the same. Refills run one at a
 time per key (others wait for it, and fail with it when the store does: no call waits longer
-than one store timeout for its answer), and a denied key is answered locally until its Retry-After
-(and so is a key whose last token was just taken, until the next one is due), so a throttled
-hot key costs about one Redis call per admitted request and none for the requests it rejects.
+than one store timeout for its answer), and a denied key is answered locally until its
+Retry-After (and so is a key whose last token was just taken, until the next one is due), so a
+throttled hot key costs about one Redis call per admitted request and none for the requests it
+rejects.
 
 A lease is refilled ahead: when a call leaves it a quarter or less of what its last refill
 gave, a refill for the key runs in the background (one at a time per key, like every refill)
