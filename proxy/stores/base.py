@@ -177,7 +177,7 @@ def gcra_step(
 
     Mirrors ``gcra.lua`` operation for operation (doubles holding integers, ``math.floor`` of a
     quotient). A stored TAT at or before ``now`` is a full bucket, which is why a Redis key may
-    expire as soon as its TAT has passed. One more than ``burst`` intervals ahead is an empty
+    expire as soon as its TAT has passed. A TAT more than ``burst`` intervals ahead is an empty
     bucket: a debt run up at a lower qps (a reload, an instance's own qps raised) would
     otherwise keep the caller waiting as long as the old rate needed to pay it off; on a
     denial ``new_tat`` is then that cut TAT, which the store keeps (see :func:`decide`).
