@@ -34,19 +34,31 @@ _PLACEHOLDER = re.compile(r"\{([^{}]*)\}")
 _NAME = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?")
 
 
+_JOIN = "|"  # the text between two placeholders the template writes side by side
+
+
 @dataclass(frozen=True, slots=True)
 class KeyTemplate:
-    """``"{user}/{instance}"`` split into literal text and placeholders, validated at load."""
+    """``"{user}/{instance}"`` split into literal text and placeholders, validated at load.
+
+    A rendered key names one bucket, so two calls share it only when their values are the
+    same: each value is written with the template's own text characters (and ``%``)
+    percent-encoded, and placeholders side by side get ``|`` between them, so
+    ``{namespace}-{name}`` keeps ``a-b``/``c`` and ``a``/``b-c`` apart (``a%2Db-c``,
+    ``a-b%2Dc``), and ``{user}/{instance}`` a user name holding a ``/`` apart from another's
+    instance."""
 
     text: str
     pieces: tuple[tuple[str, str], ...]  # (literal, placeholder or "")
+    escape: dict[int, str] = field(default_factory=dict, compare=False)  # for str.translate
 
     @property
     def fields(self) -> frozenset[str]:
         return frozenset(p for _, p in self.pieces if p)
 
     def render(self, values: dict[str, str]) -> str:
-        return "".join(lit + (values[p] if p else "") for lit, p in self.pieces)
+        escape = self.escape
+        return "".join(lit + (values[p].translate(escape) if p else "") for lit, p in self.pieces)
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,7 +99,12 @@ def parse_key(text: str, node: Located, what: str, errors: list[PolicyError]) ->
         errors.append(node.error(f'{what}: unbalanced brace in key template "{text}"'))
     if tail:
         pieces.append((tail, ""))
-    return KeyTemplate(text, tuple(pieces))
+    for i in range(1, len(pieces)):  # (see KeyTemplate: a value must end where the next starts)
+        if not pieces[i][0] and pieces[i][1] and pieces[i - 1][1]:
+            pieces[i] = (_JOIN, pieces[i][1])
+    special = {"%", *"".join(literal for literal, _ in pieces)}
+    escape = {ord(c): "".join(f"%{b:02X}" for b in c.encode()) for c in special}
+    return KeyTemplate(text, tuple(pieces), escape)
 
 
 def parse_rule(node: Located, what: str, errors: list[PolicyError]) -> RateLimitRule | None:

@@ -198,6 +198,27 @@ def test_key_template_separates_buckets() -> None:
     assert sorted(store._tats) == ["op/per-ns/a/configmaps", "op/per-ns/a/pods", "op/per-ns/b/pods"]
 
 
+@pytest.mark.parametrize(("key", "calls"), [
+    # a namespace and a name are DNS names: both may hold the template's "-"
+    ("{namespace}-{name}", [("alice", "a-b", "c"), ("alice", "a", "b-c")]),
+    # placeholders side by side: the same text, split in two places
+    ("{namespace}{name}", [("alice", "ab", "c"), ("alice", "a", "bc")]),
+    # a user name (an OIDC issuer's, a ServiceAccount's) and an object's name may hold "."
+    ("{user}.{name}", [("bob.smith", "ns", "x"), ("bob", "ns", "smith.x")]),
+], ids=["dash", "side-by-side", "dot"])
+def test_calls_that_differ_never_share_a_bucket(
+        key: str, calls: list[tuple[str, str, str]]) -> None:
+    """A bucket is one caller's (or object's): two calls whose values differ get two buckets,
+    whatever characters the values hold. They shared one when a value held the template's own
+    text ("a-b"+"c" and "a"+"b-c" both rendered "a-b-c"): one caller spent another's tokens."""
+    pset = policies(f"- {{name: k, key: '{key}', qps: 1, burst: 1}}")
+    mw, store = make()
+    for user, namespace, name in calls:
+        ctx = ctx_for(pset, path=f"/api/v1/namespaces/{namespace}/pods/{name}", user=user)
+        assert asyncio.run(settle(mw.entry(ctx))) is None, (user, namespace, name)
+    assert len(store._tats) == 2
+
+
 class Recording(MemoryStore):
     def __init__(self) -> None:
         super().__init__(clock=Clock())
@@ -234,11 +255,11 @@ def test_instance_header_annotation_override_and_shards() -> None:
     asyncio.run(settle(mw.entry(ctx_for(pset, user=""))))
     seen = [call[0] for call in store.seen]
     assert [(r.key, r.rate) for r in seen] == [
-        ("op/per-instance/alice/a/Widget/slow", 0.5),
-        ("op/per-instance/alice/a/Widget/greedy", 5.0),  # bounded by maxQps
-        ("op/per-instance/alice/a/Widget/bad", 2.0),
-        ("op/per-instance/alice/a/Widget/tiny", 2.0),  # ignored, as "fast" is
-        ("op/per-instance/alice/a/Widget/none", 2.0),
+        ("op/per-instance/alice/a%2FWidget%2Fslow", 0.5),
+        ("op/per-instance/alice/a%2FWidget%2Fgreedy", 5.0),  # bounded by maxQps
+        ("op/per-instance/alice/a%2FWidget%2Fbad", 2.0),
+        ("op/per-instance/alice/a%2FWidget%2Ftiny", 2.0),  # ignored, as "fast" is
+        ("op/per-instance/alice/a%2FWidget%2Fnone", 2.0),
         ("op/per-instance/alice/-", 2.0),
         ("op/per-instance/-/-", 2.0),
     ]
