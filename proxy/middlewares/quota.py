@@ -14,7 +14,12 @@ the call gets the 403 the apiserver's ResourceQuota admission would send, word f
     used: count/configmaps=5, limited: count/configmaps=5
 
 naming the policy entry's quota (its ``name``, else the policy's ``metadata.name``) or the
-aligned quota whose limit is smaller. The object's name is the body's ``metadata.name``, JSON
+aligned quota whose limit is smaller. Pods are counted as the apiserver's pod evaluator counts
+them: ``count/pods`` (and an entry's own ``max``, an object count) every pod, the legacy ``pods``
+only those not Succeeded or Failed (:meth:`QuotaCounts.finished`); the admit-and-reserve is
+still one store call, against the limits in ``count/pods`` terms (a ``pods`` limit plus the
+finished pods), so a create reserves room in both, and a denial prints each key's own used
+(``used: count/pods=3,pods=2``). The object's name is the body's ``metadata.name``, JSON
 or protobuf (the body is read only for such creates: :meth:`Quota.wants_body`); with
 ``generateName`` the name is generated as the apiserver does (the prefix and five random
 characters); a body in another encoding (CBOR) leaves it out (``configmaps is forbidden: …``).
@@ -78,6 +83,7 @@ from proxy.middlewares.quota_spec import (
     bind_quotas,
     count_key,
     legacy_key,
+    live_key,
     parse_section,
     qualified,
 )
@@ -99,6 +105,9 @@ LINGER_SECONDS = 5.0  # and this long after this replica's watch showed the obje
 
 AlignedQuota = tuple[str, str, Mapping[str, int]]
 """``(kind, name, hard)``: a ResourceQuota or ClusterResourceQuota and its count limits."""
+Shift = Mapping[str, int]
+"""Per key of an aligned quota, what it counts besides the namespace's objects and reservations
+(a ClusterResourceQuota's other namespaces; less the finished pods, for ``pods``)."""
 UsageCallback = Callable[[str, str, str, int], None]
 """``(group, resource, namespace, count)``: a watched count changed."""
 
@@ -141,6 +150,15 @@ class QuotaCounts(Protocol):
         selects (its limit is for all of them together)."""
         ...
 
+    def finished(self, group: str, resource: str, namespace: str) -> int:
+        """Objects of ``observed`` at their end of life, which :func:`live_key` does not count:
+        pods Succeeded or Failed (0 for other resources)."""
+        ...
+
+    def finished_beyond(self, group: str, resource: str, namespace: str, quota: str) -> int:
+        """:meth:`finished` in the other namespaces ClusterResourceQuota ``quota`` selects."""
+        ...
+
     def expect(self, group: str, resource: str, namespace: str, name: str, generate_name: str,
                token: str, on_seen: Callable[[], None] | None = None) -> object:
         """Wait for the object of an admitted create; ``on_seen`` runs when it appears."""
@@ -179,44 +197,49 @@ def _limit_text(hard: int) -> str:
     return getattr(hard, "text", "") or format_count(hard)
 
 
-def _pairs(items: Sequence[tuple[str, int]], value: Callable[[int], str]) -> str:
-    return ",".join(f"{key}={value(hard)}" for key, hard in items)
+Exceeded = tuple[str, int, int]
+"""``(key, hard, used)``: one limit a create exceeds, and what that key counts."""
 
 
 def denial_message(group: str, resource: str, name: str, quota: str,
-                   exceeded: Sequence[tuple[str, int]], used: int) -> str:
-    """The apiserver's ResourceQuota admission message (``exceeded`` sorted by key)."""
+                   exceeded: Sequence[Exceeded]) -> str:
+    """The apiserver's ResourceQuota admission message (``exceeded`` sorted by key; each key
+    with its own used, as the quota's status holds them: ``count/pods=3,pods=2``)."""
     what = qualified(group, resource)
     subject = f'{what} "{name}"' if name else what
-    return (f"{subject} is forbidden: exceeded quota: {quota}, "
-            f"requested: {_pairs(exceeded, lambda _h: '1')}, "
-            f"used: {_pairs(exceeded, lambda _h: format_count(used))}, "
-            f"limited: {_pairs(exceeded, _limit_text)}")
+    requested = ",".join(f"{key}=1" for key, _, _ in exceeded)
+    used = ",".join(f"{key}={format_count(count)}" for key, _, count in exceeded)
+    limited = ",".join(f"{key}={_limit_text(hard)}" for key, hard, _ in exceeded)
+    return (f"{subject} is forbidden: exceeded quota: {quota}, requested: {requested}, "
+            f"used: {used}, limited: {limited}")
 
 
 def exceeded_limit(
     b: BoundQuota, group: str, resource: str, used: int, aligned: Sequence[AlignedQuota],
-    beyond: Sequence[int] = (),
-) -> tuple[str, list[tuple[str, int]], int] | None:
-    """``(quota name, [(key, hard)], its used)`` of the smallest limit that one more object
-    exceeds (the entry's own ``max`` on a tie), or ``None`` when the create fits. ``beyond[i]``
-    is what ``aligned[i]`` counts outside the namespace (a ClusterResourceQuota's other
-    namespaces): it takes room here, and the quota's "used" is the sum, as OpenShift says it."""
+    shifts: Sequence[Shift] = (),
+) -> tuple[str, list[Exceeded]] | None:
+    """``(quota name, [(key, hard, used)])`` of the smallest limit that one more object exceeds
+    (the entry's own ``max`` on a tie), or ``None`` when the create fits. ``used`` is the
+    namespace's objects and reservations; ``shifts[i]`` what each key of ``aligned[i]`` counts
+    besides (a ClusterResourceQuota's other namespaces take room here, and its "used" is the
+    sum, as OpenShift says it; ``pods`` leaves the finished pods out)."""
     keys = _keys(group, resource)
-    found: list[tuple[int, int, str, list[tuple[str, int]], int]] = []
+    found: list[tuple[int, int, str, list[Exceeded]]] = []
     if b.rule.max is not None and used + 1 > b.rule.max:
-        found.append((b.rule.max, 0, b.quota_name, [(keys[0], b.rule.max)], used))
+        found.append((b.rule.max, 0, b.quota_name, [(keys[0], b.rule.max, used)]))
     for order, (kind, name, hard) in enumerate(aligned, start=1):
         if kind not in b.rule.align_with:
             continue
-        total = used + (beyond[order - 1] if order <= len(beyond) else 0)
-        over = sorted((k, hard[k]) for k in keys if k in hard and total + 1 > hard[k])
+        shift = shifts[order - 1] if order <= len(shifts) else {}
+        counted = {k: used + shift.get(k, 0) for k in keys if k in hard}
+        over = sorted((k, hard[k], n) for k, n in counted.items() if n + 1 > hard[k])
         if over:
-            found.append((min(h for _, h in over) - (total - used), order, name, over, total))
+            room = min(h - shift.get(k, 0) for k, h, _ in over)
+            found.append((room, order, name, over))
     if not found:
         return None
-    _, _, name, over, shown = min(found, key=lambda f: (f[0], f[1]))
-    return name, over, shown
+    _, _, name, over = min(found, key=lambda f: (f[0], f[1]))
+    return name, over
 
 
 def _keys(group: str, resource: str) -> list[str]:
@@ -277,16 +300,18 @@ def _outcome(code: int, apply: bool = False) -> bool | None:
 
 
 def effective_limit(b: BoundQuota, group: str, resource: str,
-                    aligned: Sequence[AlignedQuota], beyond: Sequence[int] = ()) -> int | None:
-    """The most objects an entry lets the namespace hold (its ``max``, and its aligned quotas'
-    hard counts less what they count elsewhere, ``beyond``); ``None`` when nothing limits it
-    here. ``exceeded_limit`` names the one a create exceeds."""
+                    aligned: Sequence[AlignedQuota], shifts: Sequence[Shift] = ()) -> int | None:
+    """The most objects (and reservations) an entry lets the namespace hold: its ``max``, and
+    its aligned quotas' hard counts less what each key counts besides (``shifts``, as for
+    :func:`exceeded_limit`: a ``pods`` limit leaves room for the finished pods, which it does
+    not count); ``None`` when nothing limits it here. One number, so a pod create reserves
+    room in both pod counts in one store call."""
     keys = _keys(group, resource)
     limits = [b.rule.max] if b.rule.max is not None else []
     for i, (kind, _name, hard) in enumerate(aligned):
         if kind in b.rule.align_with:
-            elsewhere = beyond[i] if i < len(beyond) else 0
-            limits.extend(max(0, hard[k] - elsewhere) for k in keys if k in hard)
+            shift = shifts[i] if i < len(shifts) else {}
+            limits.extend(max(0, hard[k] - shift.get(k, 0)) for k in keys if k in hard)
     return min(limits) if limits else None
 
 
@@ -400,11 +425,10 @@ class Quota:
         if observed is None or not checked:
             return None
         aligned = aligned or ()
-        beyond = [self.counts.beyond(group, resource, namespace, name)
-                  if kind == CLUSTER_RESOURCE_QUOTA else 0 for kind, name, _hard in aligned]
+        shifts = self._shifts(group, resource, namespace, aligned)
         enforced = [b for b in checked if not b.dryrun]
         limits = [x for b in enforced
-                  if (x := effective_limit(b, group, resource, aligned, beyond)) is not None]
+                  if (x := effective_limit(b, group, resource, aligned, shifts)) is not None]
         names = (info.name, "") if apply else _body_name(ctx)
         token = secrets.token_hex(8)
         scope = f"{group}/{resource}/{namespace}"
@@ -420,13 +444,12 @@ class Quota:
                 f'"{b.policy}" ({b.where}) fails closed; retry later'), "unavailable")
         used = reserved.used
         for b in checked:
-            over = exceeded_limit(b, group, resource, used, aligned, beyond)
+            over = exceeded_limit(b, group, resource, used, aligned, shifts)
             if over is None:
                 continue
             name = names[0] or info.name or (
                 generate_name(names[1], self._rng) if names[1] else "")
-            quota_name, keys, shown = over
-            message = denial_message(group, resource, name, quota_name, keys, shown)
+            message = denial_message(group, resource, name, *over)
             if b.dryrun:
                 telemetry.DRYRUN_DENIALS.labels("quota").inc()
                 log.info("dryrun: quota %s of policy %s would deny %s: %s", b.quota_name,
@@ -455,6 +478,31 @@ class Quota:
                                           token, seen)
             ctx.state[STATE_KEY] = _Held(scope, member, expected, apply)
         return None
+
+    def _shifts(self, group: str, resource: str, namespace: str,
+                aligned: Sequence[AlignedQuota]) -> list[Shift]:
+        """Per aligned quota, what each key counts besides the namespace's objects and
+        reservations (see :func:`exceeded_limit`). ``count/…`` and the legacy names count
+        every object; ``pods`` not those Succeeded or Failed, here and in a
+        ClusterResourceQuota's other namespaces (asked only of a quota with that key)."""
+        if not aligned:
+            return []
+        keys = _keys(group, resource)
+        live = live_key(group, resource)
+        finished: int | None = None
+        shifts: list[Shift] = []
+        for kind, name, hard in aligned:
+            crq = kind == CLUSTER_RESOURCE_QUOTA
+            elsewhere = self.counts.beyond(group, resource, namespace, name) if crq else 0
+            shift = dict.fromkeys(keys, elsewhere)
+            if live is not None and live in hard:
+                if finished is None:
+                    finished = self.counts.finished(group, resource, namespace)
+                gone = finished + (self.counts.finished_beyond(group, resource, namespace, name)
+                                   if crq else 0)
+                shift[live] = elsewhere - gone
+            shifts.append(shift)
+        return shifts
 
     def exit(self, ctx: RequestContext) -> Maybe[None]:
         state = ctx.state
@@ -493,6 +541,7 @@ class MemoryQuotaCounts:
 
     def __init__(self) -> None:
         self.names: dict[tuple[str, str, str], set[str]] = {}
+        self.ended: dict[tuple[str, str, str], set[str]] = {}
         self.recent: dict[tuple[str, str, str], list[str]] = {}
         self.quotas: list[tuple[str, str, frozenset[str] | None, dict[str, int]]] = []
         self.expected: dict[int, tuple[tuple[str, str, str], str, str, str,
@@ -522,6 +571,10 @@ class MemoryQuotaCounts:
                 if on_seen is not None:
                     on_seen()
                 break
+
+    def finish(self, group: str, resource: str, namespace: str, name: str) -> None:
+        """An object reached its end of life (a pod Succeeded): still there, not ``live``."""
+        self.ended.setdefault((group, resource, namespace), set()).add(name)
 
     def unsync(self, group: str, resource: str) -> None:
         self.unsynced.add((group, resource))
@@ -561,6 +614,16 @@ class MemoryQuotaCounts:
 
     def beyond(self, group: str, resource: str, namespace: str, quota: str) -> int:
         return sum(len(self.names.get((group, resource, ns), ()))
+                   for kind, name, where, _hard in self.quotas
+                   if kind == CLUSTER_RESOURCE_QUOTA and name == quota and where is not None
+                   for ns in where if ns != namespace)
+
+    def finished(self, group: str, resource: str, namespace: str) -> int:
+        key = (group, resource, namespace)
+        return len(self.ended.get(key, set()) & self.names.get(key, set()))
+
+    def finished_beyond(self, group: str, resource: str, namespace: str, quota: str) -> int:
+        return sum(self.finished(group, resource, ns)
                    for kind, name, where, _hard in self.quotas
                    if kind == CLUSTER_RESOURCE_QUOTA and name == quota and where is not None
                    for ns in where if ns != namespace)

@@ -19,7 +19,9 @@ names something: the entry then only mirrors the cluster's own quotas (opgate de
 apiserver would, with the same words). The count's name is the apiserver's
 ``count/<resource>[.<group>]``; for core resources ResourceQuota's legacy names (``configmaps``,
 ``secrets``, ``pods``, ``services``, ``replicationcontrollers``, ``resourcequotas``,
-``persistentvolumeclaims``) are read from aligned quotas too.
+``persistentvolumeclaims``) are read from aligned quotas too. ``count/pods`` counts every pod
+the apiserver stores; the legacy ``pods`` (:func:`live_key`) only those not Succeeded or Failed,
+as the apiserver's pod evaluator counts it.
 """
 
 from __future__ import annotations
@@ -33,8 +35,8 @@ from proxy.engine.match import Patterns
 from proxy.engine.schema import Fields, Located, PolicyError, sequence
 
 __all__ = ["ALIGN_KINDS", "CLUSTER_RESOURCE_QUOTA", "LEGACY_COUNTS", "RESOURCE_QUOTA", "SECTION",
-           "BoundQuota", "QuotaRule", "bind_quotas", "count_key", "legacy_key", "parse_section",
-           "qualified"]
+           "BoundQuota", "QuotaRule", "bind_quotas", "count_key", "legacy_key", "live_key",
+           "parse_section", "qualified"]
 
 SECTION = "quotas"
 RESOURCE_QUOTA = "ResourceQuota"
@@ -62,6 +64,12 @@ def count_key(group: str, resource: str) -> str:
 def legacy_key(group: str, resource: str) -> str | None:
     """The bare name a ResourceQuota may use for the same count (core resources only)."""
     return resource if not group and resource in LEGACY_COUNTS else None
+
+
+def live_key(group: str, resource: str) -> str | None:
+    """The legacy name that counts only the objects not at their end of life: ``pods``, which
+    leaves out pods in a terminal phase (``count/pods`` counts every pod in storage)."""
+    return "pods" if not group and resource == "pods" else None
 
 
 @dataclass(frozen=True, slots=True)

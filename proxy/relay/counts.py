@@ -3,7 +3,9 @@
 :class:`QuotaCounts` implements ``proxy.middlewares.quota.QuotaCounts``. For every quota'd
 (group, resource) it runs one metadata-only list+watch over all namespaces
 (``PartialObjectMetadata``, as :mod:`proxy.relay.informer` does) and keeps only a count per
-namespace; objects created or deleted by anyone are counted. With ``resource_quotas`` it
+namespace; objects created or deleted by anyone are counted. Pods get a second one, of the pods
+in a terminal phase (a field selector: :class:`Finished`), as ResourceQuota's legacy ``pods``
+counts only the others (``count/pods`` every pod). With ``resource_quotas`` it
 watches every ResourceQuota (their ``spec.hard``); with ``cluster_quotas`` it discovers
 ``quota.openshift.io`` and, only when the cluster serves it, watches the ClusterResourceQuotas
 and the namespaces' labels and annotations (metadata only) that their selectors match; such a
@@ -46,12 +48,14 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from decimal import Decimal, InvalidOperation
 from typing import Any
+from urllib.parse import urlencode
 
 from proxy.relay.endpoint import Endpoint, TokenSource, make_ssl_context
 from proxy.relay.listwatch import Absent, Failed, ListWatch, reason
 from proxy.relay.upstream import UpstreamConfig
 
-__all__ = ["Count", "Expected", "QuotaCounts", "Tally", "parse_limit", "selects"]
+__all__ = ["TERMINAL_PODS", "Count", "Expected", "Finished", "QuotaCounts", "Tally", "parse_limit",
+           "selects"]
 
 log = logging.getLogger("opgate.counts")
 
@@ -62,6 +66,10 @@ SETTLE_SECONDS = 30.0  # and, once answered 2xx (or unknown), this long more
 RECENT_SECONDS = 60.0  # names that appeared this recently are "seen" (>= INFLIGHT_SECONDS)
 RECENT_MAX = 512  # per namespace and resource, the newest
 GONE = "/"  # "/<name>" in seen(): appeared lately, then deleted (proxy.stores.base.GONE)
+# the pods in a terminal phase (Succeeded, Failed): a field selector has no "or", so "none of the
+# others"; a pod is Pending when created, so a new pod never shows in this watch first
+TERMINAL_PODS = urlencode({"fieldSelector": "status.phase!=Pending,status.phase!=Running,"
+                                            "status.phase!=Unknown"})
 
 UsageCallback = Callable[[str, str, str, int], None]
 AlignedQuota = tuple[str, str, Mapping[str, int]]
@@ -200,6 +208,7 @@ class Tally:
         self.recent_max = recent_max
         self.clock = clock
         self._next_sweep = 0.0
+        self.finished: Finished | None = None  # pods: those at their end of life
 
     def count(self, namespace: str) -> int:
         names = self.names.get(namespace)
@@ -319,14 +328,18 @@ class Tally:
         if name in names:
             return
         names.add(name)
+        if self.finished is not None:
+            self.finished.appeared(namespace, name)
         self._note(namespace, name)
         self._seen(namespace, name, generate_name)
 
     def deleted(self, namespace: str, name: str) -> None:
         self._forget(namespace, name)
         names = self.names.get(namespace)
-        if names is None:
+        if names is None or name not in names:
             return
+        if self.finished is not None:
+            self.finished.vanished(namespace, name)
         names.discard(name)
         if not names:
             del self.names[namespace]
@@ -364,7 +377,95 @@ class Tally:
                    if len(names.get(ns, ())) != len(self.names.get(ns, ()))}
         self.names = names
         self.synced = True
+        if self.finished is not None:
+            self.finished.recount()
         return changed
+
+
+class Finished:
+    """The pods of a :class:`Tally` in a terminal phase (Succeeded, Failed), from a second
+    metadata-only list+watch (:data:`TERMINAL_PODS`): ResourceQuota's legacy ``pods`` does not
+    count them, ``count/pods`` does (the apiserver's pod evaluator).
+
+    :meth:`count` is the pods that both watches show, kept up to date per event (the hot path
+    reads one dict entry): a pod this watch shows before the pods' watch does counts once that
+    one shows it; a pod the pods' watch saw deleted stops counting at once (and a pod created
+    again under its name, Pending, does not count). When either watch is behind, a pod counts
+    as not finished: the safe side. Only names are kept, of finished pods only.
+    """
+
+    def __init__(self, pods: Tally) -> None:
+        self.pods = pods
+        self.synced = False
+        self.names: dict[str, set[str]] = {}
+        self.counted: dict[str, int] = {}
+
+    def count(self, namespace: str) -> int:
+        return self.counted.get(namespace, 0)
+
+    def _move(self, namespace: str, by: int) -> None:
+        left = self.counted.get(namespace, 0) + by
+        if left > 0:
+            self.counted[namespace] = left
+        else:
+            self.counted.pop(namespace, None)
+
+    def _shown(self, namespace: str, name: str) -> bool:
+        names = self.pods.names.get(namespace)
+        return names is not None and name in names
+
+    def added(self, namespace: str, name: str) -> None:
+        """A pod reached a terminal phase (or was listed in one)."""
+        names = self.names.setdefault(namespace, set())
+        if name in names:
+            return
+        names.add(name)
+        if self._shown(namespace, name):
+            self._move(namespace, 1)
+
+    def deleted(self, namespace: str, name: str) -> None:
+        """A finished pod was deleted (or left the phase)."""
+        names = self.names.get(namespace)
+        if names is None or name not in names:
+            return
+        names.discard(name)
+        if not names:
+            del self.names[namespace]
+        if self._shown(namespace, name):
+            self._move(namespace, -1)
+
+    def replace(self, objects: Iterable[tuple[str, str]]) -> None:
+        names: dict[str, set[str]] = {}
+        for namespace, name in objects:
+            names.setdefault(namespace, set()).add(name)
+        self.names = names
+        self.synced = True
+        self.recount()
+
+    def recount(self) -> None:
+        """After a list of either watch."""
+        counted: dict[str, int] = {}
+        for namespace, names in self.names.items():
+            pods = self.pods.names.get(namespace)
+            if pods and (n := len(names & pods)):
+                counted[namespace] = n
+        self.counted = counted
+
+    def appeared(self, namespace: str, name: str) -> None:
+        """The pods' watch showed a new pod (told by the :class:`Tally`)."""
+        names = self.names.get(namespace)
+        if names is not None and name in names:
+            self._move(namespace, 1)
+
+    def vanished(self, namespace: str, name: str) -> None:
+        """The pods' watch saw a pod deleted: it is not finished any more, whatever this watch
+        says later (a pod created again under the name starts Pending)."""
+        names = self.names.get(namespace)
+        if names is not None and name in names:
+            self._move(namespace, -1)
+            names.discard(name)
+            if not names:
+                del self.names[namespace]
 
 
 # --- the watches ------------------------------------------------------------------------------
@@ -377,10 +478,16 @@ class _Counted:
     tally: Tally = field(default_factory=Tally)
     path: str = ""
     task: asyncio.Task[None] | None = None
+    terminal_task: asyncio.Task[None] | None = None  # pods: the watch of Tally.finished
 
     @property
     def label(self) -> str:
         return f"{self.resource}.{self.group}" if self.group else self.resource
+
+    @property
+    def synced(self) -> bool:
+        finished = self.tally.finished
+        return self.tally.synced and (finished is None or finished.synced)
 
 
 class QuotaCounts:
@@ -427,13 +534,16 @@ class QuotaCounts:
         self._on_usage = on_usage
         for pair in [p for p in self._counted if p not in resources]:
             counted = self._counted.pop(pair)
-            if counted.task is not None:
-                counted.task.cancel()
+            for task in (counted.task, counted.terminal_task):
+                if task is not None:
+                    task.cancel()
         for (group, resource), namespaces in resources.items():
             counted = self._counted.get((group, resource))
             if counted is None:
                 counted = _Counted(group, resource, namespaces, Tally(
                     settle_seconds=self._settle_seconds))
+                if (group, resource) == ("", "pods"):
+                    counted.tally.finished = Finished(counted.tally)
                 self._counted[(group, resource)] = counted
             counted.namespaces = namespaces
             if counted.tally.synced:
@@ -446,7 +556,9 @@ class QuotaCounts:
 
     def observed(self, group: str, resource: str, namespace: str) -> int | None:
         counted = self._counted.get((group, resource))
-        return None if counted is None else counted.tally.observed(namespace)
+        if counted is None or not counted.synced:
+            return None
+        return counted.tally.count(namespace)
 
     def exists(self, group: str, resource: str, namespace: str, name: str) -> bool | None:
         counted = self._counted.get((group, resource))
@@ -477,16 +589,36 @@ class QuotaCounts:
         """Objects of (group, resource) in the other namespaces ClusterResourceQuota ``quota``
         selects: its limit is for all of them together (OpenShift checks its status.total)."""
         counted = self._counted.get((group, resource))
-        if counted is None or quota not in self._crq:
+        if counted is None:
             return 0
+        tally = counted.tally
+        return sum(tally.count(ns) for ns in self._selected_by(quota) if ns != namespace)
+
+    def finished(self, group: str, resource: str, namespace: str) -> int:
+        """Pods Succeeded or Failed in the namespace (0 for other resources, or until synced:
+        counted as not finished, the safe side)."""
+        counted = self._counted.get((group, resource))
+        finished = None if counted is None else counted.tally.finished
+        return 0 if finished is None else finished.count(namespace)
+
+    def finished_beyond(self, group: str, resource: str, namespace: str, quota: str) -> int:
+        counted = self._counted.get((group, resource))
+        finished = None if counted is None else counted.tally.finished
+        if finished is None:
+            return 0
+        return sum(finished.count(ns) for ns in self._selected_by(quota) if ns != namespace)
+
+    def _selected_by(self, quota: str) -> frozenset[str]:
+        """The namespaces ClusterResourceQuota ``quota`` selects (cached until a change)."""
+        if quota not in self._crq:
+            return frozenset()
         selected = self._selected.get(quota)
         if selected is None:
             selector = self._crq[quota][0]
             selected = frozenset(ns for ns, (labels, annotations) in self._ns.items()
                                  if selects(selector, labels, annotations))
             self._selected[quota] = selected
-        tally = counted.tally
-        return sum(tally.count(ns) for ns in selected if ns != namespace)
+        return selected
 
     def expect(self, group: str, resource: str, namespace: str, name: str, generate_name: str,
                token: str, on_seen: Callable[[], None] | None = None) -> object:
@@ -501,7 +633,7 @@ class QuotaCounts:
 
     def describe(self) -> str:
         """One line for ``/readyz?verbose``: what is synced."""
-        parts = [f"{c.label}={'synced' if c.tally.synced else 'syncing'}"
+        parts = [f"{c.label}={'synced' if c.synced else 'syncing'}"
                  for c in self._counted.values()]
         if self._want_rq:
             parts.append(f"resourcequotas={'synced' if self._rq_synced else 'syncing'}")
@@ -526,7 +658,7 @@ class QuotaCounts:
         self._spawn_quotas()
 
     async def close(self) -> None:
-        tasks = [c.task for c in self._counted.values()]
+        tasks = [t for c in self._counted.values() for t in (c.task, c.terminal_task)]
         tasks += [self._rq_task, self._crq_task, self._ns_task, self._follow_task]
         self._follow_task = None
         self._started = False
@@ -550,6 +682,10 @@ class QuotaCounts:
     def _spawn_counted(self, counted: _Counted) -> None:
         counted.task = self._spawn(counted.task, lambda: self._run_counted(counted),
                                    f"count {counted.label}")
+        if counted.tally.finished is not None:
+            counted.terminal_task = self._spawn(
+                counted.terminal_task, lambda: self._run_terminal(counted),
+                f"count {counted.label} (terminal)")
 
     def _spawn_quotas(self) -> None:
         if self._want_rq:
@@ -606,6 +742,32 @@ class QuotaCounts:
             return c.path
 
         await self._list_watch(c.label, path, replace, event, metadata_only=True)
+
+    async def _run_terminal(self, c: _Counted) -> None:
+        """The second watch of pods: those in a terminal phase. A pod that reaches one arrives
+        ``ADDED``; one deleted, or (never, in practice) leaving it, ``DELETED``."""
+        finished = c.tally.finished
+        assert finished is not None
+
+        def replace(items: list[dict[str, Any]]) -> None:
+            metas = [(i.get("metadata") or {}) for i in items]
+            finished.replace((m.get("namespace") or "", m.get("name") or "") for m in metas)
+
+        def event(kind: str, obj: dict[str, Any]) -> None:
+            meta = obj.get("metadata") or {}
+            namespace, name = meta.get("namespace") or "", meta.get("name") or ""
+            if kind == "ADDED":
+                finished.added(namespace, name)
+            elif kind == "DELETED":
+                finished.deleted(namespace, name)
+
+        async def path() -> str:
+            if not c.path:
+                c.path = await self._resource_path(c.group, c.resource)
+            return c.path
+
+        await self._list_watch(f"{c.label} (terminal)", path, replace, event,
+                               metadata_only=True, query=TERMINAL_PODS)
 
     async def _resource_path(self, group: str, resource: str) -> str:
         if group:
@@ -750,9 +912,10 @@ class QuotaCounts:
         self, label: str, path: Callable[[], Awaitable[str]],
         replace: Callable[[list[dict[str, Any]]], None],
         event: Callable[[str, dict[str, Any]], None], *, metadata_only: bool,
+        query: str = "",
     ) -> None:
         await self._lw.run(f"quota: counting {label}", path, replace=replace, event=event,
-                           metadata_only=metadata_only)
+                           metadata_only=metadata_only, query=query)
 
     async def _get_json(self, path: str) -> dict[str, Any]:
         if not self._started:

@@ -126,14 +126,17 @@ class ListWatch:
         return doc
 
     async def list(
-        self, path: str, *, accept: str = LIST_ACCEPT
+        self, path: str, *, accept: str = LIST_ACCEPT, query: str = "",
     ) -> tuple[list[dict[str, Any]], str]:
-        """Every object of ``path``, page by page, and the list's resourceVersion."""
+        """Every object of ``path`` (``query``: more parameters, a ``fieldSelector=…``), page
+        by page, and the list's resourceVersion."""
         items: list[dict[str, Any]] = []
         token = ""
+        more = f"&{query}" if query else ""
         while True:
-            query = f"?limit={self.page_size}" + (f"&continue={quote(token)}" if token else "")
-            page = await self.get_json(path + query, accept=accept)
+            page_query = f"?limit={self.page_size}{more}" + (
+                f"&continue={quote(token)}" if token else "")
+            page = await self.get_json(path + page_query, accept=accept)
             items.extend(i for i in page.get("items") or () if isinstance(i, dict))
             meta = page.get("metadata") or {}
             token = meta.get("continue") or ""
@@ -141,11 +144,14 @@ class ListWatch:
                 return items, str(meta.get("resourceVersion") or "")
 
     async def watch(self, path: str, resource_version: str, event: Event, *,
-                    accept: str = WATCH_ACCEPT) -> str:
-        """One watch stream; the resourceVersion to resume from (bookmarks move it too)."""
+                    accept: str = WATCH_ACCEPT, query: str = "") -> str:
+        """One watch stream (``query`` as for :meth:`list`); the resourceVersion to resume
+        from (bookmarks move it too). With a field selector, an object that stops matching it
+        arrives as ``DELETED``."""
         seconds = int(self.watch_seconds * (0.8 + random.random() * 0.4))
         where = (f"{path}?watch=1&allowWatchBookmarks=true"
-                 f"&resourceVersion={quote(resource_version)}&timeoutSeconds={seconds}")
+                 f"&resourceVersion={quote(resource_version)}&timeoutSeconds={seconds}"
+                 + (f"&{query}" if query else ""))
         async with self.client().stream(where, accept=accept,
                                         idle=self.idle_seconds or None) as (status, chunks):
             if status == 410:
@@ -163,11 +169,12 @@ class ListWatch:
     async def run(
         self, label: str, path: Callable[[], Awaitable[str | None]], *, replace: Replace,
         event: Event, metadata_only: bool = True,
-        failures: Callable[[int], None] | None = None,
+        failures: Callable[[int], None] | None = None, query: str = "",
     ) -> None:
         """Keep ``path()``'s objects in sync until ``path()`` answers ``None``: ``replace``
         with every listed object, then ``event`` per watch event; ``failures(n)`` hears the
-        failure streak (0 once listed again)."""
+        failure streak (0 once listed again). ``query`` narrows the list and the watch alike
+        (``fieldSelector=…``, already encoded)."""
         streak = 0
         list_accept, watch_accept = (LIST_ACCEPT, WATCH_ACCEPT) if metadata_only else (JSON, JSON)
         while True:
@@ -175,7 +182,7 @@ class ListWatch:
                 where = await path()
                 if where is None:
                     return
-                items, version = await self.list(where, accept=list_accept)
+                items, version = await self.list(where, accept=list_accept, query=query)
                 replace(items)
                 if streak:
                     log.info("%s: in sync again", label)
@@ -184,7 +191,8 @@ class ListWatch:
                     failures(0)
                 while version:
                     started = time.monotonic()
-                    version = await self.watch(where, version, event, accept=watch_accept)
+                    version = await self.watch(where, version, event, accept=watch_accept,
+                                               query=query)
                     if time.monotonic() - started < 1.0:  # ended at once: do not spin
                         await asyncio.sleep(1.0)
             except asyncio.CancelledError:

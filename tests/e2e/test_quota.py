@@ -8,7 +8,8 @@ be compared word for word (also for a server-side apply that creates). Three mor
 (one of them with ``--workers 2``) share their reservations through a real redis-server and
 take a concurrent burst of creates and applies against one limit. No controller-manager runs: a
 ResourceQuota's ``status.used`` is raised by admission but never lowered after a delete, so the
-delete test has no ResourceQuota.
+delete test has no ResourceQuota, and the pod tests write what the quota controller would once
+a pod finished (no kubelet runs either: the test sets the pods' phase through their status).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ BELOW, ABOVE, FREED = "quota-below", "quota-above", "quota-freed"
 DRY, CLUSTER, BARE = "quota-dry", "quota-crq", "quota-bare"
 SSA, SHARED = "quota-ssa", "quota-shared"
 QUANTITY = "quota-quantity"
+PODS, PODS_BOTH, PODS_COUNT = "quota-pods", "quota-pods-both", "quota-pods-count"
 CRQ_A, CRQ_B = "quota-crq-a", "quota-crq-b"
 POLICY = f"""\
 apiVersion: opgate.dev/v1alpha1
@@ -56,6 +58,9 @@ spec:
       namespaces: [{CLUSTER}, {CRQ_A}, {CRQ_B}]
       max: 5
       alignWith: [ClusterResourceQuota]
+    - resources: [pods]
+      namespaces: [{PODS}, {PODS_BOTH}, {PODS_COUNT}]
+      alignWith: [ResourceQuota]
 ---
 apiVersion: opgate.dev/v1alpha1
 kind: Policy
@@ -127,7 +132,8 @@ def start_synced(opgate_factory: Callable[..., Opgate], token_file: Path, crq: s
         _, body = opgate.admin_get("/readyz?verbose")
         line = next((x for x in body.splitlines() if "quota-counts" in x), "")
         return ("configmaps=synced" in line and "secrets=synced" in line
-                and "resourcequotas=synced" in line and f"clusterresourcequotas={crq}" in line)
+                and "pods=synced" in line and "resourcequotas=synced" in line
+                and f"clusterresourcequotas={crq}" in line)
 
     wait_for("opgate's quota counts to sync", synced, timeout=30)
     return opgate
@@ -135,7 +141,8 @@ def start_synced(opgate_factory: Callable[..., Opgate], token_file: Path, crq: s
 
 @pytest.fixture(scope="module")
 def token_file(cluster: LocalCluster, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    for namespace in (BELOW, ABOVE, FREED, DRY, BARE, SSA, SHARED, QUANTITY):
+    for namespace in (BELOW, ABOVE, FREED, DRY, BARE, SSA, SHARED, QUANTITY, PODS, PODS_BOTH,
+                      PODS_COUNT):
         cluster.create_namespace(namespace)
     cluster.create_namespace(CLUSTER, labels={"team": "crq"})
     for namespace in (CRQ_A, CRQ_B):
@@ -418,6 +425,97 @@ def test_the_aiohttp_relay_core_reads_the_name_too(
 
     wait_for("the aiohttp-core opgate to sync", lambda: denied().status == 403)
     assert denied().json()["message"] == quota_message("via-aiohttp", "e2e-quota", 4, 3)
+
+
+# --- pods: count/pods counts every pod, the legacy pods only those not finished ---------------
+
+def pod(name: str) -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name},
+            "spec": {"containers": [{"name": "c", "image": "registry.k8s.io/pause:3.10"}]}}
+
+
+def finish_pod(cluster: LocalCluster, namespace: str, name: str, phase: str) -> None:
+    """What a kubelet reports once the pod's containers ended (there is none here)."""
+    path = f"/api/v1/namespaces/{namespace}/pods/{name}"
+    obj = cluster.call("GET", path).ok().json()
+    obj["status"]["phase"] = phase
+    cluster.call("PUT", path + "/status", body=obj).ok()
+
+
+def quota_used(cluster: LocalCluster, namespace: str, name: str, used: dict[str, str]) -> None:
+    """Write a ResourceQuota's ``status.used`` as the quota controller recounts it (it lowers
+    ``pods`` once a pod finished; admission only ever raises it)."""
+    path = f"/api/v1/namespaces/{namespace}/resourcequotas/{name}"
+    quota = cluster.call("GET", path).ok().json()
+    quota["status"]["used"] = used
+    cluster.call("PUT", path + "/status", body=quota).ok()
+
+
+def both_deny(cluster: LocalCluster, gate: Opgate, namespace: str, name: str) -> str:
+    """The 403 of opgate and of the apiserver's own admission for one pod create: the same."""
+    path = f"/api/v1/namespaces/{namespace}/pods"
+    ours = cluster.call("POST", path, body=pod(name), server=gate.url)
+    theirs = cluster.call("POST", path, body=pod(name))
+    assert (ours.status, theirs.status) == (403, 403), (ours.body, theirs.body)
+    assert ours.json()["message"] == theirs.json()["message"]
+    assert ours.json()["details"] == theirs.json()["details"] == {"name": name, "kind": "pods"}
+    return str(ours.json()["message"])
+
+
+def test_finished_pods_free_room_under_a_pods_quota(
+        cluster: LocalCluster, gate: Opgate) -> None:
+    """The apiserver's legacy ``pods`` counts the pods not Succeeded or Failed: with completed
+    pods lingering, opgate admits what the apiserver admits and denies in its words."""
+    resource_quota(cluster, PODS, "rq-pods", {"pods": "2"})
+    path = f"/api/v1/namespaces/{PODS}/pods"
+    for name in ("p-0", "p-1"):
+        assert cluster.call("POST", path, body=pod(name), server=gate.url).status == 201
+    assert both_deny(cluster, gate, PODS, "p-2") == (
+        'pods "p-2" is forbidden: exceeded quota: rq-pods, requested: pods=1, used: pods=2, '
+        "limited: pods=2")
+    finish_pod(cluster, PODS, "p-0", "Succeeded")
+    quota_used(cluster, PODS, "rq-pods", {"pods": "1"})
+    wait_for("opgate to see p-0 finished", lambda: cluster.call(
+        "POST", path + "?dryRun=All", body=pod("probe"), server=gate.url).status == 201)
+    assert cluster.call("POST", path, body=pod("p-2"), server=gate.url).status == 201
+    assert both_deny(cluster, gate, PODS, "p-3") == (
+        'pods "p-3" is forbidden: exceeded quota: rq-pods, requested: pods=1, used: pods=2, '
+        "limited: pods=2")
+    finish_pod(cluster, PODS, "p-1", "Failed")  # Failed is terminal too
+    quota_used(cluster, PODS, "rq-pods", {"pods": "1"})
+    wait_for("opgate to see p-1 finished", lambda: cluster.call(
+        "POST", path + "?dryRun=All", body=pod("probe"), server=gate.url).status == 201)
+    assert cluster.call("POST", path, body=pod("p-3"), server=gate.url).status == 201
+    assert len(cluster.call("GET", path).json()["items"]) == 4  # two finished, two counted
+
+
+def test_count_pods_counts_finished_pods_and_each_key_says_its_own_used(
+        cluster: LocalCluster, gate: Opgate) -> None:
+    """``count/pods`` counts every pod in storage, finished or not; over both limits of one
+    quota the apiserver says each key's own used (``used: count/pods=3,pods=2``)."""
+    resource_quota(cluster, PODS_COUNT, "rq-count", {"count/pods": "1"})
+    assert cluster.call("POST", f"/api/v1/namespaces/{PODS_COUNT}/pods", body=pod("c-0"),
+                        server=gate.url).status == 201
+    finish_pod(cluster, PODS_COUNT, "c-0", "Succeeded")  # its controller recounts: still 1
+    assert both_deny(cluster, gate, PODS_COUNT, "c-1") == (
+        'pods "c-1" is forbidden: exceeded quota: rq-count, requested: count/pods=1, '
+        "used: count/pods=1, limited: count/pods=1")
+
+    resource_quota(cluster, PODS_BOTH, "rq-both", {"count/pods": "3", "pods": "2"})
+    path = f"/api/v1/namespaces/{PODS_BOTH}/pods"
+    for name in ("b-0", "b-1"):
+        assert cluster.call("POST", path, body=pod(name), server=gate.url).status == 201
+    assert both_deny(cluster, gate, PODS_BOTH, "b-2") == (
+        'pods "b-2" is forbidden: exceeded quota: rq-both, requested: pods=1, used: pods=2, '
+        "limited: pods=2")
+    finish_pod(cluster, PODS_BOTH, "b-0", "Succeeded")
+    quota_used(cluster, PODS_BOTH, "rq-both", {"count/pods": "2", "pods": "1"})
+    wait_for("opgate to see b-0 finished", lambda: cluster.call(
+        "POST", path + "?dryRun=All", body=pod("probe"), server=gate.url).status == 201)
+    assert cluster.call("POST", path, body=pod("b-2"), server=gate.url).status == 201
+    assert both_deny(cluster, gate, PODS_BOTH, "b-3") == (
+        'pods "b-3" is forbidden: exceeded quota: rq-both, requested: count/pods=1,pods=1, '
+        "used: count/pods=3,pods=2, limited: count/pods=3,pods=2")
 
 
 # --- server-side apply -----------------------------------------------------------------------

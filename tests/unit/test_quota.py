@@ -256,6 +256,97 @@ def test_format_count(count: int, text: str) -> None:
     assert format_count(count) == text
 
 
+PODS = "/api/v1/namespaces/team-a/pods"
+
+
+def pod_create(pset: PolicySet, name: str) -> RequestContext:
+    return ctx_for(pset, PODS, body={"metadata": {"name": name}})
+
+
+def test_a_legacy_pods_limit_does_not_count_pods_that_finished() -> None:
+    """The apiserver's pod evaluator: ``count/pods`` counts every pod in storage, the legacy
+    ``pods`` only those not Succeeded or Failed. Completed pods lingering must not make opgate
+    deny a create that the apiserver admits; a create takes room in both counts."""
+    counts = MemoryQuotaCounts()
+    counts.set("", "pods", "team-a", 3)
+    counts.finish("", "pods", "team-a", "existing-0")  # Succeeded: 2 pods still count
+    counts.add_quota("ResourceQuota", "rq-pods", {"pods": 3}, namespaces=["team-a"])
+    mw = Quota(counts=counts)
+    pset = policies("    - {resources: [pods], alignWith: [ResourceQuota]}")
+    assert decide(mw, pod_create(pset, "p-3")) is None
+    decision = decide(mw, pod_create(pset, "p-4"))  # p-3's reservation takes the last room
+    assert isinstance(decision, Deny)
+    assert decision.status.message == (
+        'pods "p-4" is forbidden: exceeded quota: rq-pods, requested: pods=1, used: pods=3, '
+        "limited: pods=3")
+    # count/pods counts the finished pod too: no room at all
+    counts.quotas.clear()
+    counts.add_quota("ResourceQuota", "rq-count", {"count/pods": 3}, namespaces=["team-a"])
+    decision = decide(mw, pod_create(pset, "p-5"))
+    assert isinstance(decision, Deny)
+    assert decision.status.message == (
+        'pods "p-5" is forbidden: exceeded quota: rq-count, requested: count/pods=1, '
+        "used: count/pods=4, limited: count/pods=3")
+
+
+def test_both_pod_counts_of_one_quota_each_say_their_own_used() -> None:
+    """Over both limits of one ResourceQuota, the apiserver lists each key with its own used:
+    ``used: count/pods=3,pods=2``; over only one, only that one."""
+    counts = MemoryQuotaCounts()
+    counts.set("", "pods", "team-a", 3)
+    counts.finish("", "pods", "team-a", "existing-1")
+    counts.add_quota("ResourceQuota", "both", {"count/pods": 3, "pods": 2},
+                     namespaces=["team-a"])
+    mw = Quota(counts=counts)
+    pset = policies("    - {resources: [pods], alignWith: [ResourceQuota]}")
+    decision = decide(mw, pod_create(pset, "p"))
+    assert isinstance(decision, Deny)
+    assert decision.status.message == (
+        'pods "p" is forbidden: exceeded quota: both, requested: count/pods=1,pods=1, '
+        "used: count/pods=3,pods=2, limited: count/pods=3,pods=2")
+    counts.quotas.clear()
+    counts.add_quota("ResourceQuota", "roomy", {"count/pods": 9, "pods": 2},
+                     namespaces=["team-a"])
+    decision = decide(mw, pod_create(pset, "p"))
+    assert isinstance(decision, Deny)
+    assert decision.status.message.endswith(
+        "requested: pods=1, used: pods=2, limited: pods=2")
+
+
+def test_an_entrys_own_max_on_pods_counts_every_pod() -> None:
+    """opgate's own ``max`` is an object count, as for any resource (and as its 403 says,
+    ``count/pods``): finished pods are objects the apiserver stores."""
+    counts = MemoryQuotaCounts()
+    counts.set("", "pods", "team-a", 3)
+    counts.finish("", "pods", "team-a", "existing-0")
+    mw = Quota(counts=counts)
+    pset = policies("    - {resources: [pods], max: 3, alignWith: [ResourceQuota]}")
+    counts.add_quota("ResourceQuota", "rq-pods", {"pods": 5}, namespaces=["team-a"])
+    decision = decide(mw, pod_create(pset, "p"))
+    assert isinstance(decision, Deny)
+    assert decision.status.message == (
+        'pods "p" is forbidden: exceeded quota: team-quota, requested: count/pods=1, '
+        "used: count/pods=3, limited: count/pods=3")
+
+
+def test_a_cluster_resource_quotas_pods_count_leaves_out_finished_pods_everywhere() -> None:
+    counts = MemoryQuotaCounts()
+    counts.set("", "pods", "team-a", 1)
+    counts.set("", "pods", "team-b", 3)
+    for name in ("existing-0", "existing-1"):
+        counts.finish("", "pods", "team-b", name)
+    counts.add_quota("ClusterResourceQuota", "crq", {"pods": 3, "count/pods": 6},
+                     namespaces=["team-a", "team-b"])
+    mw = Quota(counts=counts)
+    pset = policies("    - {resources: [pods], alignWith: [ClusterResourceQuota]}")
+    assert decide(mw, pod_create(pset, "p-1")) is None  # 1 + 1 running, and this one
+    decision = decide(mw, pod_create(pset, "p-2"))
+    assert isinstance(decision, Deny)
+    assert decision.status.message == (
+        'pods "p-2" is forbidden: exceeded quota: crq, requested: pods=1, used: pods=3, '
+        "limited: pods=3")
+
+
 def test_cluster_resource_quota_and_custom_resources() -> None:
     counts = MemoryQuotaCounts()
     counts.set("demo.opgate.dev", "widgets", "team-a", 1)
@@ -343,6 +434,71 @@ def test_the_counter_sums_a_cluster_resource_quotas_namespaces() -> None:
     assert counts.beyond("", "configmaps", "a", "crq") == 7
     assert counts.beyond("", "configmaps", "a", "gone") == 0
     assert counts.beyond("", "secrets", "a", "crq") == 0
+
+
+TERMINAL = "fieldSelector=status.phase%21%3DPending%2Cstatus.phase%21%3DRunning%2C" \
+    "status.phase%21%3DUnknown"
+
+
+def test_the_counter_watches_the_pods_that_finished() -> None:
+    """Pods get a second metadata-only list+watch, of those in a terminal phase (a field
+    selector; a pod that reaches Succeeded arrives ADDED there): ``finished`` counts the pods
+    of the first watch that this one shows, whichever of the two is behind."""
+    counts = QuotaCounts(UpstreamConfig(url="http://127.0.0.1:9"))
+    counts.track({("", "pods"): lambda ns: True, ("", "secrets"): lambda ns: True},
+                 resource_quotas=False, cluster_quotas=False)
+    fed: dict[str, dict[str, object]] = {}
+
+    async def capture(label: str, path: object, replace: object, event: object, *,
+                      metadata_only: bool, query: str = "") -> None:
+        fed[label] = {"replace": replace, "event": event, "query": query,
+                      "metadata_only": metadata_only}
+
+    async def discover(path: str) -> dict[str, object]:
+        return {"resources": [{"name": "pods", "namespaced": True},
+                              {"name": "secrets", "namespaced": True}]}
+
+    counts._list_watch = capture  # type: ignore[method-assign]
+    counts._get_json = discover  # type: ignore[method-assign]
+    pods = counts._counted[("", "pods")]
+
+    async def start() -> None:
+        counts._started = True
+        await counts._run_counted(pods)
+        await counts._run_terminal(pods)
+        await counts._run_counted(counts._counted[("", "secrets")])
+
+    run(start())
+    assert sorted(fed) == ["pods", "pods (terminal)", "secrets"]
+    assert fed["pods (terminal)"]["query"] == TERMINAL
+    assert fed["pods (terminal)"]["metadata_only"] and fed["pods"]["query"] == ""
+
+    def meta(name: str, namespace: str = "a") -> dict[str, object]:
+        return {"metadata": {"namespace": namespace, "name": name}}
+
+    fed["pods"]["replace"]([meta("p-0"), meta("p-1"), meta("p-2"), meta("q-0", "b")])  # type: ignore[operator]
+    assert counts.observed("", "pods", "a") is None  # until both are listed
+    assert "pods=syncing" in counts.describe()
+    # p-9: finished before the pods' watch showed it (that one is behind)
+    fed["pods (terminal)"]["replace"]([meta("p-0"), meta("p-9")])  # type: ignore[operator]
+    assert counts.observed("", "pods", "a") == 3 and "pods=synced" in counts.describe()
+    assert counts.finished("", "pods", "a") == 1 and counts.finished("", "pods", "b") == 0
+    terminal, event = fed["pods (terminal)"]["event"], fed["pods"]["event"]
+    event("ADDED", meta("p-9"))  # type: ignore[operator]
+    assert counts.finished("", "pods", "a") == 2
+    terminal("ADDED", meta("p-1"))  # type: ignore[operator]
+    terminal("ADDED", meta("p-1"))  # the same event again (a re-watch) counts once
+    assert counts.finished("", "pods", "a") == 3
+    event("DELETED", meta("p-1"))  # type: ignore[operator]
+    assert counts.finished("", "pods", "a") == 2
+    event("ADDED", meta("p-1"))  # created again, Pending, before the other watch's DELETED
+    assert counts.finished("", "pods", "a") == 2
+    terminal("DELETED", meta("p-1"))  # type: ignore[operator]
+    terminal("DELETED", meta("p-0"))  # deleted: the other watch will say so too
+    assert counts.finished("", "pods", "a") == 1
+    assert counts.finished("", "secrets", "a") == 0  # only pods have an end of life
+    fed["pods"]["replace"]([meta("p-9"), meta("p-3")])  # type: ignore[operator]
+    assert counts.finished("", "pods", "a") == 1
 
 
 def _pb(number: int, payload: bytes) -> bytes:
@@ -630,7 +786,7 @@ def test_track_tells_the_counter_what_to_watch() -> None:
 
 
 def test_denial_message_without_group_or_name() -> None:
-    assert denial_message("apps", "deployments", "", "q", [("count/deployments.apps", 2)], 2) == (
+    assert denial_message("apps", "deployments", "", "q", [("count/deployments.apps", 2, 2)]) == (
         "deployments.apps is forbidden: exceeded quota: q, requested: count/deployments.apps=1, "
         "used: count/deployments.apps=2, limited: count/deployments.apps=2")
 
