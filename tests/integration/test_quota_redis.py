@@ -218,3 +218,58 @@ def test_quota_through_a_redis_outage(server: RedisServer,
         await other_store.close()
 
     asyncio.run(go())
+
+
+POD_POLICY = build_policy_set([("q.yaml", b"""\
+apiVersion: opgate.dev/v1alpha1
+kind: Policy
+metadata: {name: q}
+spec:
+  quotas:
+    - {resources: [pods], alignWith: [ResourceQuota]}
+""")], parsers=section_parsers())
+
+
+def pod_create(name: str) -> RequestContext:
+    path = "/api/v1/namespaces/ns/pods"
+    ctx = RequestContext(info=parse_request_info("POST", path, ""), method="POST", path=path,
+                         query="", headers={"Content-Type": "application/json"},
+                         policies=POD_POLICY)
+    ctx.body = json.dumps({"metadata": {"name": name}}).encode()
+    return ctx
+
+
+def test_a_pod_burst_over_replicas_holds_both_pod_counts(server: RedisServer) -> None:
+    """A legacy ``pods`` limit leaves the finished pods out, ``count/pods`` does not: one Redis
+    reservation per create holds room in both, so a burst over two replicas stops at whichever
+    is reached first, and a pod that finishes frees room under ``pods`` only."""
+    async def go() -> None:
+        stores = [RedisStore.from_url(server.url, timeout=2.0, quota_prefix="opgate:pods:")
+                  for _ in range(2)]
+        counts = MemoryQuotaCounts()  # both replicas' watches show the same
+        counts.set("", "pods", "ns", 4)
+        for name in ("existing-0", "existing-1"):
+            counts.finish("", "pods", "ns", name)  # 2 of 4 still count under "pods"
+        counts.add_quota("ResourceQuota", "rq", {"count/pods": 6, "pods": 3},
+                         namespaces=["ns"])
+        replicas = [Quota(counts=counts, store=s) for s in stores]
+        try:
+            got = await asyncio.gather(*(settle(replicas[i % 2].entry(pod_create(f"a-{i}")))
+                                         for i in range(10)))
+            assert sum(d is None for d in got) == 1  # pods: 2 + 1 of 3
+            denied = next(d for d in got if isinstance(d, Deny))
+            assert denied.status.message.endswith(
+                "requested: pods=1, used: pods=3, limited: pods=3")
+            for name in ("existing-2", "existing-3"):  # all Succeeded: room for 2 under pods
+                counts.finish("", "pods", "ns", name)
+            got = await asyncio.gather(*(settle(replicas[i % 2].entry(pod_create(f"b-{i}")))
+                                         for i in range(10)))
+            assert sum(d is None for d in got) == 1  # but count/pods: 4 + 1 + 1 of 6
+            denied = next(d for d in got if isinstance(d, Deny))
+            assert denied.status.message.endswith(
+                "requested: count/pods=1, used: count/pods=6, limited: count/pods=6")
+        finally:
+            for s in stores:
+                await s.close()
+
+    asyncio.run(go())
