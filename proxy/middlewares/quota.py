@@ -16,7 +16,8 @@ the call gets the 403 the apiserver's ResourceQuota admission would send, word f
 naming the policy entry's quota (its ``name``, else the policy's ``metadata.name``) or the
 aligned quota whose limit is smaller. Pods are counted as the apiserver's pod evaluator counts
 them: ``count/pods`` (and an entry's own ``max``, an object count) every pod, the legacy ``pods``
-only those not Succeeded or Failed (:meth:`QuotaCounts.finished`); the admit-and-reserve is
+only those not Succeeded or Failed nor stuck terminating past their grace period
+(:meth:`QuotaCounts.finished`); the admit-and-reserve is
 still one store call, against the limits in ``count/pods`` terms (a ``pods`` limit plus the
 finished pods), so a create reserves room in both, and a denial prints each key's own used
 (``used: count/pods=3,pods=2``). The object's name is the body's ``metadata.name``, JSON
@@ -152,7 +153,8 @@ class QuotaCounts(Protocol):
 
     def finished(self, group: str, resource: str, namespace: str) -> int:
         """Objects of ``observed`` at their end of life, which :func:`live_key` does not count:
-        pods Succeeded or Failed (0 for other resources)."""
+        pods Succeeded or Failed, or deleted and past their grace period (0 for other
+        resources)."""
         ...
 
     def finished_beyond(self, group: str, resource: str, namespace: str, quota: str) -> int:

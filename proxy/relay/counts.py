@@ -46,6 +46,7 @@ import re
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from decimal import Decimal, InvalidOperation
 from typing import Any
 from urllib.parse import urlencode
@@ -382,10 +383,29 @@ class Tally:
         return changed
 
 
+def grace_ends(meta: Mapping[str, Any]) -> float | None:
+    """When a pod being deleted stops counting under ``pods`` (wall-clock seconds): once its
+    ``deletionTimestamp`` plus its ``deletionGracePeriodSeconds`` has passed, the apiserver's pod
+    evaluator takes it for stuck terminating (a lost node) and leaves it out. ``None`` for a
+    pod not being deleted, or a time that does not read (it counts: the safe side)."""
+    stamp, grace = meta.get("deletionTimestamp"), meta.get("deletionGracePeriodSeconds")
+    if not isinstance(stamp, str) or not isinstance(grace, int) or isinstance(grace, bool):
+        return None
+    try:
+        at = datetime.fromisoformat(stamp)
+    except ValueError:
+        return None
+    if at.tzinfo is None:
+        at = at.replace(tzinfo=UTC)
+    return at.timestamp() + grace
+
+
 class Finished:
     """The pods of a :class:`Tally` in a terminal phase (Succeeded, Failed), from a second
     metadata-only list+watch (:data:`TERMINAL_PODS`): ResourceQuota's legacy ``pods`` does not
-    count them, ``count/pods`` does (the apiserver's pod evaluator).
+    count them, ``count/pods`` does (the apiserver's pod evaluator). Nor pods being deleted
+    whose grace period has passed (:func:`grace_ends`, from the pods' own watch, which has the
+    metadata): kept per name until the pod is gone, few at any time.
 
     :meth:`count` is the pods that both watches show, kept up to date per event (the hot path
     reads one dict entry): a pod this watch shows before the pods' watch does counts once that
@@ -399,9 +419,36 @@ class Finished:
         self.synced = False
         self.names: dict[str, set[str]] = {}
         self.counted: dict[str, int] = {}
+        self.deleting: dict[str, dict[str, float]] = {}  # namespace -> name -> grace_ends
+        self.wall: Callable[[], float] = time.time  # deletionTimestamps are wall-clock times
 
     def count(self, namespace: str) -> int:
-        return self.counted.get(namespace, 0)
+        counted = self.counted.get(namespace, 0)
+        deleting = self.deleting.get(namespace)
+        return counted + self._overdue(namespace, deleting) if deleting else counted
+
+    def _overdue(self, namespace: str, deleting: dict[str, float]) -> int:
+        """Pods past their grace period, not already counted as finished by phase."""
+        now = self.wall()
+        done = self.names.get(namespace) or ()
+        pods = self.pods.names.get(namespace) or ()
+        return sum(1 for name, ends in deleting.items()
+                   if ends < now and name not in done and name in pods)
+
+    def deletion(self, namespace: str, name: str, meta: Mapping[str, Any]) -> None:
+        """A pod as the pods' watch shows it (ADDED, MODIFIED): being deleted or not."""
+        ends = grace_ends(meta)
+        if ends is not None:
+            self.deleting.setdefault(namespace, {})[name] = ends
+
+    def deletions(self, metas: Iterable[Mapping[str, Any]]) -> None:
+        """After a list of the pods' watch: those being deleted."""
+        deleting: dict[str, dict[str, float]] = {}
+        for meta in metas:
+            ends = grace_ends(meta)
+            if ends is not None:
+                deleting.setdefault(meta.get("namespace") or "", {})[meta.get("name") or ""] = ends
+        self.deleting = deleting
 
     def _move(self, namespace: str, by: int) -> None:
         left = self.counted.get(namespace, 0) + by
@@ -460,6 +507,9 @@ class Finished:
     def vanished(self, namespace: str, name: str) -> None:
         """The pods' watch saw a pod deleted: it is not finished any more, whatever this watch
         says later (a pod created again under the name starts Pending)."""
+        deleting = self.deleting.get(namespace)
+        if deleting is not None and deleting.pop(name, None) is not None and not deleting:
+            del self.deleting[namespace]
         names = self.names.get(namespace)
         if names is not None and name in names:
             self._move(namespace, -1)
@@ -595,8 +645,8 @@ class QuotaCounts:
         return sum(tally.count(ns) for ns in self._selected_by(quota) if ns != namespace)
 
     def finished(self, group: str, resource: str, namespace: str) -> int:
-        """Pods Succeeded or Failed in the namespace (0 for other resources, or until synced:
-        counted as not finished, the safe side)."""
+        """Pods Succeeded or Failed in the namespace, or stuck terminating past their grace
+        period (0 for other resources)."""
         counted = self._counted.get((group, resource))
         finished = None if counted is None else counted.tally.finished
         return 0 if finished is None else finished.count(namespace)
@@ -717,11 +767,14 @@ class QuotaCounts:
 
     async def _run_counted(self, c: _Counted) -> None:
         tally = c.tally
+        finished = tally.finished  # pods: also which are being deleted
 
         def replace(items: list[dict[str, Any]]) -> None:
             metas = [(i.get("metadata") or {}) for i in items]
             changed = tally.replace((m.get("namespace") or "", m.get("name") or "")
                                     for m in metas)
+            if finished is not None:
+                finished.deletions(metas)
             for namespace in changed:
                 self._report(c, namespace)
 
@@ -730,9 +783,13 @@ class QuotaCounts:
             namespace = meta.get("namespace") or ""
             if kind == "ADDED":
                 tally.added(namespace, meta.get("name") or "", meta.get("generateName") or "")
+                if finished is not None:
+                    finished.deletion(namespace, meta.get("name") or "", meta)
             elif kind == "DELETED":
                 tally.deleted(namespace, meta.get("name") or "")
             else:
+                if finished is not None and kind == "MODIFIED":
+                    finished.deletion(namespace, meta.get("name") or "", meta)
                 return
             self._report(c, namespace)
 

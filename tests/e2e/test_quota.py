@@ -36,6 +36,7 @@ DRY, CLUSTER, BARE = "quota-dry", "quota-crq", "quota-bare"
 SSA, SHARED = "quota-ssa", "quota-shared"
 QUANTITY = "quota-quantity"
 PODS, PODS_BOTH, PODS_COUNT = "quota-pods", "quota-pods-both", "quota-pods-count"
+PODS_STUCK = "quota-pods-stuck"
 CRQ_A, CRQ_B = "quota-crq-a", "quota-crq-b"
 POLICY = f"""\
 apiVersion: opgate.dev/v1alpha1
@@ -59,7 +60,7 @@ spec:
       max: 5
       alignWith: [ClusterResourceQuota]
     - resources: [pods]
-      namespaces: [{PODS}, {PODS_BOTH}, {PODS_COUNT}]
+      namespaces: [{PODS}, {PODS_BOTH}, {PODS_COUNT}, {PODS_STUCK}]
       alignWith: [ResourceQuota]
 ---
 apiVersion: opgate.dev/v1alpha1
@@ -142,7 +143,7 @@ def start_synced(opgate_factory: Callable[..., Opgate], token_file: Path, crq: s
 @pytest.fixture(scope="module")
 def token_file(cluster: LocalCluster, tmp_path_factory: pytest.TempPathFactory) -> Path:
     for namespace in (BELOW, ABOVE, FREED, DRY, BARE, SSA, SHARED, QUANTITY, PODS, PODS_BOTH,
-                      PODS_COUNT):
+                      PODS_COUNT, PODS_STUCK):
         cluster.create_namespace(namespace)
     cluster.create_namespace(CLUSTER, labels={"team": "crq"})
     for namespace in (CRQ_A, CRQ_B):
@@ -516,6 +517,32 @@ def test_count_pods_counts_finished_pods_and_each_key_says_its_own_used(
     assert both_deny(cluster, gate, PODS_BOTH, "b-3") == (
         'pods "b-3" is forbidden: exceeded quota: rq-both, requested: count/pods=1,pods=1, '
         "used: count/pods=3,pods=2, limited: count/pods=3,pods=2")
+
+
+def test_a_pod_stuck_terminating_past_its_grace_period_frees_room_under_pods(
+        cluster: LocalCluster, gate: Opgate) -> None:
+    """A pod on a node that is gone stays terminating: once its deletionTimestamp plus its
+    grace period has passed, the apiserver's ``pods`` does not count it (``count/pods`` still
+    does), so its replacement fits. Here the node is made up and no kubelet ends the pod."""
+    resource_quota(cluster, PODS_STUCK, "rq-stuck", {"pods": "1", "count/pods": "2"})
+    path = f"/api/v1/namespaces/{PODS_STUCK}/pods"
+    stuck = pod("t-0")
+    stuck["spec"]["nodeName"] = "lost-node"  # scheduled: deleted gracefully, not at once
+    assert cluster.call("POST", path, body=stuck, server=gate.url).status == 201
+    assert both_deny(cluster, gate, PODS_STUCK, "t-1") == (
+        'pods "t-1" is forbidden: exceeded quota: rq-stuck, requested: pods=1, used: pods=1, '
+        "limited: pods=1")
+    gone = cluster.call("DELETE", f"{path}/t-0", body={"gracePeriodSeconds": 1})
+    assert gone.status == 200, gone.body
+    assert gone.json()["metadata"]["deletionGracePeriodSeconds"] == 1
+    quota_used(cluster, PODS_STUCK, "rq-stuck", {"pods": "0", "count/pods": "1"})
+    wait_for("t-0's grace period to pass", lambda: cluster.call(
+        "POST", path + "?dryRun=All", body=pod("probe"), server=gate.url).status == 201)
+    assert cluster.call("GET", f"{path}/t-0").status == 200  # still there, terminating
+    assert cluster.call("POST", path, body=pod("t-1"), server=gate.url).status == 201
+    assert both_deny(cluster, gate, PODS_STUCK, "t-2") == (
+        'pods "t-2" is forbidden: exceeded quota: rq-stuck, requested: count/pods=1,pods=1, '
+        "used: count/pods=2,pods=1, limited: count/pods=2,pods=1")
 
 
 # --- server-side apply -----------------------------------------------------------------------

@@ -501,6 +501,66 @@ def test_the_counter_watches_the_pods_that_finished() -> None:
     assert counts.finished("", "pods", "a") == 1
 
 
+def test_pods_stuck_terminating_past_their_grace_period_count_as_finished() -> None:
+    """The apiserver's pod evaluator leaves out of ``pods`` a pod whose deletionTimestamp plus
+    its grace period has passed (stuck terminating on a lost node: its replacement must fit);
+    both are in the metadata the pods' watch already gets."""
+    wall = Clock()
+    counts = QuotaCounts(UpstreamConfig(url="http://127.0.0.1:9"))
+    counts.track({("", "pods"): lambda ns: True}, resource_quotas=False, cluster_quotas=False)
+    fed: dict[str, dict[str, object]] = {}
+
+    async def capture(label: str, path: object, replace: object, event: object, *,
+                      metadata_only: bool, query: str = "") -> None:
+        fed[label] = {"replace": replace, "event": event}
+
+    counts._list_watch = capture  # type: ignore[method-assign]
+    pods = counts._counted[("", "pods")]
+    pods.path = "/api/v1/pods"
+    finished = pods.tally.finished
+    assert finished is not None
+    finished.wall = wall
+    wall.now = 1_700_000_000.0  # 2023-11-14T22:13:20Z
+
+    async def start() -> None:
+        counts._started = True
+        await counts._run_counted(pods)
+        await counts._run_terminal(pods)
+
+    run(start())
+
+    def meta(name: str, deleting: str = "", grace: int | None = None) -> dict[str, object]:
+        m: dict[str, object] = {"namespace": "a", "name": name}
+        if deleting:
+            m["deletionTimestamp"] = deleting
+        if grace is not None:
+            m["deletionGracePeriodSeconds"] = grace
+        return {"metadata": m}
+
+    fed["pods"]["replace"]([meta("p-0", "2023-11-14T22:13:00Z", 30),  # type: ignore[operator]
+                            meta("p-1"), meta("p-2")])
+    fed["pods (terminal)"]["replace"]([])  # type: ignore[operator]
+    assert counts.finished("", "pods", "a") == 0  # deleted 20 s ago, 30 s of grace: counts
+    wall.now += 10
+    assert counts.finished("", "pods", "a") == 0  # at the moment itself: still counts
+    wall.now += 0.5
+    assert counts.finished("", "pods", "a") == 1
+    event, terminal = fed["pods"]["event"], fed["pods (terminal)"]["event"]
+    event("MODIFIED", meta("p-1", "2023-11-14T22:13:30Z", 0))  # type: ignore[operator]
+    assert counts.finished("", "pods", "a") == 2
+    event("MODIFIED", meta("p-2", "2023-11-14T23:00:00Z", 30))  # type: ignore[operator]
+    assert counts.finished("", "pods", "a") == 2  # its time has not come
+    terminal("ADDED", meta("p-1"))  # and Failed: counted once  # type: ignore[operator]
+    assert counts.finished("", "pods", "a") == 2
+    event("DELETED", meta("p-0"))  # type: ignore[operator]
+    event("DELETED", meta("p-1"))  # type: ignore[operator]
+    assert counts.finished("", "pods", "a") == 0
+    event("ADDED", meta("p-0"))  # created again: a new pod  # type: ignore[operator]
+    assert counts.finished("", "pods", "a") == 0
+    event("MODIFIED", meta("p-3", "not a time", 5))  # type: ignore[operator]
+    assert counts.finished("", "pods", "a") == 0  # unreadable: counts (the safe side)
+
+
 def _pb(number: int, payload: bytes) -> bytes:
     assert len(payload) < 128 and number < 16  # one-byte varints
     return bytes([number << 3 | 2, len(payload)]) + payload
