@@ -195,7 +195,7 @@ def format_count(count: int) -> str:
 
 def _limit_text(hard: int) -> str:
     """A limit as the apiserver prints it: an aligned quota's own quantity (its ``text``, as
-    ``proxy.relay.counts.Count`` carries it: ``1Ki`` stays ``1Ki``), else canonically."""
+    ``proxy.relay.quotaobjects.Count`` carries it: ``1Ki`` stays ``1Ki``), else canonically."""
     return getattr(hard, "text", "") or format_count(hard)
 
 

@@ -2,7 +2,7 @@
 
 The middleware runs against ``MemoryQuotaCounts`` (objects and quotas set by hand) and the
 in-process store's reservations; the bookkeeping of the real counter
-(:class:`proxy.relay.counts.Tally`) is fed list and watch events directly. The apiserver's own
+(:class:`proxy.relay.tally.Tally`) is fed list and watch events directly. The apiserver's own
 wording is checked against the real one in tests/e2e/test_quota.py.
 """
 
@@ -28,7 +28,9 @@ from proxy.middlewares.quota import (
     format_count,
     generate_name,
 )
-from proxy.relay.counts import Count, QuotaCounts, Tally, parse_limit, selects
+from proxy.relay.counts import QuotaCounts
+from proxy.relay.quotaobjects import Count, parse_limit, selects
+from proxy.relay.tally import Tally
 from proxy.relay.upstream import UpstreamConfig
 from proxy.stores.base import Reservation
 from proxy.stores.memory import MemoryStore
