@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ from proxy.engine.context import Deny, Identity, RequestContext
 from proxy.engine.policies import EMPTY
 from proxy.engine.requestinfo import parse_request_info
 from proxy.middlewares import accesslog as accesslog_mod
+from proxy.middlewares import identity as identity_mod
 from proxy.middlewares.accesslog import AccessLog
 from proxy.middlewares.faults import Faults
 from proxy.middlewares.identity import IdentityCheck
@@ -101,13 +103,41 @@ def test_identity_asks_subject_access_review_per_object(tmp_path: Path) -> None:
     assert auth.calls.count("sar") == 2
 
 
-def test_identity_verifies_again_once_a_token_expires(tmp_path: Path) -> None:
+class _Clock:
+    """``time.time`` and ``time.monotonic`` for the identity module, moved by hand."""
+
+    def __init__(self) -> None:
+        self.wall, self.mono = time.time(), 1000.0
+
+    def time(self) -> float:
+        return self.wall
+
+    def monotonic(self) -> float:
+        return self.mono
+
+    def advance(self, seconds: float) -> None:
+        self.wall += seconds
+        self.mono += seconds
+
+
+def test_identity_verifies_again_once_a_token_expires(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A verified token is remembered until it stops being accepted (its exp plus the leeway
+    it was verified with), then verified again: and refused, being expired."""
+    clock = _Clock()
+    monkeypatch.setattr(identity_mod, "time", clock)
     auth = ti.FakeAuth()
-    token = ti.sa_token(exp_in=-5)  # inside the leeway: valid, but cached for no time at all
+    token = ti.sa_token(exp_in=10)
     check, policies = IdentityCheck(authenticator=auth), ti.policy_set(tmp_path, ti.policy())
-    for _ in range(3):
-        assert ti.run(check, ti.ctx_for(policies, "GET", CM + "/c", token)) is None
-    assert auth.calls == ["keys k1"] * 3
+    call = ti.ctx_for(policies, "GET", CM + "/c", token)
+    assert ti.run(check, call) is None
+    clock.advance(10 + identity_mod.LEEWAY - 3)  # past exp, within the leeway: remembered
+    assert ti.run(check, ti.ctx_for(policies, "GET", CM + "/c", token)) is None
+    assert auth.calls == ["keys k1"]
+    clock.advance(5)
+    decision = ti.run(check, ti.ctx_for(policies, "GET", CM + "/c", token))
+    assert decision is not None and ti.body(decision)["code"] == 401
+    assert auth.calls == ["keys k1"] * 2
 
 
 @pytest.mark.parametrize("token", ["opaque", "one.dot", "a.b.c.d"])
