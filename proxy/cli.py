@@ -167,6 +167,22 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+class _TopParser(_Parser):
+    """``opgate`` itself. argparse reports arguments no parser took at the top level, so a
+    misspelt ``serve`` flag read ``opgate: error: unrecognized arguments``; here the command
+    they were given to says it (``opgate serve: error: ...``)."""
+
+    def parse_args(self, args: Sequence[str] | None = None,  # type: ignore[override]
+                   namespace: argparse.Namespace | None = None) -> argparse.Namespace:
+        parsed, extra = self.parse_known_args(args, namespace)
+        if extra:
+            commands = next((a.choices for a in self._actions
+                             if isinstance(a, argparse._SubParsersAction)), {})
+            owner = commands.get(getattr(parsed, "command", None), self)
+            owner.error(f"unrecognized arguments: {' '.join(extra)}")
+        return parsed
+
+
 class _EnvDefaults(argparse.HelpFormatter):
     """Shows each flag's environment variable in ``--help``."""
 
@@ -212,7 +228,7 @@ def _add(
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _TopParser(
         prog="opgate",
         description="A sidecar reverse proxy for Kubernetes operators: every API call from the "
         "controller to kube-apiserver passes through identity, rate-limit, quota and audit "

@@ -64,6 +64,23 @@ def test_bad_flag_values_are_one_line_usage_errors(
     assert f"argument {flag}" in line
 
 
+@pytest.mark.parametrize(("argv", "prog", "says"), [
+    (["serve", "--polices", "/etc/opgate"], "opgate serve", "unrecognized arguments: --polices"),
+    (["serve", "extra"], "opgate serve", "unrecognized arguments: extra"),
+    (["check", "p.yaml", "--strict"], "opgate check", "unrecognized arguments: --strict"),
+    (["serv"], "opgate", "invalid choice: 'serv'"),
+    ([], "opgate", "required: COMMAND"),
+])
+def test_unknown_flags_and_commands_are_one_line_usage_errors(
+        argv: list[str], prog: str, says: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """A misspelt flag was reported by the top-level parser: its usage block, then ``opgate:
+    error: unrecognized arguments``, not naming the command whose flags were meant."""
+    line = _usage_error(argv, capsys)
+    assert line.startswith(f"{prog}: error: "), line
+    assert says in line
+    assert line.endswith(f"(see {prog} --help)")
+
+
 @pytest.mark.parametrize("url", [
     "redis://127.0.0.1:6379/0", "rediss://:pw@redis.example:6380/1?ssl_ca_certs=/x/ca.crt",
     "unix:///run/redis.sock", "redis+cluster://10.0.0.1:7000",
