@@ -9,6 +9,7 @@ in :mod:`proxy.workers`; otherwise :mod:`proxy.app` runs the sidecar in this pro
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import math
 import os
 import signal
@@ -91,6 +92,31 @@ def listen_address(text: str) -> str:
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
     return text
+
+
+def exposure_warning(listen: str) -> str:
+    """What to warn about an API listener (``--listen``) off loopback ("" for none).
+
+    opgate relays a call that carries no token with its own credentials (``--token-file``,
+    the pod's service-account token, the kubeconfig's user), as ``kubectl proxy`` does: on the
+    pod IP or ``0.0.0.0`` anyone who can reach the port calls the apiserver as opgate. Only a
+    warning, since a container published on the host's loopback (docker-compose.yml) needs it.
+    """
+    from proxy.relay.listen import parse_listen
+
+    address = parse_listen(listen)
+    if isinstance(address, str):  # a Unix socket: its directory's permissions guard it
+        return ""
+    host = address[0]
+    try:
+        if ipaddress.ip_address(host).is_loopback:
+            return ""
+    except ValueError:  # a host name
+        if host.lower() == "localhost":
+            return ""
+    return (f"--listen {listen} is not a loopback address: a call that reaches it without a "
+            "token is relayed with opgate's own credentials (--token-file, the pod's token, "
+            "the kubeconfig's user); keep the API port on 127.0.0.1 or unix:/path")
 
 
 def redis_url(text: str) -> str:
@@ -380,6 +406,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"opgate: {exc}", file=sys.stderr)
             return 2
     settings = settings_from(args)
+    warning = exposure_warning(settings.listen.listen)
+    if warning:
+        print(f"opgate: warning: {warning}", file=sys.stderr)
     if settings.log.capture:
         from proxy.capture import MitmproxyMissing, load_mitmproxy
 

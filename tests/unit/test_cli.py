@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from proxy.cli import build_parser, settings_from
+from proxy.cli import build_parser, main, settings_from
 
 SERVE_FLAGS = [
     "--listen", "--tls-cert", "--tls-key", "--admin-listen", "--upstream", "--kubeconfig",
@@ -132,3 +132,25 @@ def test_serve_ignores_sighup_before_it_reads_its_arguments(
     finally:
         signal.signal(signal.SIGHUP, before)
     assert seen == [signal.SIG_IGN if ignored else signal.SIG_DFL]
+
+
+@pytest.mark.parametrize(("listen", "warned"), [
+    ("0.0.0.0:8001", True), ("[::]:8001", True), ("10.1.2.3:8001", True),
+    ("opgate.example:8001", True), ("127.0.0.1:8001", False), ("127.0.0.53:8001", False),
+    ("[::1]:8001", False), ("localhost:8001", False), ("unix:/run/opgate/api.sock", False),
+])
+def test_an_api_listener_off_loopback_is_warned_about(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], listen: str,
+        warned: bool) -> None:
+    """Calls that come without a token are relayed with opgate's own credentials (the pod's
+    token, the kubeconfig's user): on the pod IP, anyone who reaches the port has them. The
+    chart refuses it; the command said nothing."""
+    import proxy.app
+
+    monkeypatch.setattr(proxy.app, "serve", lambda settings: 0)
+    assert main(["serve", "--listen", listen]) == 0
+    err = capsys.readouterr().err
+    assert ("is not a loopback address" in err) is warned, err
+    if warned:
+        assert len(err.strip().splitlines()) == 1
+        assert err.startswith(f"opgate: warning: --listen {listen} ")
