@@ -399,6 +399,10 @@ TOKEN_REVIEWS = Counter(
 POLICY_RELOADS = Counter(
     "opgate_policy_reloads_total", "Policy reload attempts.", ["result"], registry=REGISTRY,
 )
+# each result at 0 from the start: a broken edit counts one error, then its files stay
+# unchanged, and a series born at 1 has no increase for an alert's increase() to see
+for _result in ("success", "error", "unchanged"):
+    POLICY_RELOADS.labels(result=_result)
 QUOTA_RESERVATIONS = Counter(
     "opgate_quota_reservations_total",
     "Quota'd creates admitted and reserved, by the store that reserved them (redis: shared by "

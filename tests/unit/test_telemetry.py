@@ -251,3 +251,19 @@ def test_single_process_mode_publishes_levels_only_when_read(
 
     asyncio.run(go())
     assert telemetry._levels_loop is None
+
+
+def test_policy_reload_results_are_exported_at_zero_from_the_start() -> None:
+    """A broken edit counts one ``error`` and then stays unchanged: a series that appears at 1
+    has no increase for ``increase()`` / ``rate()`` to see, so an alert on failed reloads never
+    fired for the first (and often only) one. Each result is there at 0 before any reload."""
+    import subprocess
+    import sys
+
+    code = ("from prometheus_client import generate_latest\n"
+            "from proxy.engine import telemetry\n"
+            "print(generate_latest(telemetry.REGISTRY).decode())\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, timeout=60).stdout
+    for result in ("success", "error", "unchanged"):
+        assert f'opgate_policy_reloads_total{{result="{result}"}} 0.0' in out, out
