@@ -5,7 +5,8 @@ It runs on its own port (default ``127.0.0.1:9091``) because the API port belong
 apiserver: ``/healthz`` and ``/metrics`` there are forwarded to it, as clients expect.
 ``/readyz`` follows the apiserver's convention: 200 ``ok`` when every check passes, else 503
 and the failing check; ``?verbose`` lists every check with ``[+]``/``[-]``; ``?exclude=NAME``
-(repeatable) skips a check (``[+]NAME excluded: ok``, a ``warn:`` line for a name no check has).
+(repeatable) skips a check (``[+]NAME excluded: ok``, a ``warn:`` line for a name no check has);
+``/readyz/NAME`` runs that check alone.
 
 The app is given its checks, its policy view and its metrics: in one process they are the
 process's own; under the ``--workers`` supervisor (:mod:`proxy.workers`) each check asks one
@@ -235,6 +236,8 @@ class AdminApp:
         url = req.url.decode("latin-1")
         path, _, query = url.partition("?")
         route = self._routes.get(path)
+        if route is None and path.startswith("/readyz/"):
+            route = self._one_check(path.removeprefix("/readyz/"))
         extra = ""
         if req.method not in (b"GET", b"HEAD"):
             answer: Answer = (405, "text/plain", b"method not allowed\n")
@@ -287,6 +290,24 @@ class AdminApp:
             text = "\n".join(lines) + "\n"
             return 200 if ready else 503, "text/plain; charset=utf-8", text.encode()
         return 200, "text/plain; charset=utf-8", b"ok"
+
+    def _one_check(self, name: str) -> Callable[..., Awaitable[Answer]] | None:
+        """``/readyz/<name>``: that check alone (200 ``ok``, else 503 and why), as the
+        apiserver serves each of its checks; None for a name no check has."""
+        checks = [*self._checks, NamedCheck("shutdown", self._shutdown_check)]
+        named = next((c for c in checks if c.name == name), None)
+        if named is None:
+            return None
+
+        async def answer(*_: object) -> Answer:
+            EXCLUDED.set(frozenset())
+            _, ok, detail = await self._run(named)
+            if ok:
+                return 200, "text/plain; charset=utf-8", b"ok"
+            text = f"[-]{name} failed" + (f": {detail}" if detail else "") + "\n"
+            return 503, "text/plain; charset=utf-8", text.encode()
+
+        return answer
 
     async def _shutdown_check(self) -> tuple[bool, str]:
         if self._stopping:

@@ -95,6 +95,25 @@ async def test_readyz_exclude_of_shutdown(admin: AdminListener) -> None:
     assert head.startswith("HTTP/1.1 200")
 
 
+async def test_readyz_of_one_check_as_the_apiservers(admin: AdminListener) -> None:
+    """The apiserver serves each check at ``/readyz/<name>`` (``curl .../readyz/etcd``): here
+    that path was a 404, as was every check's."""
+    head, body = await call(admin, "/readyz/policies")
+    assert head.startswith("HTTP/1.1 200") and body == "ok"
+    head, body = await call(admin, "/readyz/upstream")
+    assert head.startswith("HTTP/1.1 503")
+    assert body == "[-]upstream failed: upstream /readyz answered 500\n"
+    head, body = await call(admin, "/readyz/shutdown")
+    assert head.startswith("HTTP/1.1 200") and body == "ok"
+    admin.shutting_down()
+    head, body = await call(admin, "/readyz/shutdown")
+    assert head.startswith("HTTP/1.1 503") and body.startswith("[-]shutdown failed: ")
+    head, _ = await call(admin, "/readyz/etcd")
+    assert head.startswith("HTTP/1.1 404")
+    head, body = await call(admin, "/readyz/upstream", "HEAD")
+    assert head.startswith("HTTP/1.1 503") and body == ""
+
+
 @pytest.mark.parametrize("method", ["POST", "PUT", "DELETE"])
 async def test_other_methods_get_405_with_allow(admin: AdminListener, method: str) -> None:
     head, body = await call(admin, "/metrics", method)
