@@ -1,11 +1,12 @@
 """Policy files → one immutable, validated :class:`PolicySet`, and the store that swaps it in.
 
 The engine validates the envelope of each YAML document (``apiVersion``, ``kind``,
-``metadata.name``, ``spec.mode``/``failure``/``allowImpersonation``); each section of ``spec``
-belongs to the middleware that enforces it and is validated by that middleware's
-:data:`~proxy.engine.schema.SectionParser`, passed in ``parsers`` (so a new middleware brings
-its schema with it). A parsed section may also have to agree with the same section of earlier
-policies (its ``check_against``). Every problem in every file is collected, then reported together.
+``metadata.name``, ``.labels``, ``.annotations``, ``spec.mode``/``failure``/``allowImpersonation``);
+each section of ``spec`` belongs to the middleware that enforces it and is validated by that
+middleware's :data:`~proxy.engine.schema.SectionParser`, passed in ``parsers`` (so a new
+middleware brings its schema with it). A parsed section may also have to agree with the same
+section of earlier policies (its ``check_against``). Every problem in every file is collected,
+then reported together.
 
 :class:`PolicyStore` holds the active set. A reload reads every file, validates, and replaces
 ``store.current`` with one attribute assignment, only when everything is valid: the last good set
@@ -35,6 +36,7 @@ from proxy.engine.schema import (
     Located,
     PolicyError,
     SectionParser,
+    describe_type,
     parse_yaml_documents,
     read_error,
 )
@@ -216,6 +218,8 @@ def _parse_policy(doc: Located, *, parsers: Mapping[str, SectionParser],
         if name and (len(name) > 253 or not _DNS1123_SUBDOMAIN.fullmatch(name)):
             metadata.fail("name", f'"{name}" is not a valid name (lower-case letters, digits, '
                            "'-' and '.', starting and ending with a letter or digit)")
+        for key in ("labels", "annotations"):
+            _string_map(metadata, key)
         metadata.finish()
     spec_node = top.node("spec", required=True)
     top.finish()
@@ -245,6 +249,22 @@ def _parse_policy(doc: Located, *, parsers: Mapping[str, SectionParser],
         return None
     return Policy(name=name, mode=mode, source=doc.where(), failure=failure,
                   sections=sections, allow_impersonation=impersonation)
+
+
+def _string_map(fields: Fields, key: str) -> None:
+    """``metadata.labels`` / ``metadata.annotations``: strings to strings, as a Kubernetes
+    object's (opgate reads neither; they are the authors', and templates add them)."""
+    node = fields.node(key)
+    if node is None:
+        return
+    if not isinstance(node.value, dict):
+        fields.fail(key, f"expected a mapping of strings, got {describe_type(node.value)}")
+        return
+    for name, item in node.value.items():
+        if not isinstance(item.value, str):
+            fields.errors.append(item.error(
+                f"{fields.path(key)}.{name}: expected a string, got {describe_type(item.value)}",
+                line=node.key_lines.get(name, item.line)))
 
 
 def _shown(file: str) -> str:

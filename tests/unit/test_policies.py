@@ -177,6 +177,24 @@ def test_broken_files_report_file_and_line(tmp_path: Path, text: str,
     assert errors_of(path) == [e.format(f=path) for e in expected]
 
 
+def test_metadata_labels_and_annotations_as_kubernetes_objects_have(tmp_path: Path) -> None:
+    """A Kubernetes-style document may carry labels and annotations (a team, a ticket, what
+    kustomize or a template adds): they were "unknown field" errors that refused the set."""
+    path = tmp_path / "p.yaml"
+    path.write_text(GOOD.replace("metadata: {name: alpha}", "metadata:\n  name: alpha\n"
+                                 "  labels: {team: platform}\n"
+                                 "  annotations: {opgate.dev/owner: 'ops@example.com'}"))
+    assert [p.name for p in load_policy_set([path], parsers=PARSERS).policies] == ["alpha"]
+    path.write_text(GOOD.replace("metadata: {name: alpha}", "metadata:\n  name: alpha\n"
+                                 "  labels: {replicas: 3}\n  annotations: [a]\n"
+                                 "  namespace: ops"))
+    assert errors_of(path) == [
+        f"{path}:5: metadata.labels.replicas: expected a string, got an integer",
+        f"{path}:6: metadata.annotations: expected a mapping of strings, got a list",
+        f'{path}:7: unknown field "namespace" in metadata',
+    ]
+
+
 def test_duplicate_name_across_two_files(tmp_path: Path) -> None:
     (tmp_path / "a.yaml").write_text(GOOD)
     (tmp_path / "b.yaml").write_text("# second\n" + GOOD.replace("mode: dryrun", "mode: enforce"))
