@@ -209,7 +209,10 @@ def _parse_policy(doc: Located, *, parsers: Mapping[str, SectionParser],
         top.fail("apiVersion", f'must be "{API_VERSION}" (got "{api_version}")')
     kind = top.str("kind", required=True)
     if kind is not None and kind != KIND:
+        # another kind (a ConfigMap kept beside the policies): what it holds is no policy's
+        # fields, so they are not reported one by one as a broken Policy's
         top.fail("kind", f'must be "{KIND}" (got "{kind}")')
+        return None
     name = ""
     metadata_node = top.node("metadata", required=True)
     if metadata_node is not None:

@@ -95,6 +95,19 @@ def test_values_with_line_breaks_stay_on_their_error_line(tmp_path: Path) -> Non
     ]
 
 
+def test_a_document_of_another_kind_is_one_error_not_its_fields(tmp_path: Path) -> None:
+    """kubectl users keep several kinds in one file: a ConfigMap among the policies was
+    reported field by field as if it were a broken Policy (its data "unknown", its spec
+    "missing"), four lines for one mistake. Now its apiVersion and kind say it."""
+    (tmp_path / "a.yaml").write_text(
+        policy_doc("alpha") + "---\napiVersion: v1\nkind: ConfigMap\nmetadata: {name: cfg}\n"
+        "data: {k: v}\n")
+    assert check([tmp_path], parsers=PARSERS) == [
+        f'{tmp_path}/a.yaml:8: apiVersion: must be "opgate.dev/v1alpha1" (got "v1")',
+        f'{tmp_path}/a.yaml:9: kind: must be "Policy" (got "ConfigMap")',
+    ]
+
+
 def test_missing_paths(tmp_path: Path) -> None:
     assert check([tmp_path / "nope.yaml"], parsers=PARSERS) == [
         f"{tmp_path}/nope.yaml: no such file or directory"]
