@@ -19,7 +19,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
-from typing import IO, Generic, TypeVar
+from typing import Generic, TypeVar
 
 __all__ = ["BackgroundWriter", "RotatingFile"]
 
@@ -92,8 +92,14 @@ class RotatingFile:
     """An append-only file rotated by size, as the apiserver's audit log (lumberjack) does.
 
     Before a write would take the file past ``max_bytes`` (0: never), it is renamed to
-    ``<name>-<UTC time 2006-01-02T15-04-05.000><ext>`` next to it and a new one opened; only the
-    newest ``max_backups`` such files are kept (0: all). New files are created mode 0600.
+    ``<name>-<UTC time 2006-01-02T15-04-05.000><ext>`` next to it (``-1``, ``-2`` … after the
+    time when one millisecond saw several) and a new one opened; only the newest
+    ``max_backups`` such files are kept (0: all). New files are created mode 0600.
+
+    Records are written whole or not at all: the file is written unbuffered, and a write the
+    disk refuses halfway (full, over quota) is cut back off before the error goes up, so a
+    reader (jq, Falco, mitmproxy, which stops at a broken flow) never meets half a record,
+    and the records after it, once the disk has room, are whole.
     """
 
     def __init__(self, path: str, *, max_bytes: int = 0, max_backups: int = 0,
@@ -105,30 +111,65 @@ class RotatingFile:
         folder, base = os.path.split(path)
         self._dir = folder or "."
         self._stem, self._ext = os.path.splitext(base)
-        stamp = r"(\d{4}-\d\d-\d\dT\d\d-\d\d-\d\d\.\d{3})(?:-\d+)?"
+        stamp = r"(\d{4}-\d\d-\d\dT\d\d-\d\d-\d\d\.\d{3})(?:-(\d+))?"
         self._backup = re.compile(re.escape(self._stem) + "-" + stamp + re.escape(self._ext))
-        self._file = self._open()
-        self.size = os.fstat(self._file.fileno()).st_size
+        self._fd = -1  # -1: not open (a rotation could not reopen it: the next write tries)
+        self.size = 0
+        self._open()
 
-    def _open(self) -> IO[bytes]:
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-        return os.fdopen(fd, "ab")
+    def _open(self) -> None:
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        self.size = os.fstat(fd).st_size
+        self._fd = fd
 
     def write(self, data: str) -> None:
+        """Append ``data``, whole lines: where the next line would take the file past
+        ``max_bytes``, the file is rotated between the two (a writer that fell behind hands
+        over megabytes of lines at once)."""
         # a lone surrogate (a token's claim may hold one: JSON's "\ud800") leaves as the JSON
         # escape it came as, inside its JSON string, instead of losing the whole batch
-        self.write_bytes(data.encode("utf-8", "backslashreplace"))
+        raw = data.encode("utf-8", "backslashreplace")
+        if not self.max_bytes or self.size + len(raw) <= self.max_bytes:
+            self.write_bytes(raw)
+            return
+        view = memoryview(raw)
+        start = 0
+        while start < len(raw):
+            room = self.max_bytes - self.size
+            if len(raw) - start <= room:
+                end = len(raw)
+            else:
+                end = raw.rfind(b"\n", start, start + max(room, 0)) + 1
+                if end <= start:  # not one more line fits: the next file, or one of its own
+                    end = (raw.find(b"\n", start) + 1 or len(raw)) if not self.size else start
+            if end > start:
+                self.write_bytes(view[start:end])
+            start = end
+            if start < len(raw) and self.size:
+                self.rotate()
 
-    def write_bytes(self, raw: bytes) -> None:
+    def write_bytes(self, raw: bytes | memoryview) -> None:
         """Append ``raw`` whole (rotating first if it would not fit: a record is never split
-        across files)."""
+        across files), or nothing of it (class docstring)."""
+        if self._fd < 0:
+            self._open()
         if self.max_bytes and self.size and self.size + len(raw) > self.max_bytes:
             self.rotate()
-        self._file.write(raw)
-        self.size += len(raw)
+        done = 0
+        try:
+            while done < len(raw):
+                done += os.write(self._fd, raw[done:])
+        except OSError:
+            if done:  # what fitted goes again (O_APPEND: it is the file's last bytes)
+                try:
+                    os.ftruncate(self._fd, os.fstat(self._fd).st_size - done)
+                except OSError as exc:
+                    log.warning("cannot cut a half-written record off %s: %s", self.path, exc)
+            raise
+        self.size += done
 
     def flush(self) -> None:
-        self._file.flush()
+        """Nothing: every write goes to the file at once."""
 
     def backups(self) -> list[str]:
         """The rotated files, oldest first."""
@@ -136,22 +177,24 @@ class RotatingFile:
         for name in os.listdir(self._dir):
             m = self._backup.fullmatch(name)
             if m:
-                found.append((m.group(1), name))
-        return [os.path.join(self._dir, name) for _, name in sorted(found)]
+                found.append((m.group(1), int(m.group(2) or 0), name))
+        return [os.path.join(self._dir, name) for _, _, name in sorted(found)]
 
     def rotate(self) -> None:
-        self._file.close()
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
         stamp = datetime.fromtimestamp(self._now(), UTC).strftime("%Y-%m-%dT%H-%M-%S.%f")[:-3]
-        target = os.path.join(self._dir, f"{self._stem}-{stamp}{self._ext}")
-        n = 1
-        while os.path.exists(target):
-            target = os.path.join(self._dir, f"{self._stem}-{stamp}-{n}{self._ext}")
-            n += 1
+        # after the newest of the same millisecond (one the oldest were removed from: not in
+        # a gap it left, which would sort it first)
+        taken = [int(m.group(2) or 0) for name in os.listdir(self._dir)
+                 if (m := self._backup.fullmatch(name)) and m.group(1) == stamp]
+        suffix = f"-{max(taken) + 1}" if taken else ""
+        target = os.path.join(self._dir, f"{self._stem}-{stamp}{suffix}{self._ext}")
         try:
             os.rename(self.path, target)
         finally:
-            self._file = self._open()
-            self.size = os.fstat(self._file.fileno()).st_size
+            self._open()
         if self.max_backups:
             for old in self.backups()[:-self.max_backups]:
                 try:
@@ -160,4 +203,6 @@ class RotatingFile:
                     log.warning("cannot remove old log file %s: %s", old, exc)
 
     def close(self) -> None:
-        self._file.close()
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
