@@ -35,7 +35,9 @@ the tools that read its ``--audit-log-path`` files read opgate's too:
   recorded** (the relay streams response bodies and does not hand them to middlewares).
 * Stages: ``ResponseComplete`` when a call ends. Long-running calls (watch, exec, attach,
   port-forward, logs, proxy) also get ``ResponseStarted`` once their response head went out
-  (seen on the context, at most ``POLL_SECONDS`` late). ``RequestReceived`` is never emitted (as
+  (seen on the context, at most ``POLL_SECONDS`` late; one opgate answered itself before the
+  entry hook ran, both at its end, as the apiserver logs its own denial of one, but a 401:
+  one ResponseComplete). ``RequestReceived`` is never emitted (as
   if every policy had ``omitStages: [RequestReceived]``), nor ``Panic``.
 
 Nothing here blocks a call: an event is built in the exit hook and handed to an
@@ -323,6 +325,9 @@ class Audit:
             if item is not None and item.ctx is ctx:
                 self._exit_open(ctx, item)
                 return
+        if ctx.answer is not None and ctx.info.is_long_running and ctx.decision != "unauthorized":
+            self._exit_answered(ctx)
+            return
         # every other call: its _Call record (remembered per policy set, by the ids of the
         # RequestInfo, shared by identical calls, and the identity it holds, and by query, user
         # agent and caller address) has the decision, the counter and the line's fragments:
@@ -424,6 +429,18 @@ class Audit:
             return
         end = ctx.wall_time + ((ctx.finished or time.monotonic()) - ctx.started)
         self._emit(ctx, decision, "ResponseComplete", end)
+
+    def _exit_answered(self, ctx: RequestContext) -> None:
+        """A long-running call opgate answered before :meth:`entry` ran (a rule, a fault, a
+        rate limit): ResponseStarted and ResponseComplete, as the apiserver logs its own denial
+        of one (its 401 excepted: one event, README)."""
+        decision = self.plan(ctx.policies).decide(ctx.info, ctx.identity)
+        if decision.level == "None":
+            return
+        end = ctx.wall_time + ((ctx.finished or time.monotonic()) - ctx.started)
+        for stage in ("ResponseStarted", "ResponseComplete"):
+            if stage not in decision.omit_stages:
+                self._emit(ctx, decision, stage, end)
 
     def event(self, ctx: RequestContext, decision: Decision, stage: str,
               stamp: float) -> dict[str, Any]:

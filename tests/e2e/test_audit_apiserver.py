@@ -323,15 +323,17 @@ def test_each_event_is_the_apiservers_for_the_same_call(setup: Setup) -> None:
     ("PATCH", f"/apis/apps/v1/namespaces/{NS}/replicasets/r/scale", "no-rs-scale",
      'replicasets.apps "r" is forbidden', {"name": "r", "group": "apps", "kind": "replicasets"}),
     ("POST", "/apis", "no-posts", "forbidden: User", {}),
-], ids=["list", "named", "group-subresource", "non-resource"])
+    ("GET", f"/api/v1/namespaces/{NS}/secrets?watch=true", "no-secrets", "secrets is forbidden",
+     {"kind": "secrets"}),
+], ids=["list", "named", "group-subresource", "non-resource", "watch"])
 def test_a_call_opgate_denies_is_logged_as_the_apiserver_logs_its_own_denial(
         setup: Setup, method: str, path: str, rule: str, denial: str,
         details: dict[str, str]) -> None:
     """The same call through opgate (its rule denies) and straight to the apiserver (RBAC
     denies): the same Status but for its message (opgate's names its rule) and the same
-    event, ``responseStatus.details`` included, but for that message. client-go and kubectl
-    read the Status' reason and code (tests/e2e/test_clientgo.py); its details are the
-    apiserver's."""
+    event, ``responseStatus.details`` included, but for that message (a watch: both its
+    events, ResponseStarted and ResponseComplete). client-go and kubectl read the Status'
+    reason and code (tests/e2e/test_clientgo.py); its details are the apiserver's."""
     body = {"spec": {"replicas": 1}} if method == "PATCH" else {} if method == "POST" else None
     ctype = "application/merge-patch+json" if method == "PATCH" else None
     mine = f"deny-{rule}-{method}-{path}"
@@ -348,18 +350,25 @@ def test_a_call_opgate_denies_is_logged_as_the_apiserver_logs_its_own_denial(
     assert theirs_body.pop("message").startswith(denial)
     assert_same(ours_body, theirs_body)  # the same fields, in the same order
     assert theirs_body["details"] == details
-    key = (f"{mine}-opgate", "ResponseComplete")
-    ours = by_id(setup.opgate_log, {key})[key]
-    theirs = by_id(setup.apiserver_log, {(f"{mine}-apiserver", "ResponseComplete")})[
-        (f"{mine}-apiserver", "ResponseComplete")]
-    assert ours["annotations"]["opgate.dev/decision"] == "denied"
-    assert rule in ours["responseStatus"].pop("message")
-    assert theirs["responseStatus"].pop("message").startswith(denial)
-    theirs["auditID"] = key[0]
-    a, b = normalize(ours, theirs)
-    assert_same(a, b)
-    assert b["responseStatus"] == {"metadata": {}, "status": "Failure", "reason": "Forbidden",
-                                   "details": details, "code": 403}
+    stages = ("ResponseStarted", "ResponseComplete") if "watch" in path else (
+        "ResponseComplete",)
+    ours_all = by_id(setup.opgate_log, {(f"{mine}-opgate", stage) for stage in stages})
+    theirs_all = by_id(setup.apiserver_log, {(f"{mine}-apiserver", stage) for stage in stages})
+    assert {k for k in ours_all if k[0] == f"{mine}-opgate"} == {
+        (f"{mine}-opgate", stage) for stage in stages}
+    assert {k for k in theirs_all if k[0] == f"{mine}-apiserver"} == {
+        (f"{mine}-apiserver", stage) for stage in stages} | {
+        (f"{mine}-apiserver", "RequestReceived")}
+    for stage in stages:
+        ours, theirs = ours_all[(f"{mine}-opgate", stage)], theirs_all[(f"{mine}-apiserver", stage)]
+        assert ours["annotations"]["opgate.dev/decision"] == "denied"
+        assert rule in ours["responseStatus"].pop("message")
+        assert theirs["responseStatus"].pop("message").startswith(denial)
+        theirs["auditID"] = f"{mine}-opgate"
+        a, b = normalize(ours, theirs)
+        assert_same(a, b, stage)
+        assert b["responseStatus"] == {"metadata": {}, "status": "Failure",
+                                       "reason": "Forbidden", "details": details, "code": 403}
 
 
 @pytest.mark.parametrize("bound", sorted(BOUND))

@@ -21,7 +21,13 @@ from proxy.engine.chain import Chain, settle
 from proxy.engine.context import Deny, Identity, RequestContext
 from proxy.engine.policies import EMPTY, PolicySet, build_policy_set
 from proxy.engine.requestinfo import parse_request_info
-from proxy.engine.status import forbidden, service_unavailable
+from proxy.engine.status import (
+    StatusError,
+    forbidden,
+    internal_error,
+    service_unavailable,
+    unauthorized,
+)
 from proxy.middlewares import audit as audit_mod
 from proxy.middlewares.accesslog import AccessWriter
 from proxy.middlewares.audit import (
@@ -674,6 +680,44 @@ def test_short_watch_still_gets_both_stages_and_omit_stages_applies() -> None:
     gone = make_ctx("GET", "/api/v1/pods", "watch=1")
     run_call(auditor, gone, 499)  # the client left before any head: no ResponseStarted
     assert [e["stage"] for e in out.events] == ["ResponseComplete"]
+
+
+@pytest.mark.parametrize(("path", "query"), [
+    ("/api/v1/namespaces/a/configmaps", "watch=true"),
+    ("/api/v1/namespaces/a/pods/p/exec", "command=ls"),
+])
+def test_a_long_running_call_opgate_answers_gets_both_stages_as_the_apiservers_own(
+        path: str, query: str) -> None:
+    """A watch (an exec …) that a fault, a rule or a rate limit answers before this middleware's
+    entry hook ran: the apiserver logs its own denial of a long-running call at ResponseStarted
+    and ResponseComplete, both with the Status (tests/e2e/test_audit_apiserver.py); so does
+    opgate. omitStages still applies; a 401 stays one ResponseComplete (README)."""
+    status = internal_error("opgate: injected fault f (policy p)")
+
+    def answered(pset: PolicySet = EMPTY, decision: str = "fault",
+                 answer: StatusError = status) -> list[dict[str, Any]]:
+        out = Lines()
+        ctx = make_ctx("GET", path, query, pset=pset)
+        ctx.answer, ctx.decision = answer, decision
+        finish(ctx, answer.code)
+        asyncio.run(settle(Audit(write=out).exit(ctx)))  # (entry never ran)
+        return out.events
+
+    started, complete = answered()
+    for ev in (started, complete):
+        check_shape(ev)
+    assert (started["stage"], complete["stage"]) == ("ResponseStarted", "ResponseComplete")
+    assert started["responseStatus"] == complete["responseStatus"] == {
+        "metadata": {}, "status": "Failure", "message": status.message,
+        "reason": "InternalError", "code": 500}
+    assert started["stageTimestamp"] == complete["stageTimestamp"]
+    assert started["annotations"] == complete["annotations"]
+    omit = policies("    omitStages: [ResponseStarted]\n")
+    assert [e["stage"] for e in answered(omit)] == ["ResponseComplete"]
+    assert answered(policies("    level: None\n")) == []
+    assert [e["stage"] for e in answered(
+        decision="unauthorized", answer=unauthorized("opgate: Unauthorized"))] == [
+        "ResponseComplete"]
 
 
 # --- the file: rotation, and a writer that never blocks the loop ---------------------------
