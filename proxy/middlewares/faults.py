@@ -4,7 +4,9 @@ An operator must survive conflicts, throttling and outages; this middleware lets
 them on a real cluster without touching it. A fault matches calls like any rule (verbs, groups,
 resources, namespaces, users), fires with a probability, and either answers in the apiserver's
 place (a Kubernetes Status with the chosen code: a 409 Conflict, a 429 with ``Retry-After``, a
-500 or 503 …), or delays the call and then relays it, or both (delay, then answer). In a
+500 or 503 …; ``retryAfter`` gives any code a ``Retry-After`` and ``details.retryAfterSeconds``,
+as the apiserver's Status of a 504 Timeout has them: client-go retries a 429 or a 5xx after
+it), or delays the call and then relays it, or both (delay, then answer). In a
 ``dryrun`` policy a fault never fires: it says, in a ``Warning`` header, what it would have done.
 
     faults:
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -53,7 +56,7 @@ class Fault:
     code: int = 0  # 0: no answer, only the delay
     reason: str = ""
     message: str = ""
-    retry_after: float = 1.0
+    retry_after: float | None = None  # None: not given (a 429 then says 1 s)
     delay: float = 0.0
     mode: str | None = None  # None: the policy's
 
@@ -69,13 +72,14 @@ def _parse_fault(node: Located, what: str, index: int,
     delay = f.duration("delay", default=0.0) or 0.0
     mode = f.str("mode", choices=("enforce", "dryrun"))
     respond = f.node("respond")
-    code, reason, message, retry_after = 0, "", "", 1.0
+    code, reason, message, retry_after = 0, "", "", None
     if respond is not None:
         r = Fields(respond, what=f"{what}.respond", errors=errors)
         code = r.int("code", required=True, minimum=400, maximum=599) or 0
         reason = r.str("reason", default="") or _REASONS.get(code, "")
         message = r.str("message", default="") or ""
-        retry_after = r.duration("retryAfter", default=1.0) or 1.0
+        if r.node("retryAfter") is not None:
+            retry_after = r.duration("retryAfter")
         r.finish()
     elif not delay:
         f.fail("respond", "a fault needs `respond` (a code to answer with), `delay`, or both")
@@ -162,10 +166,15 @@ class Faults:
             return Delay(fault.delay)
         message = fault.message or f"opgate: injected fault {fault.name} (policy {policy})"
         if fault.code == 429:
-            status = too_many_requests(message, retry_after=fault.retry_after)
+            status = too_many_requests(message, retry_after=fault.retry_after or 1.0)
         else:  # a 403 with the details of the apiserver's own (client-go reads them alike)
-            status = StatusError(fault.code, message, fault.reason,
-                                 call_details(ctx.info) if fault.code == 403 else None)
+            details = call_details(ctx.info) if fault.code == 403 else None
+            headers: tuple[tuple[str, str], ...] = ()
+            if fault.retry_after is not None:  # as the apiserver's 504 Timeout has it
+                seconds = max(1, math.ceil(fault.retry_after))
+                details = {**(details or {}), "retryAfterSeconds": seconds}
+                headers = (("Retry-After", str(seconds)),)
+            status = StatusError(fault.code, message, fault.reason, details, headers)
         if fault.delay:
             await asyncio.sleep(fault.delay)
         return Deny(status, "fault")

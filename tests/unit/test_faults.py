@@ -86,6 +86,29 @@ def test_429_carries_an_integer_retry_after(tmp_path: Path) -> None:
     assert ("Retry-After", "3") in decision.status.headers
 
 
+@pytest.mark.parametrize(("respond", "method", "retry_after", "details"), [
+    ("{code: 503, retryAfter: 3s}", "GET", "3", {"retryAfterSeconds": 3}),
+    ("{code: 504, retryAfter: 1500ms}", "GET", "2", {"retryAfterSeconds": 2}),
+    ("{code: 500, retryAfter: 1s}", "GET", "1", {"retryAfterSeconds": 1}),
+    ("{code: 403, retryAfter: 2s}", "PUT", "2",
+     {"name": "w", "group": "demo.opgate.dev", "kind": "widgets", "retryAfterSeconds": 2}),
+    ("{code: 503}", "GET", None, None),
+    ("{code: 429}", "GET", "1", {"retryAfterSeconds": 1}),
+])
+def test_retry_after_is_sent_with_any_code_it_is_given_for(
+        tmp_path: Path, respond: str, method: str, retry_after: str | None,
+        details: dict[str, object] | None) -> None:
+    """As the apiserver sends a Status whose ``details.retryAfterSeconds`` is set (its 504
+    Timeout, its 500 ServerTimeout): with a ``Retry-After`` header, which client-go honours on a
+    429 or a 5xx (it retries after it). A 503 rehearsing an outage without one is not retried;
+    a 429 always has one."""
+    p = policies(tmp_path, f"  faults:\n    - respond: {respond}\n")
+    decision = asyncio.run(settle(Faults().entry(ctx_for(p, method, WIDGET))))
+    assert isinstance(decision, Deny)
+    assert dict(decision.status.headers).get("Retry-After") == retry_after
+    assert json.loads(decision.status.body()).get("details") == details
+
+
 def test_probability_uses_the_rng(tmp_path: Path) -> None:
     p = policies(tmp_path, "  faults:\n    - probability: 0.25\n      respond: {code: 500}\n")
     values = iter([0.1, 0.3, 0.2, 0.9])
