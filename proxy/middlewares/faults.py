@@ -48,6 +48,14 @@ _REASONS = {400: "BadRequest", 401: "Unauthorized", 403: "Forbidden", 404: "NotF
             504: "Timeout"}
 
 
+def _reason(code: int, ctx: RequestContext) -> str:
+    """The apiserver's reason for ``code`` on this call: a create's 409 is ``AlreadyExists``
+    (client-go's ``IsAlreadyExists``; it names a POST's bare 409 so too), others by code."""
+    if code == 409 and ctx.info.verb == "create":
+        return "AlreadyExists"
+    return _REASONS.get(code, "")
+
+
 @dataclass(frozen=True, slots=True)
 class Fault:
     name: str
@@ -76,7 +84,7 @@ def _parse_fault(node: Located, what: str, index: int,
     if respond is not None:
         r = Fields(respond, what=f"{what}.respond", errors=errors)
         code = r.int("code", required=True, minimum=400, maximum=599) or 0
-        reason = r.str("reason", default="") or _REASONS.get(code, "")
+        reason = r.str("reason", default="") or ""  # "": the code's (_reason), when it fires
         message = r.str("message", default="") or ""
         if r.node("retryAfter") is not None:
             retry_after = r.duration("retryAfter")
@@ -174,7 +182,8 @@ class Faults:
                 seconds = max(1, math.ceil(fault.retry_after))
                 details = {**(details or {}), "retryAfterSeconds": seconds}
                 headers = (("Retry-After", str(seconds)),)
-            status = StatusError(fault.code, message, fault.reason, details, headers)
+            status = StatusError(fault.code, message, fault.reason or _reason(fault.code, ctx),
+                                 details, headers)
         if fault.delay:
             await asyncio.sleep(fault.delay)
         return Deny(status, "fault")

@@ -1,6 +1,7 @@
 """Injected faults as a real client-go (tests/e2e/clientgo) reads them, through opgate to the real
 kube-apiserver: the Status of each code decodes to the apierrors reason the apiserver's own
-would (``IsConflict``, ``IsTooManyRequests``, ``Timeout``, ``ServiceUnavailable``), and client-go
+would (``AlreadyExists`` for a create's 409, ``TooManyRequests``, ``Timeout``,
+``ServiceUnavailable``), and client-go
 retries exactly the faults the apiserver would have it retry: a 429 (always with
 ``Retry-After``) and a 5xx given a ``retryAfter``, after that many seconds; a 5xx without one
 reaches the caller at once (an outage, rehearsed)."""
@@ -32,6 +33,9 @@ spec:
     - name: outage
       match: {{verbs: [list], resources: [configmaps], namespaces: [{NS}]}}
       respond: {{code: 503}}
+    - name: create-conflicts
+      match: {{verbs: [create], resources: [configmaps], namespaces: [{NS}]}}
+      respond: {{code: 409}}
     - name: throttled
       match: {{verbs: [get], resources: [configmaps], namespaces: [{THROTTLED}]}}
       respond: {{code: 429}}
@@ -74,3 +78,10 @@ def test_a_5xx_without_retry_after_reaches_the_caller_at_once(clientgo: Path,
     assert [(c["code"], c["retryAfter"]) for c in calls] == [(503, "")], calls
     (err,) = of(lines, "error")
     assert (err["code"], err["reason"]) == (503, "ServiceUnavailable"), err
+
+
+def test_a_409_to_a_create_is_already_exists_to_client_go(clientgo: Path,
+                                                         kubeconfig: Path) -> None:
+    lines = run(clientgo, "create", kubeconfig, "--namespace", NS, "--name", "again")
+    (err,) = of(lines, "error")
+    assert (err["code"], err["reason"], err["conflict"]) == (409, "AlreadyExists", False), err

@@ -63,6 +63,23 @@ def test_conflict_answer_is_an_apiserver_like_status(tmp_path: Path) -> None:
     assert "widget-conflicts" in body["message"]
 
 
+@pytest.mark.parametrize(("respond", "method", "path", "reason"), [
+    ("{code: 409}", "POST", "/api/v1/namespaces/a/configmaps", "AlreadyExists"),
+    ("{code: 409}", "PUT", "/api/v1/namespaces/a/configmaps/c", "Conflict"),
+    ("{code: 409}", "PATCH", "/api/v1/namespaces/a/configmaps/c", "Conflict"),
+    ("{code: 409, reason: Conflict}", "POST", "/api/v1/namespaces/a/configmaps", "Conflict"),
+])
+def test_a_409_on_a_create_is_already_exists_as_the_apiservers(
+        tmp_path: Path, respond: str, method: str, path: str, reason: str) -> None:
+    """The apiserver's 409 to a create is ``AlreadyExists`` (client-go's ``IsAlreadyExists``,
+    which controllers' create-or-get paths test; it names a POST's bare 409 so too), to an
+    update or patch ``Conflict``; a ``reason`` given says otherwise."""
+    p = policies(tmp_path, f"  faults:\n    - respond: {respond}\n")
+    decision = asyncio.run(settle(Faults().entry(ctx_for(p, method, path))))
+    assert isinstance(decision, Deny)
+    assert json.loads(decision.status.body())["reason"] == reason
+
+
 def test_a_403_has_the_details_of_the_apiservers_own(tmp_path: Path) -> None:
     """An injected 403 looks like the apiserver's Forbidden of the same call (name, group, the
     resource as kind); other codes get no details."""
