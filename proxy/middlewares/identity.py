@@ -438,7 +438,7 @@ class IdentityCheck:
                 message = f'opgate: {what} (policy "{policy.name}", {policy.source}); try again'
                 if busy:  # see the module docstring
                     return Deny(too_many_requests(message, retry_after=1), "throttled")
-                return Deny(service_unavailable(message), "unauthorized")
+                return Deny(service_unavailable(message), "unavailable")
         return None
 
     # --- verification (cached) --------------------------------------------------------------
