@@ -117,8 +117,15 @@ def internal_error(message: str) -> StatusError:
     return StatusError(500, message, "InternalError")
 
 
-def service_unavailable(message: str) -> StatusError:
-    return StatusError(503, message, "ServiceUnavailable")
+def service_unavailable(message: str, *, retry_after: float | None = None) -> StatusError:
+    """503; with ``retry_after`` (something opgate needs will be back: a store, the apiserver's
+    keys) an integer ``Retry-After`` and ``details.retryAfterSeconds``, so client-go waits and
+    retries the call itself (it retries a 5xx only when told when), as for a 429."""
+    if retry_after is None:
+        return StatusError(503, message, "ServiceUnavailable")
+    seconds = max(1, math.ceil(retry_after))
+    return StatusError(503, message, "ServiceUnavailable", {"retryAfterSeconds": seconds},
+                       (("Retry-After", str(seconds)),))
 
 
 def gateway_timeout(message: str) -> StatusError:

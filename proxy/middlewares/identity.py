@@ -374,7 +374,8 @@ class IdentityCheck:
                         continue
                     return Deny(service_unavailable(
                         f'opgate: cannot ask the apiserver now (subjectAccessReview of policy '
-                        f'"{policy.name}", {policy.source}); try again'), "unauthorized")
+                        f'"{policy.name}", {policy.source}); try again', retry_after=1),
+                        "unavailable")
             if denial is None:
                 continue
             silent = False
@@ -438,7 +439,7 @@ class IdentityCheck:
                 message = f'opgate: {what} (policy "{policy.name}", {policy.source}); try again'
                 if busy:  # see the module docstring
                     return Deny(too_many_requests(message, retry_after=1), "throttled")
-                return Deny(service_unavailable(message), "unavailable")
+                return Deny(service_unavailable(message, retry_after=1), "unavailable")
         return None
 
     # --- verification (cached) --------------------------------------------------------------

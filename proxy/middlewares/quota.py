@@ -422,7 +422,7 @@ class Quota:
                 return Deny(service_unavailable(
                     f"opgate: the object counts of {qualified(group, resource)} are not synced "
                     f'with the apiserver yet and quota "{b.quota_name}" of policy "{b.policy}" '
-                    f"({b.where}) fails closed; retry later"), "unavailable")
+                    f"({b.where}) fails closed; retry later", retry_after=1), "unavailable")
             checked.append(b)
         if observed is None or not checked:
             return None
@@ -443,7 +443,8 @@ class Quota:
             b = next(b for b in enforced if not b.fail_open)
             return Deny(service_unavailable(
                 f'opgate: the quota store is unavailable and quota "{b.quota_name}" of policy '
-                f'"{b.policy}" ({b.where}) fails closed; retry later'), "unavailable")
+                f'"{b.policy}" ({b.where}) fails closed; retry later', retry_after=1),
+                "unavailable")
         used = reserved.used
         for b in checked:
             over = exceeded_limit(b, group, resource, used, aligned, shifts)

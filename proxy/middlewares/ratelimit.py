@@ -299,7 +299,8 @@ class RateLimit:
         b = closed[0]
         return Deny(service_unavailable(
             f'opgate: the rate-limit store is unavailable and rate limit "{b.rule.name}" of '
-            f'policy "{b.policy}" ({b.where}) fails closed; retry later'), "unavailable")
+            f'policy "{b.policy}" ({b.where}) fails closed; retry later', retry_after=1),
+            "unavailable")
 
     async def _wait(
         self, ctx: RequestContext, rules: list[BoundRule], requests: list[BucketRequest],

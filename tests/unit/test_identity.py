@@ -388,6 +388,7 @@ def test_an_unreachable_authenticator(tmp_path: Path, failure: str, denied: bool
     assert (decision is not None) is denied
     if decision is not None:  # (in metrics and the audit log: what was down, not the caller)
         assert (body(decision)["code"], decision.decision) == (503, "unavailable")
+        assert dict(decision.status.headers)["Retry-After"] == "1"  # client-go retries it
 
 
 def test_the_token_is_never_in_a_message_or_a_log(tmp_path: Path,

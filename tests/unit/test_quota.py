@@ -644,6 +644,7 @@ def test_not_synced_fails_as_the_policy_says() -> None:
     assert isinstance(closed, Deny)
     assert closed.status.code == 503
     assert "not synced" in closed.status.message and "fails closed" in closed.status.message
+    assert dict(closed.status.headers)["Retry-After"] == "1"  # (client-go waits and retries)
     assert decide(mw, ctx_for(policies(SIMPLE, failure="open"),
                               body={"metadata": {"name": "x"}})) is None
     counts2 = MemoryQuotaCounts()
@@ -823,6 +824,7 @@ def test_store_down_reserves_locally_when_open_and_answers_503_when_closed() -> 
     assert (closed.status.code, closed.decision) == (503, "unavailable")
     assert "quota store is unavailable" in closed.status.message
     assert "fails closed" in closed.status.message
+    assert dict(closed.status.headers)["Retry-After"] == "1"  # (client-go waits and retries)
     # failure: open: reserved in-process, still exact for this replica
     pset = policies(SIMPLE, failure="open")
     ctxs = [ctx_for(pset, body={"metadata": {"name": f"o-{i}"}}) for i in range(3)]

@@ -431,6 +431,9 @@ def test_store_down_open_admits_closed_answers_503(wrapped: bool) -> None:
     assert isinstance(denied, Deny) and denied.decision == "unavailable"
     assert denied.status.code == 503 and denied.status.reason == "ServiceUnavailable"
     assert '"strict"' in denied.status.message and "fails closed" in denied.status.message
+    # client-go retries a 5xx only when told when: this one is over once the store is back
+    assert dict(denied.status.headers)["Retry-After"] == "1"
+    assert denied.status.details == {"retryAfterSeconds": 1}
     assert decisions(f"down-{suffix}", "unavailable") == 1
     dry = policies("- {name: strict, qps: 1, mode: dryrun}", name=f"dry-down-{suffix}")
     ctx = ctx_for(dry)
