@@ -231,6 +231,9 @@ async def _serve_aiohttp(
         # as the fast listener: aiohttp's own default (3630 s) kept an idle connection, or one
         # whose request head never ends, open for an hour
         keepalive_timeout=fast_server.KEEPALIVE,
+        # a request body is relayed as sent: aiohttp inflated one with a Content-Encoding (the
+        # apiserver got the JSON under "Content-Encoding: gzip", cut at the compressed length)
+        auto_decompress=False,
     )
     # the grace is given in stop() below; aiohttp's own is only for what is left after it
     runner = web.ServerRunner(server, shutdown_timeout=min(shutdown_timeout, AIOHTTP_LEFTOVER))
