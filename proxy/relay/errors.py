@@ -181,7 +181,7 @@ def upstream_failed(exc: BaseException, ctx: RequestContext, where: str) -> Answ
     log_limited(log, kind, "upstream %s failed before its response (%s %s): %s", where,
                 ctx.method, ctx.path, text)
     if kind in ("timeout", "connect_timeout"):
-        what = "connect" if kind == "connect_timeout" else "response"
+        what = "connect" if kind == "connect_timeout" else "respond"
         return Answer(gateway_timeout(f"opgate: the apiserver did not {what} in time ({text})"))
     return Answer(service_unavailable(f"opgate: the apiserver is unavailable ({text})"))
 

@@ -78,7 +78,8 @@ async def test_504_when_the_upstream_never_answers_then_still_serves(
             started = loop.time()
             async with c.get(proxy.url + "/stall") as r:
                 assert r.status == 504
-                assert_status(await r.read(), 504, "Timeout")
+                status = assert_status(await r.read(), 504, "Timeout")
+                assert status["message"].startswith("opgate: the apiserver did not respond in time")
             assert 0.4 < loop.time() - started < 5
             async with c.get(proxy.url + "/api/v1/pods") as r:
                 assert r.status == 200
