@@ -264,16 +264,19 @@ class Relay:
             ctx.decision = "error"
         ctx.answer = status
         ctx.status_code = status.code
-        # answered before the body was read whole (a refusal, a timeout): close now, as the
-        # fast relay does, rather than let aiohttp linger reading a body nobody will read, or
-        # one that never comes (an Expect: 100-continue client refused: the next request
-        # would be read as it)
+        # answered before the body was read whole (a refusal, a timeout): the connection
+        # ends after the answer, as on the fast relay (ClientConnection.linger): the write side
+        # is shut after it, and aiohttp reads the rest of the body and drops it, for at most
+        # LINGER seconds, before it closes (closed with it unread, the socket would be reset,
+        # and the reset could overtake the answer). What follows the answer is never read as a
+        # request (an Expect: 100-continue client refused sends no body, or sends it anyway)
         unread = request.body_exists and not request.content.is_eof()
         resp, size = await send_status(
             request, status, extra=(*ctx.response_headers, ("Audit-Id", ctx.audit_id)),
             close=close or unread)
-        if unread:
-            request.protocol.force_close()
+        transport = request.transport
+        if unread and transport is not None and transport.can_write_eof():
+            transport.write_eof()
         ctx.bytes_out = size
         return resp
 

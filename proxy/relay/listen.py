@@ -231,6 +231,9 @@ async def _serve_aiohttp(
         # as the fast listener: aiohttp's own default (3630 s) kept an idle connection, or one
         # whose request head never ends, open for an hour
         keepalive_timeout=fast_server.KEEPALIVE,
+        # a body left unread by an answer is read and dropped before the close, as long as
+        # the fast listener does it
+        lingering_time=fast_server.LINGER,
         # a request body is relayed as sent: aiohttp inflated one with a Content-Encoding (the
         # apiserver got the JSON under "Content-Encoding: gzip", cut at the compressed length)
         auto_decompress=False,

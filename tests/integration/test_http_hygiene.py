@@ -862,3 +862,61 @@ async def test_a_compressed_request_body_reaches_the_upstream_as_sent(
     [(headers, data)] = seen
     assert headers["content-encoding"] == "gzip"
     assert data == body
+
+
+class _DeniesPosts:
+    name, needs_body, fail_open = "denies-posts", False, False
+
+    def entry(self, ctx: Any) -> Any:
+        from proxy.engine.context import Deny
+        from proxy.engine.status import forbidden
+
+        return Deny(forbidden("no POST here")) if ctx.method == "POST" else None
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("by", ["apiserver", "opgate"])
+async def test_an_answer_before_the_whole_body_reaches_a_client_still_sending_it(by: str) -> None:
+    """The apiserver answers a body it will not read at once (413 past its 3 MiB, 401 for a
+    bad token), as opgate answers a denial: the client, still sending the body, must get that
+    answer. The connection was closed with the rest of the body unread: the kernel resets it,
+    and the reset could overtake the answer (kubectl creating a 15 MB ConfigMap on the
+    plain-HTTP listener got 'write: connection reset by peer' one time in six, never the
+    apiserver's 'Request entity too large'). Now the answer says ``Connection: close`` and the
+    rest of the body is read and dropped until the client closes (as Go's net/http lingers),
+    for a bounded time."""
+    refusal = json.dumps({"kind": "Status", "apiVersion": "v1", "status": "Failure",
+                          "message": "Request entity too large: limit is 3145728",
+                          "reason": "RequestEntityTooLarge", "code": 413}).encode()
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_head(reader)  # and none of the body: as Go's net/http, answer, then linger
+        writer.write(b"HTTP/1.1 413 Request Entity Too Large\r\nContent-Type: application/json"
+                     b"\r\nConnection: close\r\nContent-Length: %d\r\n\r\n%b"
+                     % (len(refusal), refusal))
+        await writer.drain()
+        while await reader.read(1 << 20):
+            pass
+
+    up = await RawUpstream(serve).start()
+    body = b"x" * (32 * 1024 * 1024)
+    middlewares = (_DeniesPosts(),) if by == "opgate" else ()
+    try:
+        async with running_proxy(up.url, middlewares=middlewares) as proxy:
+            host, port = proxy.url.removeprefix("http://").split(":")
+            reader, writer = await asyncio.open_connection(host, int(port))
+            # a client that sends the whole body before it reads (the answer waits meanwhile)
+            writer.write(b"POST /api/v1/namespaces/a/configmaps HTTP/1.1\r\nHost: x\r\n"
+                         b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+                         % len(body))
+            writer.write(body)
+            await asyncio.wait_for(writer.drain(), 10)
+            status, headers = await asyncio.wait_for(read_head(reader), 10)
+            answer = await asyncio.wait_for(reader.readexactly(int(headers["content-length"])),
+                                            10)
+            writer.close()
+    finally:
+        await up.close()
+    code = "413" if by == "apiserver" else "403"
+    assert status.startswith(f"HTTP/1.1 {code} "), status
+    assert json.loads(answer)["code"] == int(code)

@@ -184,6 +184,10 @@ class Exchange:
         if self._idle or not self._total_by:  # the head's deadline is over
             self.cancel_timer()
         self.status = status
+        conn = self._conn
+        if conn is not None and conn.body_pending:  # answered before the request body came
+            self.close_client = True  # whole: the connection ends after it (ClientConnection
+            # .linger), as the apiserver said (its Connection: close is hop-by-hop, not relayed)
         if length is not None:
             framing = b"Content-Length: " + length + b"\r\n"
         elif self._head_only or status in (204, 304):

@@ -63,6 +63,9 @@ MAX_HEADERS = 512
 MAX_HEAD = 1024 * 1024  # the request line and headers together (the apiserver's, Go's default)
 _HEAD_CUT = 2 * MAX_HEAD  # bytes of the reads of a head still arriving (see data_received)
 KEEPALIVE = 75.0  # seconds an idle keep-alive connection stays open (both listeners)
+# seconds a connection answered before its request body came whole (and so closed) goes on
+# reading the rest, and dropping it, before it is closed (both listeners; see linger)
+LINGER = 10.0  # (aiohttp's own lingering_time)
 # at shutdown: how long a long-running call inside a chunk (or before its head) may take to
 # reach a point where it can end cleanly before it is cut
 LONG_RUNNING_END = 1.0
@@ -139,6 +142,7 @@ class ClientConnection(FlowForwarding, asyncio.Protocol):
         self._idle: asyncio.TimerHandle | None = None  # one per connection, re-armed lazily
         self._last = 0.0  # when the last request was answered (or the connection opened)
         self._refusal: bytes | None = None  # the answer to a malformed pipelined request
+        self._lingering = False  # answered, closing: what still comes is dropped (linger)
         self.remote = ""  # the peer's IP address ("" on a Unix socket)
         self.loop = asyncio.get_event_loop()
 
@@ -162,6 +166,8 @@ class ClientConnection(FlowForwarding, asyncio.Protocol):
         self._arm_idle()
 
     def data_received(self, data: bytes) -> None:
+        if self._lingering:  # the rest of a body nobody reads
+            return
         if self._raw is not None:
             self._raw_received(data)
             return
@@ -318,7 +324,10 @@ class ClientConnection(FlowForwarding, asyncio.Protocol):
         if self.closed or req is None:
             return None
         if failed or self._raw is not None or not (req.keep_alive and req.body_done):
-            self.close()
+            if failed or self._raw is not None or req.body_done:
+                self.close()
+            else:
+                self.linger()
             return None
         if self._server is not None and self._server.closing:
             self.close()
@@ -434,6 +443,24 @@ class ClientConnection(FlowForwarding, asyncio.Protocol):
         # fails get_write_buffer_size() (holds_writes), which shutdown asks again and again
         if self.transport is not None and not self.transport.is_closing():
             self.transport.close()
+
+    def linger(self) -> None:
+        """Close a connection answered before its request body came whole, as Go's net/http
+        (the apiserver's) does: the answer (it said ``Connection: close``) is flushed and the
+        write side shut where the transport can, then the rest of the body is read and dropped
+        until the client closes, or for ``LINGER`` seconds. Closed at once with bytes of the
+        body unread, the socket is reset by the kernel, and the reset can overtake the answer:
+        a client still sending (a 413 from the apiserver for a body past its limit, opgate's
+        own denial) saw 'connection reset by peer' instead."""
+        transport = self.transport
+        if transport is None or self.closed or transport.is_closing():
+            return
+        self._cancel_idle()
+        self._lingering = True
+        self.resume_reading()
+        if transport.can_write_eof():
+            transport.write_eof()  # (after what is buffered: the answer is sent first)
+        self._idle = self.loop.call_later(LINGER, self.close)  # (the idle timer's slot)
 
     def abort(self) -> None:
         """End a response cut short: flush what was written, send nothing more, close."""
