@@ -134,23 +134,29 @@ async def _restart_with_watches(cluster: LocalCluster, opgate: Opgate, *, kill: 
                        down_status=down_status, down_body=down_body)
 
 
+@pytest.fixture(scope="module", params=["fast", "aiohttp"])
+def gate(request: pytest.FixtureRequest, opgate_factory: Callable[..., Opgate]) -> Opgate:
+    """An opgate of each relay core (passthrough, TLS)."""
+    return opgate_factory(extra_args=["--relay", str(request.param)])
+
+
 @pytest.mark.parametrize("kill", [False, True], ids=["sigterm", "sigkill"])
 def test_watches_end_cleanly_and_resources_return(
-    cluster: LocalCluster, opgate: Opgate, kill: bool
+    cluster: LocalCluster, gate: Opgate, kill: bool
 ) -> None:
     """SIGTERM: the apiserver ends its watch streams, then exits; SIGKILL: its connections
     drop mid-stream. Either way every client watch through opgate ends promptly (after a
     SIGTERM as a complete chunked stream), opgate answers with a Status meanwhile, clients
     re-watch, and opgate's upstream sockets and memory return to their idle level."""
     cluster.create_namespace(NS)
-    via = make_client(opgate.url, cluster.admin_token, cluster.ca_file)
+    via = make_client(gate.url, cluster.admin_token, cluster.ca_file)
     api = client.CoreV1Api(via)
     api.list_namespaced_config_map(NS)  # warm the relay's pool, then measure idle
     time.sleep(1)
-    idle = upstream_sockets(opgate.pid, cluster.port)
-    rss_before = rss_bytes(opgate.pid)
+    idle = upstream_sockets(gate.pid, cluster.port)
+    rss_before = rss_bytes(gate.pid)
 
-    out = asyncio.run(_restart_with_watches(cluster, opgate, kill=kill))
+    out = asyncio.run(_restart_with_watches(cluster, gate, kill=kill))
 
     assert out.pending == 0, "watch streams still open 60s after the apiserver stopped"
     assert out.ended_after < 30, out
@@ -167,7 +173,7 @@ def test_watches_end_cleanly_and_resources_return(
 
     # clients re-list and re-watch through opgate once the apiserver is back
     listed = api.list_namespaced_config_map(NS)
-    name = f"after-{'kill' if kill else 'term'}"
+    name = f"after-{'kill' if kill else 'term'}-{gate.port}"
     api.create_namespaced_config_map(NS, {"metadata": {"name": name}})
     seen = [e["object"].metadata.name for e in watch.Watch().stream(
         api.list_namespaced_config_map, NS, resource_version=listed.metadata.resource_version,
@@ -177,7 +183,7 @@ def test_watches_end_cleanly_and_resources_return(
 
     # the watches' upstream connections are gone: back to the idle level (plus the pool's
     # keep-alive connections of the calls just made), and memory did not run away
-    wait_for(lambda: upstream_sockets(opgate.pid, cluster.port) <= idle + 2, timeout=60,
+    wait_for(lambda: upstream_sockets(gate.pid, cluster.port) <= idle + 2, timeout=60,
              what=f"opgate's upstream sockets back to idle ({idle}+2)")
-    assert rss_bytes(opgate.pid) < rss_before + 64 * 1024 * 1024
-    assert opgate.proc.alive()
+    assert rss_bytes(gate.pid) < rss_before + 64 * 1024 * 1024
+    assert gate.proc.alive()
