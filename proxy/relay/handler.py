@@ -307,9 +307,15 @@ class Relay:
         long_running = ctx.info.is_long_running
         watch = long_running and ctx.info.verb == "watch"
         idle = self.settings.watch_idle_timeout
+        if watch:  # the apiserver answers a watch at once (bounded by its idle timeout too,
+            head_limit = self._header_timeout or idle  # as sock_read bounds the others)
+        elif long_running:  # a log's or proxied call's head comes with the kubelet's (the
+            head_limit = idle  # backend's) first byte: a quiet container's next line
+        else:
+            head_limit = self._header_timeout
         started = time.monotonic()
-        try:  # (a watch's head: within its idle timeout too, as sock_read bounds the others)
-            async with asyncio.timeout(self._header_timeout or (idle if watch else 0) or None):
+        try:
+            async with asyncio.timeout(head_limit or None):
                 upstream = await session.request(
                     ctx.method,
                     URL(self._endpoint.base + request.raw_path, encoded=True),

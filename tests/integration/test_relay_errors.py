@@ -88,6 +88,40 @@ async def test_504_when_the_upstream_never_answers_then_still_serves(
 
 
 @pytest.mark.asyncio
+@pytest.mark.parametrize(("path", "code"), [
+    ("/api/v1/namespaces/a/pods/p/log?follow=true", 200),  # a container quiet for a while
+    ("/api/v1/namespaces/a/services/s:80/proxy/slow", 200),  # a backend slow to answer
+    ("/api/v1/namespaces/a/configmaps?watch=true", 504),  # the apiserver answers a watch at once
+])
+async def test_a_log_or_proxy_head_may_come_after_the_header_timeout(path: str, code: int) -> None:
+    """The apiserver sends the head of ``logs -f`` when the kubelet sends its first byte (the
+    container's next line) and that of a proxied call when the backend answers, however long
+    that takes: opgate waits as long (``kubectl logs -f`` of a container quiet for 30 s got
+    opgate's 504 Timeout). The watch idle timeout, when set, still bounds the wait."""
+    async def handler(request: web.BaseRequest) -> web.StreamResponse:
+        await asyncio.sleep(0.8)  # past the header timeout
+        resp = web.StreamResponse(headers={"Content-Type": "text/plain"})
+        await resp.prepare(request)
+        await resp.write(b"line 1\n")
+        return resp
+
+    up = await AiohttpUpstream(handler).start()
+    try:
+        async with running_proxy(up.url, settings=RelaySettings(header_timeout=0.3)) as proxy, \
+                aiohttp.ClientSession() as c, c.get(proxy.url + path) as r:
+            assert r.status == code
+            body = await r.read()
+        if code == 200:
+            assert body == b"line 1\n"
+        async with running_proxy(up.url, settings=RelaySettings(
+                header_timeout=0.3, watch_idle_timeout=0.3)) as proxy, \
+                aiohttp.ClientSession() as c, c.get(proxy.url + path) as r:
+            assert r.status == 504  # (no head within the idle timeout)
+    finally:
+        await up.close()
+
+
+@pytest.mark.asyncio
 async def test_504_on_connect_timeout() -> None:
     # A listener whose accept queue is full drops further SYNs: the connect hangs.
     blocker = socket.socket()

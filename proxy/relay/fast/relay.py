@@ -322,7 +322,7 @@ class FastRelay:
                 else:
                     req.attach(conn.write, partial(_end_body, conn, b""))
             if long_running:
-                exchange.limits(conn, head=settings.header_timeout,
+                exchange.limits(conn, head=_head_limit(ctx, settings),
                                 idle=settings.watch_idle_timeout)
                 if ctx.info.verb == "watch" and isinstance(exchange, WatchExchange):
                     exchange.watch()  # (before any byte of its answer can come)
@@ -402,6 +402,17 @@ class FastRelay:
         if not complete and exchange.error is not None:
             errors.stream_broke(exchange.error, ctx, idle=False)
             client.abort()
+
+
+def _head_limit(ctx: RequestContext, settings: RelaySettings) -> float:
+    """Seconds (0: none) a long-running call waits for its head: the header timeout for a
+    watch (the apiserver answers one at once); for a log or a proxied call only the watch
+    idle timeout, as their head comes with the kubelet's (the backend's) first byte: the next
+    line of a quiet container for ``logs -f``, which the apiserver waits for as long as it
+    takes."""
+    if ctx.info.verb == "watch":
+        return settings.header_timeout
+    return settings.watch_idle_timeout
 
 
 def _end_cleanly(client: ClientConnection) -> bool:
