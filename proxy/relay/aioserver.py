@@ -74,7 +74,14 @@ class _HeadBound:
 
 
 class _Refusal(StatusLine11, web.Response):
-    """The answer to a head aiohttp could not parse, in an ``HTTP/1.1`` status line."""
+    """The answer to a head aiohttp could not parse, in an ``HTTP/1.1`` status line, which
+    says ``Connection: close`` as the fast listener's does (aiohttp adds it only to a request
+    it read as HTTP/1.1; this one it could not read) and no ``Server: Python/… aiohttp/…``."""
+
+    async def _prepare_headers(self) -> None:
+        await super()._prepare_headers()
+        self.headers.popall("Server", None)
+        self.headers["Connection"] = "close"
 
 
 class _Handler(RequestHandler):

@@ -176,11 +176,14 @@ async def test_malformed_or_oversized_heads_get_a_status_and_nothing_is_relayed(
     head: bytes, code: int
 ) -> None:
     """Both listeners answer a request they cannot parse with a Kubernetes Status (431 past
-    the head's limits, else 400), close, and relay none of it."""
+    the head's limits, else 400), close, say so (an HTTP/1.1 answer without ``Connection:
+    close`` is one the client may send its next request after), and relay none of it."""
     raw, seen = await refused(head)
     status, headers, body = split(raw)
     assert status.split(b" ")[:2] == [b"HTTP/1.1", b"%d" % code], raw[:200]  # (as Go's net/http)
     assert (b"content-type", b"application/json") in headers
+    assert (b"connection", b"close") in headers, raw[:300]
+    assert b"server" not in dict(headers)  # (aiohttp's "Python/3.11 aiohttp/3.x": not ours)
     got = json.loads(body)
     assert got["kind"] == "Status" and got["code"] == code
     assert got["reason"] == ("BadRequest" if code == 400 else "RequestHeaderFieldsTooLarge")
