@@ -2,7 +2,8 @@
 
 What can be checked without running them is checked: every opgate command line in the compose
 file parses with opgate's own CLI, every file they mount or copy exists, published ports stay
-on the host's loopback, the image runs as non-root, and the demo policies are valid.
+on the host's loopback, the image runs as non-root (compose's opgate as root, to read the
+host's 0600 kubeconfig), and the demo policies are valid.
 """
 
 from __future__ import annotations
@@ -44,6 +45,16 @@ def test_compose_publishes_on_loopback_only() -> None:
     for name, service in _compose()["services"].items():  # type: ignore[union-attr]
         for port in service.get("ports", []):
             assert str(port).startswith("127.0.0.1:"), f"{name} publishes {port} beyond loopback"
+
+
+def test_compose_opgate_can_read_the_host_kubeconfig() -> None:
+    """kubectl (and kind, minikube) write a kubeconfig 0600, owner only: the image's user 65532
+    cannot read the bind-mounted file, and opgate would stop at start ("cannot read it").
+    The compose opgate service runs as root for that file (the image stays non-root)."""
+    opgate = _compose()["services"]["opgate"]  # type: ignore[index]
+    mounts = [v for v in opgate["volumes"] if v.rsplit(":", 2)[1] == "/kube/config"]
+    assert mounts, "compose mounts no kubeconfig at /kube/config"
+    assert str(opgate.get("user", "")).split(":")[0] in {"0", "root"}
 
 
 def test_compose_mounts_exist() -> None:
