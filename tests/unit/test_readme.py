@@ -2,7 +2,9 @@
 
 The ``opgate serve`` flag table's defaults are the parser's; every policy the README shows and
 every file under ``policies/`` passes ``opgate check``; every policy field the README's examples
-use appears in some file under ``policies/``, so a reader finds it in a complete example.
+use appears in some file under ``policies/``, so a reader finds it in a complete example; the
+metrics the README lists are the ones ``/metrics`` serves, with their labels (what a dashboard
+or an alert is written against).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import yaml
 
 from proxy.app import section_parsers
 from proxy.cli import build_parser
+from proxy.engine import telemetry
 from proxy.engine.check import check
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -107,3 +110,24 @@ def test_every_field_the_readme_shows_is_in_an_example() -> None:
                 for key in _keys(doc)}
     assert len(SHIPPED) >= 7
     assert shown - examples == set()
+
+
+def _served_metrics() -> dict[str, set[str]]:
+    """Each metric family ``/metrics`` serves (a counter with its ``_total``) and its labels."""
+    served = {}
+    for collector in telemetry.REGISTRY._collector_to_names:
+        name = getattr(collector, "_name", None)
+        if name is None:  # the flusher, which serves nothing
+            continue
+        suffix = "_total" if collector._type == "counter" else ""
+        served[name.removeprefix("opgate_") + suffix] = set(collector._labelnames)
+    return served
+
+
+def test_the_readme_lists_the_served_metrics_with_their_labels() -> None:
+    listed = README.split("Metrics (`opgate_` prefix): ", 1)[1].split("\nLabels never", 1)[0]
+    shown = {name: set(filter(None, labels.split(",")))
+             for name, labels in re.findall(r"`([a-z]+_[a-z_]+)(?:\{([a-z_,]*)\})?`", listed)}
+    served = _served_metrics()
+    assert len(served) >= 20
+    assert shown == served
