@@ -285,7 +285,7 @@ class RedisStore:
                 reply = await self._script(keys=keys, args=args)
         except (RedisError, OSError, TimeoutError) as exc:
             telemetry.REDIS_ERRORS.inc()
-            raise StoreUnavailable(f"redis: {type(exc).__name__}: {exc}") from exc
+            raise StoreUnavailable(describe_failure(exc, timeout=self.timeout)) from exc
         values = [int(v) for v in reply]
         results = [
             tuple(values[1 + i * _FIELDS: 1 + (i + 1) * _FIELDS]) for i in range(len(requests))
@@ -327,7 +327,7 @@ class RedisStore:
                                                             args=args)
         except (RedisError, OSError, TimeoutError) as exc:
             telemetry.REDIS_ERRORS.inc()
-            raise StoreUnavailable(f"redis: {type(exc).__name__}: {exc}") from exc
+            raise StoreUnavailable(describe_failure(exc, timeout=self.timeout)) from exc
         return reply
 
     async def _warm_up(self) -> None:
@@ -365,7 +365,7 @@ class RedisStore:
                 await self._script(keys=[key], args=["", US, 1, 0, 0])
             return True
         except (RedisError, OSError, TimeoutError) as exc:
-            raise StoreUnavailable(f"redis: {type(exc).__name__}: {exc}") from exc
+            raise StoreUnavailable(describe_failure(exc, timeout=self.timeout)) from exc
 
     def health(self) -> dict[str, object]:
         return {"backend": self.backend, "url": self.url, "cluster": self.cluster,

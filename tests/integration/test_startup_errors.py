@@ -207,6 +207,42 @@ def test_redis_problem_is_one_error_line_and_opgate_serves_on(
         assert opgate.stop() == 0
 
 
+def _redis_errors(opgate: OpgateProcess) -> float:
+    """``opgate_redis_errors_total``: each failed probe of the open circuit adds one."""
+    with urllib.request.urlopen(opgate.admin_url + "/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    [value] = [line.rsplit(" ", 1)[1] for line in text.splitlines()
+               if line.startswith("opgate_redis_errors_total ")]
+    return float(value)
+
+
+@pytest.mark.parametrize(("url", "problem"), [
+    ("redis://:wrong@127.0.0.1:{port}/0", "authentication failed"),
+    ("redis://127.0.0.1:{free}/0", "unreachable"),
+])
+def test_redis_still_away_for_the_same_reason_logs_nothing_more(
+        password_redis: int, tmp_path: Path, url: str, problem: str) -> None:
+    """The start-up ERROR said why; the circuit's probes that fail for that same reason add no
+    WARNING (the README: one ERROR line, a WARNING for each new reason), and /readyz keeps the
+    reason in the words the ERROR used (the probes said it as redis-py's exception)."""
+    url = url.format(port=password_redis, free=free_port())
+    opgate = OpgateProcess("--upstream", UPSTREAM, "--redis-url", url, log_dir=tmp_path)
+    try:
+        opgate.wait_ready()
+        _wait_for(opgate, problem)
+        failed = _redis_errors(opgate)
+        deadline = time.monotonic() + 10
+        while _redis_errors(opgate) < failed + 2:  # two probes of the open circuit failed
+            assert time.monotonic() < deadline, opgate.stderr()
+            time.sleep(0.1)
+        warnings = [line for line in opgate.stderr().splitlines() if " WARNING " in line]
+        assert not [w for w in warnings if "still unavailable" in w], opgate.stderr()
+        store = _readyz_store_line(opgate)
+        assert "degraded" in store and problem in store, store
+    finally:
+        assert opgate.stop() == 0
+
+
 def test_redis_that_comes_up_later_takes_over(tmp_path: Path) -> None:
     """Redis away at start, then up on its address: the store's probes find it (no call
     needed), the gauge and /readyz's breaker say so, and no further error is logged."""
