@@ -47,7 +47,7 @@ from proxy.settings import Settings
 from proxy.stores import Store, StoreConfigError, build_store, redis_password
 from proxy.stores.base import redacted_url
 from proxy.stores.breaker import ResilientStore
-from proxy.workers import on_sighup
+from proxy.workers import on_sighup, release_stop_signals
 
 log = logging.getLogger("opgate")
 
@@ -313,7 +313,8 @@ async def _serve(settings: Settings, *, reuse_port: bool, parent_fd: int | None,
     tasks: list[asyncio.Task[None]] = []
     admin = None
     listener = None
-    # from here on: a SIGTERM during startup stops it cleanly, a SIGHUP reloads the policies
+    # from here on: a SIGTERM/SIGINT (also one held since the start) stops it cleanly, a SIGHUP
+    # reloads the policies
     signals = _Signals(parent_fd, store if settings.policies.paths else None)
     try:
         try:
@@ -445,6 +446,7 @@ class _Signals:
         self._loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             self._loop.add_signal_handler(sig, self._signalled, sig)
+        release_stop_signals()  # one that came while starting is handled now
         on_sighup(self._loop, self._hangup)
         if parent_fd is not None:  # readable only at EOF: nobody writes to it
             self._loop.add_reader(parent_fd, self._parent_gone)

@@ -32,6 +32,7 @@ _FALSE = {"", "0", "false", "no", "off"}
 LOOPS = ("auto", "asyncio", "uvloop")
 RELAYS = ("fast", "aiohttp")
 LOG_LEVELS = ("debug", "info", "warning", "error")
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 def _whole_number(minimum: int, *, alternative: str = "") -> Callable[[str], int]:
@@ -381,6 +382,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         # about to be read anyway, and it must not end the process (its default): from the
         # start, as reading the arguments alone takes a good part of it
         signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        if argv is None:  # the process's own command line (not a test's call)
+            # SIGTERM/SIGINT wait (pending) until serving handles them (proxy.workers.
+            # release_stop_signals): as a container's PID 1 one met with no handler is dropped
+            signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     args = build_parser().parse_args(argv)
     if args.command == "serve" and getattr(args, "env_problems", None):
         print(f"opgate serve: error: {args.env_problems[0]} (see opgate serve --help)",

@@ -169,6 +169,15 @@ class _Worker:
         return proc.pid if proc is not None and proc.returncode is None else None
 
 
+def release_stop_signals() -> None:
+    """Let SIGTERM and SIGINT in, now that their handlers are set: ``opgate serve`` blocks them
+    from its start (proxy/cli.py), so that one sent while it starts waits for them rather than
+    meeting the default disposition. That killed it, and a container's PID 1 (to which the
+    kernel delivers only signals it handles; a blocked one stays pending) dropped it: a pod
+    deleted as opgate started hung in Terminating until kubelet's SIGKILL."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, (signal.SIGTERM, signal.SIGINT))
+
+
 def on_sighup(loop: asyncio.AbstractEventLoop, callback: Callable[[], object]) -> None:
     """Run ``callback`` on ``loop`` at each SIGHUP, by a handler of Python's own rather than
     ``loop.add_signal_handler``: removing a loop handler puts back SIGHUP's default disposition
@@ -207,6 +216,7 @@ class Supervisor:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._signalled)
+        release_stop_signals()  # (before any worker starts: they inherit the mask)
         on_sighup(loop, self._hangup)
         keepers: list[asyncio.Task[None]] = []
         admin = None

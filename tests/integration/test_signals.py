@@ -6,7 +6,9 @@ dying of the signal (exit 143, the last access and audit records lost)."""
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
+import os
 import signal
 import time
 from collections.abc import AsyncIterator
@@ -21,6 +23,12 @@ from tests.integration.fakes import AiohttpUpstream, status_of
 from tests.integration.opgate_proc import OpgateProcess
 
 SLOW = "/api/v1/namespaces/slow/configmaps"
+POLICY = """\
+apiVersion: opgate.dev/v1alpha1
+kind: Policy
+metadata: {name: p}
+spec: {mode: enforce}
+"""
 
 
 @pytest.fixture
@@ -122,3 +130,45 @@ async def test_shutdown_grace_bounds_the_drain(upstream: str, tmp_path: Path, re
     assert took < 7.0, f"exited {took:.1f} s after SIGTERM with a 0.5 s grace"
     assert "Traceback" not in opgate.stderr()
     assert_cut_by_opgate(opgate)
+
+
+def _open_once_read(fifo: Path, opgate: OpgateProcess) -> int:
+    """A write end of ``fifo``, once opgate opens it to read its policies (it is starting)."""
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            return os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+        except OSError as exc:  # ENXIO: nobody reads it yet
+            if exc.errno != errno.ENXIO:
+                raise
+        assert opgate.proc.poll() is None, opgate.stderr()
+        assert time.monotonic() < deadline, opgate.stderr()
+        time.sleep(0.01)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+async def test_a_signal_while_starting_stops_it_cleanly(
+    upstream: str, tmp_path: Path, sig: signal.Signals
+) -> None:
+    """A SIGTERM that comes before opgate serves (a pod deleted as it starts) stops it as one
+    that comes later does: exit 0 after a clean stop. It used to meet the signal's default
+    disposition: killed (143) outside a container and, as a container's PID 1 (to which the
+    kernel delivers only signals with a handler), ignored, so the pod hung in Terminating for
+    its whole grace period until kubelet's SIGKILL. opgate reads its policies from a FIFO
+    here, which holds its start until the test has signalled it."""
+    fifo = tmp_path / "policy.yaml"
+    os.mkfifo(fifo)
+    opgate = OpgateProcess("--upstream", upstream, "--policies", str(fifo), log_dir=tmp_path)
+    try:
+        fd = await asyncio.to_thread(_open_once_read, fifo, opgate)
+        opgate.proc.send_signal(sig)
+        os.write(fd, POLICY.encode())  # the policies: the start goes on
+        os.close(fd)
+        code = await asyncio.to_thread(opgate.proc.wait, 20)
+    finally:
+        opgate.stop()
+    err = opgate.stderr()
+    assert code == 0, err
+    assert "shutting down" in err, err
+    assert "Traceback" not in err, err
