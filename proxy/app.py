@@ -47,7 +47,7 @@ from proxy.settings import Settings
 from proxy.stores import Store, StoreConfigError, build_store, redis_password
 from proxy.stores.base import redacted_url
 from proxy.stores.breaker import ResilientStore
-from proxy.workers import on_sighup, release_stop_signals
+from proxy.workers import on_sighup, reaper_as_init, release_stop_signals
 
 log = logging.getLogger("opgate")
 
@@ -448,6 +448,7 @@ class _Signals:
             self._loop.add_signal_handler(sig, self._signalled, sig)
         release_stop_signals()  # one that came while starting is handled now
         on_sighup(self._loop, self._hangup)
+        self._reaper = reaper_as_init(self._loop)  # as a container's PID 1, what init does
         if parent_fd is not None:  # readable only at EOF: nobody writes to it
             self._loop.add_reader(parent_fd, self._parent_gone)
 
@@ -481,6 +482,8 @@ class _Signals:
         signal.signal(signal.SIGHUP, signal.SIG_IGN)
         for sig in (signal.SIGTERM, signal.SIGINT):
             self._loop.remove_signal_handler(sig)
+        if self._reaper is not None:
+            self._reaper.close()
         if self._parent_fd is not None:
             self._loop.remove_reader(self._parent_fd)
             self._parent_fd = None

@@ -39,7 +39,7 @@ import signal
 import socket
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -178,6 +178,64 @@ def release_stop_signals() -> None:
     signal.pthread_sigmask(signal.SIG_UNBLOCK, (signal.SIGTERM, signal.SIGINT))
 
 
+class OrphanReaper:
+    """What an init does, for opgate as a container's PID 1 (the image's entrypoint): reap the
+    processes that end as its children without being its own. A process whose parent exits
+    (one a ``kubectl exec`` session left behind) is given to PID 1; once it exits it stays a
+    zombie, holding a PID of the pod's limit, until PID 1 waits for it. At each SIGCHLD every
+    exited child is reaped but ``ours()`` (the workers: asyncio's child watcher waits for
+    those and needs their status); one of ours first in line is left to it and the sweep
+    tried again shortly."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, *,
+                 ours: Callable[[], Collection[int]]) -> None:
+        self._loop = loop
+        self._ours = ours
+        self._later: asyncio.TimerHandle | None = None
+
+    def start(self) -> None:
+        # a handler of Python's own (as on_sighup's): uvloop refuses one for SIGCHLD
+        def handler(signum: int, frame: object) -> None:
+            if not self._loop.is_closed():
+                self._loop.call_soon_threadsafe(self._sweep)
+
+        signal.signal(signal.SIGCHLD, handler)
+        self._sweep()  # those that exited before
+
+    def close(self) -> None:
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        if self._later is not None:
+            self._later.cancel()
+            self._later = None
+
+    def _sweep(self) -> None:
+        self._later = None
+        while True:
+            try:  # WNOWAIT: only look, so that one of ours is left as it is
+                exited = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+            except ChildProcessError:  # no children at all
+                return
+            if exited is None:
+                return
+            if exited.si_pid in self._ours():
+                if self._later is None:
+                    self._later = self._loop.call_later(0.1, self._sweep)
+                return
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(exited.si_pid, os.WNOHANG)
+
+
+def reaper_as_init(loop: asyncio.AbstractEventLoop, *,
+                   ours: Callable[[], Collection[int]] = frozenset) -> OrphanReaper | None:
+    """An :class:`OrphanReaper`, started, when this process is PID 1 (else None: its init
+    reaps)."""
+    if os.getpid() != 1:
+        return None
+    reaper = OrphanReaper(loop, ours=ours)
+    reaper.start()
+    return reaper
+
+
 def on_sighup(loop: asyncio.AbstractEventLoop, callback: Callable[[], object]) -> None:
     """Run ``callback`` on ``loop`` at each SIGHUP, by a handler of Python's own rather than
     ``loop.add_signal_handler``: removing a loop handler puts back SIGHUP's default disposition
@@ -218,6 +276,7 @@ class Supervisor:
             loop.add_signal_handler(sig, self._signalled)
         release_stop_signals()  # (before any worker starts: they inherit the mask)
         on_sighup(loop, self._hangup)
+        reaper = reaper_as_init(loop, ours=self._live_pids)
         keepers: list[asyncio.Task[None]] = []
         admin = None
         try:
@@ -257,6 +316,8 @@ class Supervisor:
                 loop.remove_signal_handler(sig)
             for fd in self._pipe:
                 os.close(fd)
+            if reaper is not None:
+                reaper.close()
         return 0
 
     def _signalled(self) -> None:
@@ -296,6 +357,9 @@ class Supervisor:
                     proc.send_signal(signal.SIGHUP)
                 return
             await self._stopped_within(0.05)
+
+    def _live_pids(self) -> set[int]:
+        return {pid for w in self.workers if (pid := w.pid) is not None}
 
     def _pids(self) -> list[str]:
         return [str(w.proc.pid) for w in self.workers if w.proc is not None]

@@ -1,0 +1,124 @@
+"""opgate's duty as a container's PID 1 (:class:`proxy.workers.OrphanReaper`), on real child
+processes of the test, on both event loops: an exited process that is not opgate's own is
+reaped; one of the supervisor's workers keeps its exit status for asyncio's child watcher."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import time
+from collections.abc import Callable, Coroutine
+from pathlib import Path
+from typing import Any
+
+import pytest
+import uvloop
+
+from proxy.workers import OrphanReaper
+
+LoopFactory = Callable[[], asyncio.AbstractEventLoop]
+
+
+def _orphan() -> int:
+    """A process that exits at once and that nothing here waits for, as an orphan given to
+    PID 1 (a ``kubectl exec`` session's leftover)."""
+    return os.posix_spawn(sys.executable, [sys.executable, "-c", "pass"], os.environ)
+
+
+def _zombie(pid: int) -> bool:
+    """Whether ``pid`` has exited and waits to be reaped."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return False
+
+
+def _gone(pid: int) -> bool:
+    return not Path(f"/proc/{pid}").exists()
+
+
+async def _until(condition: Callable[[], bool], within: float = 10.0) -> None:
+    deadline = time.monotonic() + within
+    while True:
+        if condition():
+            return
+        assert time.monotonic() < deadline, "gave up waiting"
+        await asyncio.sleep(0.01)
+
+
+def _run(loop_factory: LoopFactory, test: Callable[[], Coroutine[Any, Any, None]]) -> None:
+    with asyncio.Runner(loop_factory=loop_factory) as runner:
+        runner.run(test())
+
+
+async def _reaps_an_orphan() -> None:
+    reaper = OrphanReaper(asyncio.get_running_loop(), ours=set)
+    reaper.start()
+    try:
+        orphan = _orphan()
+        await _until(lambda: _gone(orphan))
+    finally:
+        reaper.close()
+
+
+async def _reaps_one_from_before() -> None:
+    orphan = _orphan()
+    await _until(lambda: _zombie(orphan))
+    reaper = OrphanReaper(asyncio.get_running_loop(), ours=set)
+    reaper.start()
+    try:
+        await _until(lambda: _gone(orphan))
+    finally:
+        reaper.close()
+
+
+LOOPS = pytest.mark.parametrize("loop_factory", [asyncio.new_event_loop, uvloop.new_event_loop],
+                                ids=["asyncio", "uvloop"])
+
+
+@LOOPS
+def test_an_exited_process_that_is_not_ours_is_reaped(loop_factory: LoopFactory) -> None:
+    """Without it such a process stayed a zombie for the container's life, holding a PID of
+    the pod's limit (an init reaps them; opgate is the image's entrypoint)."""
+    _run(loop_factory, _reaps_an_orphan)
+
+
+@LOOPS
+def test_one_that_exited_before_the_start_is_reaped(loop_factory: LoopFactory) -> None:
+    _run(loop_factory, _reaps_one_from_before)
+
+
+async def test_a_workers_exit_status_stays_asyncios() -> None:
+    """The supervisor logs a worker's status ("killed by SIGKILL") and backs off by it: reaped
+    by the sweep, asyncio would make it 255. (The supervisor runs on asyncio's loop.)"""
+    workers: set[int] = set()
+    reaper = OrphanReaper(asyncio.get_running_loop(), ours=lambda: workers)
+    reaper.start()
+    try:
+        worker = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", "import sys; sys.stdin.read(); sys.exit(3)",
+            stdin=asyncio.subprocess.PIPE)
+        workers.add(worker.pid)
+        orphan = _orphan()
+        await _until(lambda: _gone(orphan))
+        assert worker.stdin is not None
+        worker.stdin.close()
+        assert await asyncio.wait_for(worker.wait(), 10) == 3
+    finally:
+        reaper.close()
+
+
+def test_one_of_ours_that_exited_is_left_to_its_owner() -> None:
+    mine = os.posix_spawn(sys.executable, [sys.executable, "-c", "raise SystemExit(4)"],
+                          os.environ)
+
+    async def sweep_once() -> None:
+        await _until(lambda: _zombie(mine))
+        reaper = OrphanReaper(asyncio.get_running_loop(), ours=lambda: {mine})
+        reaper.start()  # a sweep, now
+        reaper.close()
+
+    _run(asyncio.new_event_loop, sweep_once)
+    assert _zombie(mine)
+    assert os.waitstatus_to_exitcode(os.waitpid(mine, 0)[1]) == 4
