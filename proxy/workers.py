@@ -403,6 +403,7 @@ class Supervisor:
                 log.error("workers not up after %gs; stopping", START_TIMEOUT)
                 return 1
             await self._stopped_within(0.05)
+        log.info("shutting down %d workers while they start", len(self.workers))
         return 0
 
     async def _keep(self, worker: _Worker) -> None:

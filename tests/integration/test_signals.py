@@ -132,7 +132,7 @@ async def test_shutdown_grace_bounds_the_drain(upstream: str, tmp_path: Path, re
     assert_cut_by_opgate(opgate)
 
 
-def _open_once_read(fifo: Path, opgate: OpgateProcess) -> int:
+def open_once_read(fifo: Path, opgate: OpgateProcess) -> int:
     """A write end of ``fifo``, once opgate opens it to read its policies (it is starting)."""
     deadline = time.monotonic() + 30
     while True:
@@ -161,7 +161,7 @@ async def test_a_signal_while_starting_stops_it_cleanly(
     os.mkfifo(fifo)
     opgate = OpgateProcess("--upstream", upstream, "--policies", str(fifo), log_dir=tmp_path)
     try:
-        fd = await asyncio.to_thread(_open_once_read, fifo, opgate)
+        fd = await asyncio.to_thread(open_once_read, fifo, opgate)
         opgate.proc.send_signal(sig)
         os.write(fd, POLICY.encode())  # the policies: the start goes on
         os.close(fd)

@@ -560,3 +560,37 @@ async def test_sighup_while_a_worker_restarts_ends_it_not(
     assert code == 0, proc.stderr()
     assert "killed by SIGHUP" not in proc.stderr(), proc.stderr()
     assert proc.stderr().count("restarting in") == 1, proc.stderr()
+
+
+@pytest.mark.asyncio
+async def test_sigterm_while_the_workers_start_stops_them_and_says_so(
+        upstream: str, redis_server: RedisServer, tmp_path: Path) -> None:
+    """A SIGTERM that comes while the workers start (a pod deleted as it starts) stops them,
+    exit 0, and the log says so: it said nothing at all, so the pod's log ended on nothing
+    (no "serving", no "shutting down"). The workers read their policies from a FIFO here,
+    which holds their start until the test has signalled the supervisor."""
+    from tests.integration.test_signals import open_once_read
+
+    fifo = tmp_path / "policy.yaml"
+    os.mkfifo(fifo)
+    proc = OpgateProcess("--upstream", upstream, "--redis-url", redis_server.url,
+                         "--policies", str(fifo), "--workers", "2", log_dir=tmp_path)
+    workers: set[int] = set()
+    try:
+        fd = await asyncio.to_thread(open_once_read, fifo, proc)  # a worker reads it: starting
+        try:
+            workers = children(proc.proc.pid)
+            proc.proc.send_signal(signal.SIGTERM)
+            code = await asyncio.to_thread(proc.proc.wait, 20)
+        finally:
+            os.close(fd)
+    finally:
+        proc.stop()
+        for pid in workers:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+    err = proc.stderr()
+    assert code == 0, err
+    assert "shutting down 2 workers while they start" in err, err
+    assert not [pid for pid in workers if alive(pid)]
+    assert "Traceback" not in err, err
