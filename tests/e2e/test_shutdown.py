@@ -17,7 +17,7 @@ import signal
 import ssl
 import time
 import urllib.error
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import aiohttp
 import pytest
@@ -26,6 +26,7 @@ from kubernetes import client, watch
 from proxy.envtest.cluster import LocalCluster
 from tests.e2e.conftest import Opgate
 from tests.e2e.test_python_client import make_client
+from tests.integration.redis_server import RedisServer
 
 pytestmark = pytest.mark.e2e
 
@@ -92,12 +93,25 @@ async def _upload_start(gate: Opgate, cluster: LocalCluster, name: str) -> tuple
     return reader, writer, rest
 
 
-@pytest.mark.parametrize("relay", ["fast", "aiohttp"])
+@pytest.fixture(scope="module")
+def redis_url() -> Iterator[str]:
+    with RedisServer.launch() as server:
+        yield server.url
+
+
+@pytest.mark.parametrize(("relay", "workers"), [("fast", 1), ("aiohttp", 1), ("fast", 2)],
+                         ids=["fast", "aiohttp", "fast-2-workers"])
 def test_sigterm_ends_watches_cleanly_fails_readyz_and_lets_calls_finish(
-    cluster: LocalCluster, opgate_factory: Callable[..., Opgate], relay: str
+    cluster: LocalCluster, opgate_factory: Callable[..., Opgate], relay: str, workers: int,
+    request: pytest.FixtureRequest,
 ) -> None:
+    """With ``--workers 2`` the watches and the create are spread over both workers, which the
+    supervisor stops together."""
     cluster.create_namespace(NS)
-    gate = opgate_factory(extra_args=["--relay", relay])
+    more = (["--workers", str(workers), "--redis-url", request.getfixturevalue("redis_url")]
+            if workers > 1 else [])
+    gate = opgate_factory(extra_args=["--relay", relay, *more])
+    name = f"during-{relay}-{workers}"  # the ConfigMap created while opgate shuts down
     api_client = make_client(gate.url, cluster.admin_token, cluster.ca_file)
     api = client.CoreV1Api(api_client)
 
@@ -127,7 +141,7 @@ def test_sigterm_ends_watches_cleanly_fails_readyz_and_lets_calls_finish(
             while not all("ADDED" in e for e in events):  # each stream delivered it
                 assert loop.time() < deadline, f"no ADDED event through opgate: {events}"
                 await asyncio.sleep(0.1)
-            reader, writer, rest = await _upload_start(gate, cluster, f"during-{relay}")
+            reader, writer, rest = await _upload_start(gate, cluster, name)
             deadline = loop.time() + 30  # the create is in flight too (the watches, 1 each)
             while await asyncio.to_thread(_in_flight, gate) < WATCHES + 2:
                 assert loop.time() < deadline, gate.admin_get("/metrics")[1][-2000:]
@@ -179,7 +193,7 @@ def test_sigterm_ends_watches_cleanly_fails_readyz_and_lets_calls_finish(
     assert b"accepted" not in answer, answer[-40:]
     api_direct = make_client(cluster.url, cluster.admin_token, cluster.ca_file)
     try:
-        client.CoreV1Api(api_direct).read_namespaced_config_map(f"during-{relay}", NS)
+        client.CoreV1Api(api_direct).read_namespaced_config_map(name, NS)
     finally:
         api_direct.close()
     assert code == 0, (code, log[-3000:])
