@@ -160,6 +160,7 @@ class _Worker:
     proc: asyncio.subprocess.Process | None = None
     started: float = 0.0
     up: bool = False  # its admin socket has answered since this start
+    spawning: bool = False  # forked, its Process not yet had (proc: None, or the dead one)
     quick_deaths: int = 0
     last_exit: str = "not started"
 
@@ -335,11 +336,12 @@ class Supervisor:
         """SIGHUP: each worker reloads its policy files (it is passed on). Only to a worker that
         serves: one still starting has SIGHUP's default disposition (a signal the supervisor
         handles is at its default in a new process) and would die of it; it gets it once its
-        admin socket answers (it may have read its files before the change)."""
+        admin socket answers (it may have read its files before the change). So does one
+        being spawned (forked, its process not yet had), which used to be skipped."""
         for worker in self.workers:
-            if worker.pid is None or worker.proc is None:
-                continue
-            if worker.up:
+            if not worker.spawning and (worker.pid is None or worker.proc is None):
+                continue  # not running: it reads its files when it starts
+            if worker.up and not worker.spawning:
                 with contextlib.suppress(ProcessLookupError):
                     worker.proc.send_signal(signal.SIGHUP)
                 continue
@@ -348,6 +350,8 @@ class Supervisor:
             task.add_done_callback(self._hangups.discard)
 
     async def _hangup_once_up(self, worker: _Worker) -> None:
+        while worker.spawning and not await self._stopped_within(0.05):
+            pass  # (a SIGHUP handled while it is spawned: its process, once had)
         proc = worker.proc
         while (proc is not None and worker.proc is proc and proc.returncode is None
                and not self._stop.is_set()):
@@ -369,11 +373,15 @@ class Supervisor:
         # process_group=0: a group of its own, so a terminal's Ctrl-C (SIGINT to the foreground
         # group) reaches the supervisor alone, which passes it on once: the workers drain
         # rather than take it as the second signal that cuts them
-        worker.proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "proxy.workers", self.run_dir, str(worker.index), str(read_end),
-            stdin=asyncio.subprocess.DEVNULL, pass_fds=(read_end,), process_group=0)
+        worker.spawning, worker.up = True, False
+        try:
+            worker.proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "proxy.workers", self.run_dir, str(worker.index),
+                str(read_end), stdin=asyncio.subprocess.DEVNULL, pass_fds=(read_end,),
+                process_group=0)
+        finally:
+            worker.spawning = False
         worker.started = asyncio.get_running_loop().time()
-        worker.up = False
 
     async def _answers(self, worker: _Worker) -> bool:
         from proxy.admin import unix_get

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import sys
 import time
 from collections.abc import Callable, Coroutine
@@ -15,7 +16,8 @@ from typing import Any
 import pytest
 import uvloop
 
-from proxy.workers import OrphanReaper
+from proxy.settings import RuntimeSettings, Settings
+from proxy.workers import OrphanReaper, Supervisor
 
 LoopFactory = Callable[[], asyncio.AbstractEventLoop]
 
@@ -122,3 +124,46 @@ def test_one_of_ours_that_exited_is_left_to_its_owner() -> None:
     _run(asyncio.new_event_loop, sweep_once)
     assert _zombie(mine)
     assert os.waitstatus_to_exitcode(os.waitpid(mine, 0)[1]) == 4
+
+
+class _Spawned:
+    """A worker process as the supervisor sees it, recording the signals it is sent."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+        self.signals: list[int] = []
+
+    def send_signal(self, sig: int) -> None:
+        self.signals.append(sig)
+
+
+async def test_a_sighup_while_a_worker_is_being_spawned_reaches_it(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A SIGHUP handled while the supervisor waits for a new worker process (forked, not yet
+    its ``Process``) was lost for that worker: it skipped one with no process yet, or with the
+    dead one a restart replaces, so that worker never reloaded (one "SIGHUP: reloading" line
+    short). It is passed on once the worker serves, as to one still starting."""
+    supervisor = Supervisor(Settings(runtime=RuntimeSettings(workers=2)), run_dir=str(tmp_path),
+                            listen="127.0.0.1:1")
+    spawned: list[_Spawned] = []
+
+    async def spawn(*args: object, **kwargs: object) -> _Spawned:
+        supervisor._hangup()  # the signal comes while this awaits
+        spawned.append(_Spawned(1000 + len(spawned)))
+        return spawned[-1]
+
+    async def answers(worker: object) -> bool:
+        return True
+
+    monkeypatch.setattr(asyncio, "create_subprocess_exec", spawn)
+    monkeypatch.setattr(supervisor, "_answers", answers)
+    try:
+        for worker in supervisor.workers:
+            await supervisor._spawn(worker)
+        await asyncio.wait_for(asyncio.gather(*supervisor._hangups), 5)
+    finally:
+        for fd in supervisor._pipe:
+            os.close(fd)
+    # the first: the SIGHUP while it was spawned; the second: both, the first one's at once
+    assert [p.signals for p in spawned] == [[signal.SIGHUP, signal.SIGHUP], [signal.SIGHUP]]
