@@ -111,7 +111,7 @@ async def churn(port: int, count: int) -> None:
         writer.transport.abort()
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         writer.write(f"GET /api/v1/namespaces/soak/configmaps?watch=true&x={i} HTTP/1.1\r\n"
-                     "Host: x\r\nAuthorization: Bearer tok-fixed\r\n\r\n".encode())
+                     "Host: 127.0.0.1\r\nAuthorization: Bearer tok-fixed\r\n\r\n".encode())
         await asyncio.sleep(0)
         writer.transport.abort()
 
@@ -126,7 +126,7 @@ def request(i: int, kind: str) -> bytes:
     else:  # a fresh token, a fresh name
         path = f"/api/v1/namespaces/soak/configmaps/cm-{i}"
     token = f"tok-{i}" if kind in ("token", "ns") else "tok-fixed"
-    return (f"GET {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {token}\r\n"
+    return (f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {token}\r\n"
             "Accept: application/json\r\n\r\n").encode()
 
 

@@ -40,6 +40,7 @@ from proxy.relay import RelaySettings, relay_core, resolve_upstream, serve_api
 from proxy.relay.authn import UpstreamAuthenticator
 from proxy.relay.counts import QuotaCounts
 from proxy.relay.endpoint import make_ssl_context
+from proxy.relay.hostguard import HostGuard, parse_accept_hosts
 from proxy.relay.informer import InformerPool
 from proxy.relay.listen import TLSFilesError, listen_failure
 from proxy.relay.upstream import UpstreamConfigError, check_ca_file
@@ -321,7 +322,9 @@ async def _serve(settings: Settings, *, reuse_port: bool, parent_fd: int | None,
             listener = await serve_api(relay, listen=settings.listen.listen,
                                        tls_cert=settings.listen.tls_cert,
                                        tls_key=settings.listen.tls_key, reuse_port=reuse_port,
-                                       shutdown_timeout=settings.runtime.shutdown_grace)
+                                       shutdown_timeout=settings.runtime.shutdown_grace,
+                                       host_guard=HostGuard(
+                                           parse_accept_hosts(settings.listen.accept_hosts)))
         except (OSError, TLSFilesError, ValueError) as exc:
             log.error("%s", listen_failure("--listen", settings.listen.listen, exc))
             return 2

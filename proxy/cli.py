@@ -17,6 +17,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
+from proxy.relay.hostguard import DEFAULT_ACCEPT_HOSTS
 from proxy.settings import (
     ListenSettings,
     LogSettings,
@@ -118,6 +119,17 @@ def exposure_warning(listen: str) -> str:
     return (f"--listen {listen} is not a loopback address: a call that reaches it without a "
             "token is relayed with opgate's own credentials (--token-file, the pod's token, "
             "the kubeconfig's user); keep the API port on 127.0.0.1 or unix:/path")
+
+
+def accept_hosts(text: str) -> str:
+    """``--accept-hosts``: comma-separated regular expressions that compile."""
+    from proxy.relay.hostguard import parse_accept_hosts
+
+    try:
+        parse_accept_hosts(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
 
 
 def redis_url(text: str) -> str:
@@ -275,6 +287,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add(g, "--tls-key", metavar="FILE", help="private key for --tls-cert")
     _add(g, "--admin-listen", kind=listen_address, default="127.0.0.1:9091", metavar="ADDR",
          help="admin listener for /metrics, /healthz, /readyz and /debug/policies")
+    _add(g, "--accept-hosts", kind=accept_hosts, default=DEFAULT_ACCEPT_HOSTS,
+         metavar="REGEXPS",
+         help="comma-separated regular expressions of the Host names the API listener answers "
+         "(others get 403: a guard against DNS rebinding, as kubectl proxy's); '.*' for any")
     g = serve.add_argument_group("upstream (kube-apiserver)")
     _add(g, "--upstream", metavar="URL",
          help="apiserver URL; default: in-cluster service and mounted CA, else the current "
@@ -354,7 +370,7 @@ def build_parser() -> argparse.ArgumentParser:
 def settings_from(args: argparse.Namespace) -> Settings:
     return Settings(
         listen=ListenSettings(listen=args.listen, tls_cert=args.tls_cert, tls_key=args.tls_key,
-                              admin_listen=args.admin_listen),
+                              admin_listen=args.admin_listen, accept_hosts=args.accept_hosts),
         upstream=UpstreamSettings(
             url=args.upstream, kubeconfig=args.kubeconfig, ca_file=args.upstream_ca,
             insecure=args.upstream_insecure, token_file=args.token_file,

@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 
+from proxy.relay.hostguard import DEFAULT_ACCEPT_HOSTS
+
 
 @dataclass(frozen=True, slots=True)
 class ListenSettings:
@@ -17,6 +19,9 @@ class ListenSettings:
     tls_cert: str | None = None
     tls_key: str | None = None
     admin_listen: str = "127.0.0.1:9091"
+    # comma-separated regular expressions of the Host names the API listener answers (as
+    # kubectl proxy's; proxy.relay.hostguard)
+    accept_hosts: str = DEFAULT_ACCEPT_HOSTS
 
 
 @dataclass(frozen=True, slots=True)

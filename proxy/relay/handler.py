@@ -41,6 +41,7 @@ from proxy.relay.calls import (
 from proxy.relay.events import EventEnds, event_ends
 from proxy.relay.fast import server as fast_server
 from proxy.relay.headers import for_upstream, is_upgrade_request, response_headers
+from proxy.relay.hostguard import HostGuard
 from proxy.relay.response import (
     BufferedRelayResponse,
     RelayResponse,
@@ -95,6 +96,7 @@ class Relay:
             total=None, sock_connect=settings.connect_timeout or None)
         self._header_timeout = settings.header_timeout or None
         self._after = Aftercare(chain)
+        self.host_guard: HostGuard | None = None  # the Host names answered (TCP listeners)
         # the client transports of watches etc. in flight, each with its upstream response
         # once there is one, and where a watch's events end (ended at shutdown)
         self._long_running: dict[
@@ -151,8 +153,13 @@ class Relay:
                 "Transfer-Encoding", "chunked").strip().lower() != "chunked":
             return (await send_status(request, errors.unsupported_coding(), close=True))[0]
         host = request.headers.get("Host")
-        if host and errors.malformed_host(host.encode("utf-8", "surrogateescape")):
-            return (await send_status(request, errors.bad_host(1), close=True))[0]
+        if host:
+            raw_host = host.encode("utf-8", "surrogateescape")
+            if errors.malformed_host(raw_host):
+                return (await send_status(request, errors.bad_host(1), close=True))[0]
+            guard = self.host_guard
+            if guard is not None and not guard.accepts(raw_host):  # (DNS rebinding)
+                return (await send_status(request, guard.refusal(raw_host), close=True))[0]
         raw = request.raw_path
         bad: str | None = None  # a request target the apiserver would refuse: 400 from here
         if not raw.startswith("/"):

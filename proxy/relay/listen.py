@@ -26,6 +26,7 @@ from proxy.relay.endpoint import MAX_HEADER_LINE
 from proxy.relay.fast import FastRelay
 from proxy.relay.fast import server as fast_server
 from proxy.relay.fast.server import MAX_HEADERS
+from proxy.relay.hostguard import HostGuard
 
 if TYPE_CHECKING:
     from aiohttp import web
@@ -174,19 +175,24 @@ async def serve_api(
     tls_key: str | None = None,
     reuse_port: bool = False,
     shutdown_timeout: float = 10.0,
+    host_guard: HostGuard | None = None,
 ) -> Listener:
     """Start serving ``relay.handle``; the relay must be started (``await relay.start()``).
 
     On close, the server stops accepting, and calls in flight get ``shutdown_timeout`` seconds
     to finish (long-running calls such as watches are ended at once by both relays, a watch
     cleanly, with its last chunk, between two events: clients resume them from their last
-    resourceVersion). ``Listener.hurry`` during the close cuts what still runs."""
+    resourceVersion). ``Listener.hurry`` during the close cuts what still runs. ``host_guard``:
+    the ``Host`` names a TCP listener answers (``--accept-hosts``; a Unix socket's are not
+    checked: no browser reaches one)."""
     where = parse_listen(listen)
+    guard = None if isinstance(where, str) else host_guard
     if bool(tls_cert) != bool(tls_key):
         raise ValueError("TLS needs both a certificate and a key file")
     ctx = server_tls_context(tls_cert, tls_key) if tls_cert and tls_key else None
     if isinstance(relay, FastRelay):
         fast = relay.server()
+        fast.host_guard = guard
         if isinstance(where, str):
             await fast.listen_unix(where, tls=ctx)
             address = f"unix:{where}"
@@ -200,6 +206,7 @@ async def serve_api(
         stop: Callable[[], Awaitable[None]] = stop_fast
         hurry = fast.hurry
     else:
+        relay.host_guard = guard
         stop, hurry, address = await _serve_aiohttp(relay, where, ctx, reuse_port,
                                                     shutdown_timeout)
     reloader = _CertReloader(ctx, tls_cert, tls_key) if ctx and tls_cert and tls_key else None

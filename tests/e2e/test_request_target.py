@@ -40,7 +40,7 @@ spec:
 
 def _raw(gate: Opgate, method: str, target: str) -> bytes:
     with socket.create_connection(("127.0.0.1", gate.port), timeout=10) as sock:
-        sock.sendall(f"{method} {target} HTTP/1.1\r\nHost: opgate\r\n"
+        sock.sendall(f"{method} {target} HTTP/1.1\r\nHost: 127.0.0.1\r\n"
                      "Connection: close\r\n\r\n".encode())
         data = b""
         while chunk := sock.recv(65536):

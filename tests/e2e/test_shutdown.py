@@ -84,7 +84,7 @@ async def _upload_start(gate: Opgate, cluster: LocalCluster, name: str) -> tuple
                                                    server_hostname="127.0.0.1")
     body = json.dumps({"apiVersion": "v1", "kind": "ConfigMap",
                        "metadata": {"name": name}, "data": {"k": "v"}}).encode()
-    head = (f"POST /api/v1/namespaces/{NS}/configmaps HTTP/1.1\r\nHost: opgate\r\n"
+    head = (f"POST /api/v1/namespaces/{NS}/configmaps HTTP/1.1\r\nHost: 127.0.0.1\r\n"
             f"Authorization: Bearer {cluster.admin_token}\r\nContent-Type: application/json\r\n"
             "Transfer-Encoding: chunked\r\n\r\n").encode()
     first, rest = body[:10], body[10:]

@@ -22,6 +22,7 @@ from aiohttp import web
 
 from proxy.engine.chain import Chain
 from proxy.relay import FastRelay, Listener, Relay, RelaySettings, UpstreamConfig, serve_api
+from proxy.relay.hostguard import HostGuard
 
 try:
     from proxy.engine.policies import EMPTY as EMPTY_POLICIES
@@ -202,6 +203,7 @@ async def running_proxy(
     tls_key: str | None = None,
     relay_kind: str | None = None,
     shutdown_timeout: float = 1.0,
+    host_guard: HostGuard | None = None,
     **upstream: Any,
 ) -> AsyncIterator[Proxy]:
     relay_class = FastRelay if (relay_kind or default_relay) == "fast" else Relay
@@ -214,7 +216,7 @@ async def running_proxy(
     await relay.start()
     listener = await serve_api(
         relay, listen=listen, tls_cert=tls_cert, tls_key=tls_key,
-        shutdown_timeout=shutdown_timeout,
+        shutdown_timeout=shutdown_timeout, host_guard=host_guard,
     )
     scheme = "https" if tls_cert else "http"
     url = "" if listener.address.startswith("unix:") else f"{scheme}://{listener.address}"

@@ -123,3 +123,21 @@ def test_compose_operator_presents_the_token_the_demo_policy_admits(tmp_path: Pa
     policies = Path(opgate.policies.replace("/etc/opgate/policies", str(ROOT / "policies")))
     text = "".join(p.read_text() for p in sorted(policies.glob("*.yaml")))
     assert "serviceAccount: opgate-demo/sample-operator" in text
+
+
+def test_the_compose_opgate_answers_the_host_names_its_callers_use() -> None:
+    """opgate answers only the Host names of --accept-hosts (DNS rebinding): the reconciler's
+    kubeconfig (http://opgate:8001) and a host's curl to the published 127.0.0.1:8001 must be
+    among them, and a page's own name must not."""
+    from urllib.parse import urlsplit
+
+    from proxy.relay.hostguard import HostGuard, parse_accept_hosts
+
+    services = _compose()["services"]
+    opgate = build_parser().parse_args(services["opgate"]["command"])  # type: ignore[index]
+    guard = HostGuard(parse_accept_hosts(opgate.accept_hosts))
+    kubeconfig = yaml.safe_load((ROOT / "deploy/compose/reconciler.kubeconfig").read_text())
+    server = urlsplit(kubeconfig["clusters"][0]["cluster"]["server"])
+    assert guard.accepts(server.netloc.encode())
+    assert guard.accepts(b"127.0.0.1:8001") and guard.accepts(b"localhost:8001")
+    assert not guard.accepts(b"evil.example:8001")

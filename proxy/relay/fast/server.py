@@ -53,6 +53,7 @@ from proxy.relay.errors import (
 )
 from proxy.relay.fast.request import BODY_HIGH_WATER, Flow, FlowForwarding, Request
 from proxy.relay.fast.wire import Headers
+from proxy.relay.hostguard import HostGuard
 
 __all__ = ["ClientConnection", "FastServer", "Handler"]
 
@@ -251,6 +252,7 @@ class ClientConnection(FlowForwarding, asyncio.Protocol):
         req.keep_alive = parser.should_keep_alive()
         req.upgrade = parser.should_upgrade()
         hosts = 0
+        host = b""
         for name, value in self._headers:
             low = name.lower()
             if low == b"content-length":
@@ -269,10 +271,14 @@ class ClientConnection(FlowForwarding, asyncio.Protocol):
                 req.connection = True
             elif low == b"host":
                 hosts += 1
+                host = value
                 if malformed_host(value):
                     raise _Refused(_ODD_HOST)
         if hosts != 1 and (hosts or (req.http11 and req.method != b"CONNECT")):
             raise _Refused(_MANY_HOSTS if hosts else _NO_HOST)  # (Go's net/http: a 400 each)
+        guard = self._server.host_guard if self._server is not None else None
+        if guard is not None and hosts and not guard.accepts(host):  # (DNS rebinding)
+            raise _Refused(_refusal(guard.refusal(host), "Forbidden"))
         self._parsing = req
         if self._current is None:
             self._start(req)
@@ -493,6 +499,7 @@ class FastServer:
         self._handler = handler
         self._end = end
         self._cut = cut  # told before the calls still running at the grace's end are cut
+        self.host_guard: HostGuard | None = None  # the Host names answered (TCP listeners)
         self.connections: set[ClientConnection] = set()
         self.closing = False
         self._hurried = False
