@@ -99,6 +99,8 @@ class _Handler(RequestHandler):
         text = message or ""
         if isinstance(exc, LineTooLong | HeadTooLarge) or "Too many headers" in text:
             answer = errors.head_too_large(MAX_HEADER_LINE, MAX_HEADERS, MAX_HEAD)
+        elif errors.refused_coding(text):  # (as the fast listener: Go's 501)
+            answer = errors.unsupported_coding()
         elif "'host' header" in text.lower():  # "Missing 'Host' header ...", "Duplicate ..."
             answer = errors.bad_host(0 if text.startswith("Missing") else 2)
         else:

@@ -33,6 +33,7 @@ __all__ = [
     "describe",
     "head_too_large",
     "malformed_request",
+    "refused_coding",
     "stream_broke",
     "too_large",
     "unsupported_coding",
@@ -112,6 +113,14 @@ def head_too_large(max_line: int, max_headers: int, max_head: int) -> StatusErro
         431, f"opgate: request line or header longer than {max_line} bytes, more than "
         f"{max_headers} headers, or a request head over {max_head} bytes",
         "RequestHeaderFieldsTooLarge")
+
+
+def refused_coding(message: str) -> bool:
+    """Whether a request parser (llhttp, aiohttp's) refused a request for its
+    ``Transfer-Encoding`` alone (``chunked, gzip``, ``gzip``): a coding the apiserver does not
+    implement, which Go's net/http answers 501 (any value but ``chunked``). With a
+    ``Content-Length`` too it is ambiguous framing: 400."""
+    return "Transfer-Encoding" in message and "Content-Length" not in message
 
 
 def unsupported_coding(

@@ -167,8 +167,6 @@ def fields(count: int) -> bytes:
     (b"POST /api/v1/namespaces/a/configmaps HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n"
      b"Content-Length: %d\r\n\r\n%b" % (len(_SMUGGLED), _SMUGGLED), 400),
     (b"POST /api/v1/namespaces/a/configmaps HTTP/1.1\r\nHost: x\r\n"
-     b"Transfer-Encoding: chunked, identity\r\n\r\n0\r\n\r\n" + _SMUGGLED, 400),
-    (b"POST /api/v1/namespaces/a/configmaps HTTP/1.1\r\nHost: x\r\n"
      b"Transfer-Encoding: chunked\r\n\r\n0\n\n" + _SMUGGLED, 400),
     (b"GET /api/v1/pods HTTP/1.1\nHost: x\n\n", 400),
 ])
@@ -541,11 +539,17 @@ async def test_request_trailers_never_become_headers(reads_body: bool) -> None:
 
 
 @pytest.mark.asyncio
-@pytest.mark.parametrize("coding", [b"gzip, chunked", b"identity, chunked"])
+@pytest.mark.parametrize("coding", [
+    b"gzip, chunked", b"identity, chunked", b"gzip", b"identity",
+    # not chunked last: llhttp refuses the framing itself (a smuggler's, followed by a request)
+    b"chunked, identity", b"chunked, gzip",
+])
 async def test_a_request_body_with_another_transfer_coding_gets_501(coding: bytes) -> None:
     """llhttp takes any codings that end in chunked; relayed as plain chunked, the body's other
-    coding would be lost (the upstream would read gzip bytes as JSON). The apiserver answers
-    such a request 501, and so does opgate, relaying nothing."""
+    coding would be lost (the upstream would read gzip bytes as JSON). The apiserver (Go's
+    net/http) answers 501 to any value but chunked, and so does opgate on both cores, relaying
+    nothing (a coding list not ended by chunked was a 400, and a lone gzip on the aiohttp
+    core)."""
     up = await AiohttpUpstream(ok_handler).start()
     try:
         async with running_proxy(up.url) as proxy:

@@ -48,6 +48,7 @@ from proxy.relay.errors import (
     head_too_large,
     malformed_host,
     malformed_request,
+    refused_coding,
     unsupported_coding,
     version_not_supported,
 )
@@ -88,6 +89,7 @@ def _refusal(status: StatusError, phrase: str) -> bytes:
 
 
 _BAD_REQUEST = _refusal(malformed_request(), "Bad Request")
+
 _TOO_LARGE = _refusal(head_too_large(MAX_LINE, MAX_HEADERS, MAX_HEAD),
                       "Request Header Fields Too Large")
 _NO_HOST = _refusal(bad_host(0), "Bad Request")
@@ -191,7 +193,10 @@ class ClientConnection(FlowForwarding, asyncio.Protocol):
                 self._raw_received(data[offset:])
         except httptools.HttpParserError as e:
             cause = e.__context__
-            self._refuse(cause.answer if isinstance(cause, _Refused) else _BAD_REQUEST)
+            if isinstance(cause, _Refused):
+                self._refuse(cause.answer)
+            else:  # a coding list that does not end in chunked: 501, as Go's net/http
+                self._refuse(_BAD_CODING if refused_coding(str(e)) else _BAD_REQUEST)
         else:
             if self._in_head:  # a head goes on into the next read
                 self._spread += len(data)
