@@ -113,6 +113,10 @@ def test_redis_and_password_secret(helm: Path) -> None:
     assert args.redis_url == "redis://redis:6379/0"
     assert args.replicas == 3
     assert args.redis_password_file == "/etc/opgate/redis/password"
+    # by default the replicas that share the budgets are the operator's (each admits
+    # qps/replicas while Redis is away: with 1, three replicas admitted three times the qps)
+    scaled = _sidecar(_render(helm, "redis.url=redis://redis:6379/0", "operator.replicas=3"))
+    assert build_parser().parse_args(scaled["args"]).replicas == 3
     pod = _one(docs, "Deployment")["spec"]["template"]["spec"]
     assert {"name": "opgate-redis", "secret": {"secretName": "redis-auth"}} in pod["volumes"]
 

@@ -212,7 +212,7 @@ chart's root context, they use the opgate subchart's (.Subcharts.opgate: the val
     {{- end }}
     {{- if .Values.redis.url }}
     - --redis-url={{ .Values.redis.url }}
-    - --replicas={{ .Values.redis.replicas }}
+    - --replicas={{ .Values.redis.replicas | default (max 1 (int .Values.operator.replicas)) }}
     {{- end }}
     {{- if .Values.redis.passwordSecret.name }}
     - --redis-password-file=/etc/opgate/redis/{{ .Values.redis.passwordSecret.key }}
