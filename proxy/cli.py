@@ -266,6 +266,16 @@ def _add(
 
 
 
+def _version() -> str:
+    """The installed distribution's version (``unknown`` when run from a tree not installed)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("opgate")
+    except PackageNotFoundError:
+        return "unknown"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _TopParser(
         prog="opgate",
@@ -273,6 +283,7 @@ def build_parser() -> argparse.ArgumentParser:
         "controller to kube-apiserver passes through identity, rate-limit, quota and audit "
         "policies read from hot-reloaded YAML files.",
     )
+    parser.add_argument("--version", action="version", version=f"opgate {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
                                 parser_class=_Parser)
 

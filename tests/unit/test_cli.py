@@ -154,3 +154,12 @@ def test_an_api_listener_off_loopback_is_warned_about(
     if warned:
         assert len(err.strip().splitlines()) == 1
         assert err.startswith(f"opgate: warning: --listen {listen} ")
+
+
+def test_version_names_the_installed_distribution(capsys: pytest.CaptureFixture[str]) -> None:
+    from importlib.metadata import version
+
+    with pytest.raises(SystemExit) as done:
+        build_parser().parse_args(["--version"])
+    assert done.value.code == 0
+    assert capsys.readouterr().out == f"opgate {version('opgate')}\n"
