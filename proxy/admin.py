@@ -163,7 +163,10 @@ def worker_checks(workers: Sequence[WorkerView]) -> list[NamedCheck]:
                 return False, f"not running ({worker.last_exit}; restarting)"
             path = "/readyz?verbose" + "".join(f"&exclude={quote(name, safe='')}"
                                                for name in sorted(EXCLUDED.get()))
-            status, body = await unix_get(worker.socket, path)
+            try:
+                status, body = await unix_get(worker.socket, path)
+            except OSError:  # (a worker just (re)started has no admin socket yet)
+                return False, f"pid {pid}: starting (its admin socket does not answer yet)"
             if status == 200:
                 return True, f"pid {pid}"
             failing = [line for line in body.splitlines() if line.startswith("[-]")]

@@ -263,3 +263,19 @@ async def test_supervisor_readyz_passes_exclude_on_to_the_workers(tmp_path: Path
     finally:
         await supervisor.cleanup()
         await worker.cleanup()
+
+
+async def test_supervisor_readyz_says_a_worker_is_starting(tmp_path: Path) -> None:
+    """A worker restarted (or starting) runs before its admin socket answers: /readyz says so,
+    not the socket's ConnectionRefusedError or FileNotFoundError."""
+    supervisor = await serve_admin(build_admin_app(
+        checks=worker_checks([FakeWorker(0, str(tmp_path / "not-yet.sock"))]),
+        describe_policies=_no_policies, render_metrics=registry_metrics(REGISTRY)),
+        listen="127.0.0.1:0")
+    try:
+        head, body = await call(supervisor, "/readyz?verbose")
+    finally:
+        await supervisor.cleanup()
+    assert head.startswith("HTTP/1.1 503")
+    assert "[-]worker-0 failed: pid 4242: starting (its admin socket does not answer yet)" in (
+        body), body
