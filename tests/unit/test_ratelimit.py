@@ -390,7 +390,7 @@ def test_a_waiting_call_that_a_reject_rule_then_denies_is_rejected_at_once() -> 
     result, elapsed = asyncio.run(go())
     assert isinstance(result, Deny) and result.status.code == 429, result
     assert '"shared"' in result.status.message
-    assert elapsed < 0.5  # not the ~1 s until shared has a token again
+    assert elapsed < 0.9  # (generous) not the ~1 s until shared has a token again
 
 
 def test_wait_mode_bounded_queue() -> None:
