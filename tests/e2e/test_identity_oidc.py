@@ -135,6 +135,16 @@ def review(cluster: LocalCluster, token: str, server: str | None = None) -> Any:
     return cluster.call("POST", REVIEW, body=body, token=token, server=server)
 
 
+def accepted_by_the_apiserver(cluster: LocalCluster, fake: FakeIdp) -> None:
+    """Wait until the apiserver takes the IdP's tokens (it fetches the discovery and keys on
+    its own time): the reference the tests compare opgate with."""
+    good = fake.token()
+    deadline = time.monotonic() + 60
+    while review(cluster, good).status != 201:
+        assert time.monotonic() < deadline
+        time.sleep(0.5)
+
+
 def test_a_token_of_an_issuer_with_a_trailing_slash(
         oidc_cluster: LocalCluster, gate: Opgate, idp: tuple[FakeIdp, Path]) -> None:
     fake, _ca = idp
@@ -155,11 +165,7 @@ def test_a_token_of_an_issuer_with_a_trailing_slash(
 def test_a_groups_claim_the_apiserver_refuses(
         oidc_cluster: LocalCluster, gate: Opgate, idp: tuple[FakeIdp, Path]) -> None:
     fake, _ca = idp
-    good = fake.token()
-    deadline = time.monotonic() + 60
-    while review(oidc_cluster, good).status != 201:
-        assert time.monotonic() < deadline
-        time.sleep(0.5)
+    accepted_by_the_apiserver(oidc_cluster, fake)
     token = fake.token(groups=["devs", 7])
     assert review(oidc_cluster, token).status == 401  # the reference
     through = review(oidc_cluster, token, server=gate.url)
@@ -176,11 +182,7 @@ def test_time_claims_are_read_as_the_apiserver_reads_them(
     """A provider whose clock runs ahead of the node's (iat, nbf in the future), a token just
     expired: opgate accepts what the apiserver accepts and refuses what it refuses."""
     fake, _ca = idp
-    good = fake.token()
-    deadline = time.monotonic() + 60
-    while review(oidc_cluster, good).status != 201:
-        assert time.monotonic() < deadline
-        time.sleep(0.5)
+    accepted_by_the_apiserver(oidc_cluster, fake)
     now = int(time.time())
     token = fake.token(**{claim: now + offset for claim, offset in offsets.items()})
     direct = review(oidc_cluster, token).status  # the reference

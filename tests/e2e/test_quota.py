@@ -452,6 +452,17 @@ def quota_used(cluster: LocalCluster, namespace: str, name: str, used: dict[str,
     cluster.call("PUT", path + "/status", body=quota).ok()
 
 
+def pod_finishes(cluster: LocalCluster, gate: Opgate, namespace: str, name: str, *, phase: str,
+                 quota: str, used: dict[str, str]) -> None:
+    """Pod ``name`` ends in ``phase``, the quota controller recounts ``quota``'s ``used``, and
+    opgate's watch of the finished pods shows it (a dry-run create passes again)."""
+    finish_pod(cluster, namespace, name, phase)
+    quota_used(cluster, namespace, quota, used)
+    path = f"/api/v1/namespaces/{namespace}/pods"
+    wait_for(f"opgate to see {name} finished", lambda: cluster.call(
+        "POST", path + "?dryRun=All", body=pod("probe"), server=gate.url).status == 201)
+
+
 def both_deny(cluster: LocalCluster, gate: Opgate, namespace: str, name: str) -> str:
     """The 403 of opgate and of the apiserver's own admission for one pod create: the same."""
     path = f"/api/v1/namespaces/{namespace}/pods"
@@ -474,18 +485,14 @@ def test_finished_pods_free_room_under_a_pods_quota(
     assert both_deny(cluster, gate, PODS, "p-2") == (
         'pods "p-2" is forbidden: exceeded quota: rq-pods, requested: pods=1, used: pods=2, '
         "limited: pods=2")
-    finish_pod(cluster, PODS, "p-0", "Succeeded")
-    quota_used(cluster, PODS, "rq-pods", {"pods": "1"})
-    wait_for("opgate to see p-0 finished", lambda: cluster.call(
-        "POST", path + "?dryRun=All", body=pod("probe"), server=gate.url).status == 201)
+    pod_finishes(cluster, gate, PODS, "p-0", phase="Succeeded",
+                 quota="rq-pods", used={"pods": "1"})
     assert cluster.call("POST", path, body=pod("p-2"), server=gate.url).status == 201
     assert both_deny(cluster, gate, PODS, "p-3") == (
         'pods "p-3" is forbidden: exceeded quota: rq-pods, requested: pods=1, used: pods=2, '
         "limited: pods=2")
-    finish_pod(cluster, PODS, "p-1", "Failed")  # Failed is terminal too
-    quota_used(cluster, PODS, "rq-pods", {"pods": "1"})
-    wait_for("opgate to see p-1 finished", lambda: cluster.call(
-        "POST", path + "?dryRun=All", body=pod("probe"), server=gate.url).status == 201)
+    pod_finishes(cluster, gate, PODS, "p-1", phase="Failed",  # Failed is terminal too
+                 quota="rq-pods", used={"pods": "1"})
     assert cluster.call("POST", path, body=pod("p-3"), server=gate.url).status == 201
     assert len(cluster.call("GET", path).json()["items"]) == 4  # two finished, two counted
 
@@ -509,10 +516,8 @@ def test_count_pods_counts_finished_pods_and_each_key_says_its_own_used(
     assert both_deny(cluster, gate, PODS_BOTH, "b-2") == (
         'pods "b-2" is forbidden: exceeded quota: rq-both, requested: pods=1, used: pods=2, '
         "limited: pods=2")
-    finish_pod(cluster, PODS_BOTH, "b-0", "Succeeded")
-    quota_used(cluster, PODS_BOTH, "rq-both", {"count/pods": "2", "pods": "1"})
-    wait_for("opgate to see b-0 finished", lambda: cluster.call(
-        "POST", path + "?dryRun=All", body=pod("probe"), server=gate.url).status == 201)
+    pod_finishes(cluster, gate, PODS_BOTH, "b-0", phase="Succeeded",
+                 quota="rq-both", used={"count/pods": "2", "pods": "1"})
     assert cluster.call("POST", path, body=pod("b-2"), server=gate.url).status == 201
     assert both_deny(cluster, gate, PODS_BOTH, "b-3") == (
         'pods "b-3" is forbidden: exceeded quota: rq-both, requested: count/pods=1,pods=1, '
