@@ -7,11 +7,13 @@ client-go (1.35) sends built-in objects (ConfigMaps, Secrets, Pods…) as
 object has its ``ObjectMeta`` at field 1 (``name`` 1, ``generateName`` 2, ``ownerReferences``
 13: ``kind`` 1, ``name`` 3, ``controller`` 6), as in k8s.io/apimachinery's ``generated.proto``.
 Only those messages are walked, each field skipped by its length; anything malformed gives
-``None`` (the caller goes on as for a body it cannot read).
+``None`` (the caller goes on as for a body it cannot read). :func:`object_names` reads the two
+names from a JSON body as well, for the quota and the audit log alike.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -126,3 +128,20 @@ def read_meta(body: bytes) -> ProtoMeta | None:
         return ProtoMeta(name, generate_name, controller)
     except _Malformed:
         return None
+
+
+def object_names(body: bytes) -> tuple[str, str]:
+    """``(name, generateName)`` of an object body, protobuf or JSON; ``("", "")`` for a body in
+    another encoding (CBOR) or one that cannot be read (the quota's denial then names no object,
+    the audit's objectRef keeps none)."""
+    if body.startswith(MAGIC):
+        meta = read_meta(body)
+        return (meta.name, meta.generate_name) if meta is not None else ("", "")
+    try:
+        found = json.loads(body).get("metadata")
+    except (ValueError, AttributeError):
+        return "", ""
+    if not isinstance(found, dict):
+        return "", ""
+    name, prefix = found.get("name"), found.get("generateName")
+    return (name if isinstance(name, str) else ""), (prefix if isinstance(prefix, str) else "")

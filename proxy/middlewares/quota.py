@@ -62,28 +62,34 @@ its namespaces are bounded by the policies' ``namespaces`` patterns).
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import random
 import secrets
-from collections.abc import Callable, Coroutine, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from proxy.engine import telemetry
 from proxy.engine.chain import Maybe
 from proxy.engine.context import Decision, Deny, RequestContext
-from proxy.engine.protometa import MAGIC as PROTOBUF_MAGIC
-from proxy.engine.protometa import read_meta
+from proxy.engine.protometa import object_names
 from proxy.engine.status import forbidden, object_details, service_unavailable
+from proxy.middlewares.quota_counts import MemoryQuotaCounts, QuotaCounts
+from proxy.middlewares.quota_limits import (
+    AlignedQuota,
+    Shift,
+    denial_message,
+    effective_limit,
+    exceeded_limit,
+    generate_name,
+    quota_keys,
+)
 from proxy.middlewares.quota_spec import (
     CLUSTER_RESOURCE_QUOTA,
     RESOURCE_QUOTA,
     SECTION,
     BoundQuota,
     bind_quotas,
-    count_key,
-    legacy_key,
     live_key,
     parse_section,
     qualified,
@@ -91,180 +97,21 @@ from proxy.middlewares.quota_spec import (
 from proxy.stores.base import SHOWN, Reservation, Store
 from proxy.stores.memory import MemoryStore
 
-__all__ = ["SECTION", "MemoryQuotaCounts", "Quota", "QuotaCounts", "denial_message",
-           "format_count", "generate_name", "parse_section"]
+__all__ = ["SECTION", "Quota", "parse_section"]
 
 log = logging.getLogger("opgate.quota")
 
-# k8s.io/apimachinery/pkg/util/rand: what names generated from generateName are made of
-_NAME_ALPHABET = "bcdfghjklmnpqrstvwxz2456789"
-_MAX_GENERATED_PREFIX = 63 - 5
 STATE_KEY = "quota"
 RESERVE_SECONDS = 60.0  # a reservation expires by itself this long after its create came in,
 SETTLE_SECONDS = 30.0  # this long after the create answered 2xx (or no answer),
 LINGER_SECONDS = 5.0  # and this long after this replica's watch showed the object
-
-AlignedQuota = tuple[str, str, Mapping[str, int]]
-"""``(kind, name, hard)``: a ResourceQuota or ClusterResourceQuota and its count limits."""
-Shift = Mapping[str, int]
-"""Per key of an aligned quota, what it counts besides the namespace's objects and reservations
-(a ClusterResourceQuota's other namespaces; less the finished pods, for ``pods``)."""
-UsageCallback = Callable[[str, str, str, int], None]
-"""``(group, resource, namespace, count)``: a watched count changed."""
-
-
-class QuotaCounts(Protocol):
-    """What the apiserver says exists (a list+watch when serving, a dict in tests).
-
-    Every method is non-blocking and cheap: the hot path calls them.
-    """
-
-    def track(self, resources: Mapping[tuple[str, str], Callable[[str], bool]], *,
-              resource_quotas: bool, cluster_quotas: bool,
-              on_usage: UsageCallback | None = None) -> None:
-        """Count these (group, resource) pairs (each with the namespaces whose counts are
-        reported to ``on_usage``), and watch ResourceQuotas / ClusterResourceQuotas or not.
-        Replaces the previous interest; idempotent; never blocks."""
-        ...
-
-    def observed(self, group: str, resource: str, namespace: str) -> int | None:
-        """Objects in the namespace as the watch shows them; ``None`` until synced."""
-        ...
-
-    def exists(self, group: str, resource: str, namespace: str, name: str) -> bool | None:
-        """Whether the watch shows this object; ``None`` until synced."""
-        ...
-
-    def seen(self, group: str, resource: str, namespace: str) -> Sequence[str]:
-        """Names that appeared lately (and ``|<token>`` of this replica's generateName creates
-        whose object appeared): their reservations must not be counted a second time."""
-        ...
-
-    def aligned(self, namespace: str, *, resource_quotas: bool,
-                cluster_quotas: bool) -> Sequence[AlignedQuota] | None:
-        """The namespace's ResourceQuotas and the ClusterResourceQuotas that select it (none
-        when the cluster serves no such API); ``None`` until synced."""
-        ...
-
-    def beyond(self, group: str, resource: str, namespace: str, quota: str) -> int:
-        """Objects of the resource in the other namespaces that ClusterResourceQuota ``quota``
-        selects (its limit is for all of them together)."""
-        ...
-
-    def finished(self, group: str, resource: str, namespace: str) -> int:
-        """Objects of ``observed`` at their end of life, which :func:`live_key` does not count:
-        pods Succeeded or Failed, or deleted and past their grace period (0 for other
-        resources)."""
-        ...
-
-    def finished_beyond(self, group: str, resource: str, namespace: str, quota: str) -> int:
-        """:meth:`finished` in the other namespaces ClusterResourceQuota ``quota`` selects."""
-        ...
-
-    def expect(self, group: str, resource: str, namespace: str, name: str, generate_name: str,
-               token: str, on_seen: Callable[[], None] | None = None) -> object:
-        """Wait for the object of an admitted create; ``on_seen`` runs when it appears."""
-        ...
-
-    def settle(self, expected: object, created: bool | None) -> None:
-        """The create answered: ``True`` 2xx, ``False`` failed, ``None`` unknown (timeout)."""
-        ...
-
-
-def generate_name(prefix: str, rng: random.Random | None = None) -> str:
-    """A name as the apiserver generates it from ``generateName`` (``gen-7nlsj``)."""
-    choice = (rng or random).choice
-    return prefix[:_MAX_GENERATED_PREFIX] + "".join(choice(_NAME_ALPHABET) for _ in range(5))
-
-
-_DECIMAL_SUFFIXES = ("", "k", "M", "G", "T", "P", "E")
-
-
-def format_count(count: int) -> str:
-    """A count as the apiserver prints a decimal quantity: canonical, so ``1000`` is ``1k``
-    and ``1500`` stays ``1500`` (its quota controller writes ``used`` so, and a ``hard: 1000``
-    reads back as ``1k``)."""
-    if count == 0:
-        return "0"
-    power = 0
-    while count % 1000 == 0 and power < len(_DECIMAL_SUFFIXES) - 1:
-        count //= 1000
-        power += 1
-    return f"{count}{_DECIMAL_SUFFIXES[power]}"
-
-
-def _limit_text(hard: int) -> str:
-    """A limit as the apiserver prints it: an aligned quota's own quantity (its ``text``, as
-    ``proxy.relay.quotaobjects.Count`` carries it: ``1Ki`` stays ``1Ki``), else canonically."""
-    return getattr(hard, "text", "") or format_count(hard)
-
-
-Exceeded = tuple[str, int, int]
-"""``(key, hard, used)``: one limit a create exceeds, and what that key counts."""
-
-
-def denial_message(group: str, resource: str, name: str, quota: str,
-                   exceeded: Sequence[Exceeded]) -> str:
-    """The apiserver's ResourceQuota admission message (``exceeded`` sorted by key; each key
-    with its own used, as the quota's status holds them: ``count/pods=3,pods=2``)."""
-    what = qualified(group, resource)
-    subject = f'{what} "{name}"' if name else what
-    requested = ",".join(f"{key}=1" for key, _, _ in exceeded)
-    used = ",".join(f"{key}={format_count(count)}" for key, _, count in exceeded)
-    limited = ",".join(f"{key}={_limit_text(hard)}" for key, hard, _ in exceeded)
-    return (f"{subject} is forbidden: exceeded quota: {quota}, requested: {requested}, "
-            f"used: {used}, limited: {limited}")
-
-
-def exceeded_limit(
-    b: BoundQuota, group: str, resource: str, used: int, aligned: Sequence[AlignedQuota],
-    shifts: Sequence[Shift] = (),
-) -> tuple[str, list[Exceeded]] | None:
-    """``(quota name, [(key, hard, used)])`` of the smallest limit that one more object exceeds
-    (the entry's own ``max`` on a tie), or ``None`` when the create fits. ``used`` is the
-    namespace's objects and reservations; ``shifts[i]`` what each key of ``aligned[i]`` counts
-    besides (a ClusterResourceQuota's other namespaces take room here, and its "used" is the
-    sum, as OpenShift says it; ``pods`` leaves the finished pods out)."""
-    keys = _keys(group, resource)
-    found: list[tuple[int, int, str, list[Exceeded]]] = []
-    if b.rule.max is not None and used + 1 > b.rule.max:
-        found.append((b.rule.max, 0, b.quota_name, [(keys[0], b.rule.max, used)]))
-    for order, (kind, name, hard) in enumerate(aligned, start=1):
-        if kind not in b.rule.align_with:
-            continue
-        shift = shifts[order - 1] if order <= len(shifts) else {}
-        counted = {k: used + shift.get(k, 0) for k in keys if k in hard}
-        over = sorted((k, hard[k], n) for k, n in counted.items() if n + 1 > hard[k])
-        if over:
-            room = min(h - shift.get(k, 0) for k, h, _ in over)
-            found.append((room, order, name, over))
-    if not found:
-        return None
-    _, _, name, over = min(found, key=lambda f: (f[0], f[1]))
-    return name, over
-
-
-def _keys(group: str, resource: str) -> list[str]:
-    """The names a quota may count the resource by: ``count/…``, and the legacy one."""
-    legacy = legacy_key(group, resource)
-    return [count_key(group, resource)] + ([legacy] if legacy else [])
 
 
 def _body_name(ctx: RequestContext) -> tuple[str, str]:
     """``(name, generateName)`` from a JSON or protobuf create body (``("", "")`` when there is
     none)."""
     body = ctx.body
-    if not body:
-        return "", ""
-    if body.startswith(PROTOBUF_MAGIC):
-        meta = read_meta(body)
-        return (meta.name, meta.generate_name) if meta is not None else ("", "")
-    try:
-        meta = json.loads(body).get("metadata") or {}
-        name, prefix = meta.get("name") or "", meta.get("generateName") or ""
-    except (ValueError, AttributeError):
-        return "", ""
-    return (name if isinstance(name, str) else ""), (prefix if isinstance(prefix, str) else "")
+    return object_names(body) if body else ("", "")
 
 
 _NAMED_TYPES = frozenset({"application/json", "application/vnd.kubernetes.protobuf"})
@@ -300,21 +147,6 @@ def _outcome(code: int, apply: bool = False) -> bool | None:
         return None
     return False
 
-
-def effective_limit(b: BoundQuota, group: str, resource: str,
-                    aligned: Sequence[AlignedQuota], shifts: Sequence[Shift] = ()) -> int | None:
-    """The most objects (and reservations) an entry lets the namespace hold: its ``max``, and
-    its aligned quotas' hard counts less what each key counts besides (``shifts``, as for
-    :func:`exceeded_limit`: a ``pods`` limit leaves room for the finished pods, which it does
-    not count); ``None`` when nothing limits it here. One number, so a pod create reserves
-    room in both pod counts in one store call."""
-    keys = _keys(group, resource)
-    limits = [b.rule.max] if b.rule.max is not None else []
-    for i, (kind, _name, hard) in enumerate(aligned):
-        if kind in b.rule.align_with:
-            shift = shifts[i] if i < len(shifts) else {}
-            limits.extend(max(0, hard[k] - shift.get(k, 0)) for k in keys if k in hard)
-    return min(limits) if limits else None
 
 
 _CREATING = frozenset({"create", "patch"})  # the verbs _matched can match (a patch: an apply)
@@ -490,7 +322,7 @@ class Quota:
         ClusterResourceQuota's other namespaces (asked only of a quota with that key)."""
         if not aligned:
             return []
-        keys = _keys(group, resource)
+        keys = quota_keys(group, resource)
         live = live_key(group, resource)
         finished: int | None = None
         shifts: list[Shift] = []
@@ -536,109 +368,3 @@ def _namespace_filter(bound: list[BoundQuota]) -> Callable[[str], bool]:
 
 def _report_usage(group: str, resource: str, namespace: str, count: int) -> None:
     telemetry.set_quota_usage(namespace, qualified(group, resource), count)
-
-
-class MemoryQuotaCounts:
-    """Objects and quotas set by hand (tests, ``opgate demo``); every pair is synced at once
-    unless :meth:`unsync` says otherwise. :meth:`add` plays a watch event."""
-
-    def __init__(self) -> None:
-        self.names: dict[tuple[str, str, str], set[str]] = {}
-        self.ended: dict[tuple[str, str, str], set[str]] = {}
-        self.recent: dict[tuple[str, str, str], list[str]] = {}
-        self.quotas: list[tuple[str, str, frozenset[str] | None, dict[str, int]]] = []
-        self.expected: dict[int, tuple[tuple[str, str, str], str, str, str,
-                                       Callable[[], None] | None]] = {}
-        self.unsynced: set[tuple[str, str]] = set()
-        self.quotas_synced = True
-        self.interest: dict[str, Any] = {}
-        self.settled: list[bool | None] = []
-        self._next = 0
-
-    def set(self, group: str, resource: str, namespace: str, count: int) -> None:
-        """``count`` objects (named ``existing-<i>``) in the namespace, none seen lately."""
-        self.names[(group, resource, namespace)] = {f"existing-{i}" for i in range(count)}
-
-    def add(self, group: str, resource: str, namespace: str, name: str,
-            generate_name: str = "") -> None:
-        """An object appeared in the watch."""
-        key = (group, resource, namespace)
-        self.names.setdefault(key, set()).add(name)
-        self.recent.setdefault(key, []).append(name)
-        for handle, (where, want, prefix, token, on_seen) in list(self.expected.items()):
-            if where == key and ((want and want == name) or (
-                    not want and generate_name and prefix == generate_name)):
-                del self.expected[handle]
-                if not want:
-                    self.recent[key].append("|" + token)
-                if on_seen is not None:
-                    on_seen()
-                break
-
-    def finish(self, group: str, resource: str, namespace: str, name: str) -> None:
-        """An object reached its end of life (a pod Succeeded): still there, not ``live``."""
-        self.ended.setdefault((group, resource, namespace), set()).add(name)
-
-    def unsync(self, group: str, resource: str) -> None:
-        self.unsynced.add((group, resource))
-
-    def add_quota(self, kind: str, name: str, hard: Mapping[str, int], *,
-                  namespaces: Sequence[str] | None = None) -> None:
-        """A ResourceQuota (``namespaces=[its namespace]``) or ClusterResourceQuota (the
-        namespaces it selects)."""
-        self.quotas.append((kind, name, None if namespaces is None else frozenset(namespaces),
-                            dict(hard)))
-
-    def track(self, resources: Mapping[tuple[str, str], Callable[[str], bool]], *,
-              resource_quotas: bool, cluster_quotas: bool,
-              on_usage: UsageCallback | None = None) -> None:
-        self.interest = {"resources": dict(resources), "resource_quotas": resource_quotas,
-                         "cluster_quotas": cluster_quotas}
-
-    def observed(self, group: str, resource: str, namespace: str) -> int | None:
-        if (group, resource) in self.unsynced:
-            return None
-        return len(self.names.get((group, resource, namespace), ()))
-
-    def exists(self, group: str, resource: str, namespace: str, name: str) -> bool | None:
-        if (group, resource) in self.unsynced:
-            return None
-        return name in self.names.get((group, resource, namespace), ())
-
-    def seen(self, group: str, resource: str, namespace: str) -> Sequence[str]:
-        return tuple(self.recent.get((group, resource, namespace), ()))
-
-    def aligned(self, namespace: str, *, resource_quotas: bool,
-                cluster_quotas: bool) -> Sequence[AlignedQuota] | None:
-        if not self.quotas_synced:
-            return None
-        return [(kind, name, hard) for kind, name, where, hard in self.quotas
-                if where is None or namespace in where]
-
-    def beyond(self, group: str, resource: str, namespace: str, quota: str) -> int:
-        return sum(len(self.names.get((group, resource, ns), ()))
-                   for kind, name, where, _hard in self.quotas
-                   if kind == CLUSTER_RESOURCE_QUOTA and name == quota and where is not None
-                   for ns in where if ns != namespace)
-
-    def finished(self, group: str, resource: str, namespace: str) -> int:
-        key = (group, resource, namespace)
-        return len(self.ended.get(key, set()) & self.names.get(key, set()))
-
-    def finished_beyond(self, group: str, resource: str, namespace: str, quota: str) -> int:
-        return sum(self.finished(group, resource, ns)
-                   for kind, name, where, _hard in self.quotas
-                   if kind == CLUSTER_RESOURCE_QUOTA and name == quota and where is not None
-                   for ns in where if ns != namespace)
-
-    def expect(self, group: str, resource: str, namespace: str, name: str, generate_name: str,
-               token: str, on_seen: Callable[[], None] | None = None) -> object:
-        self._next += 1
-        self.expected[self._next] = ((group, resource, namespace), name,
-                                     "" if name else generate_name, token, on_seen)
-        return self._next
-
-    def settle(self, expected: object, created: bool | None) -> None:
-        self.settled.append(created)
-        if created is False:
-            self.expected.pop(expected, None)  # type: ignore[call-overload]

@@ -1,6 +1,6 @@
 """Object counts and quotas as the apiserver sees them, for the quota middleware.
 
-:class:`QuotaCounts` implements ``proxy.middlewares.quota.QuotaCounts``. For every quota'd
+:class:`QuotaCounts` implements ``proxy.middlewares.quota_counts.QuotaCounts``. For every quota'd
 (group, resource) it runs one metadata-only list+watch over all namespaces
 (``PartialObjectMetadata``, as :mod:`proxy.relay.informer` does) and keeps only a count per
 namespace; objects created or deleted by anyone are counted. Pods get a second one, of the pods

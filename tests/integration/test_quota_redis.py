@@ -20,7 +20,8 @@ from proxy.engine.chain import settle
 from proxy.engine.context import Deny, RequestContext
 from proxy.engine.policies import PolicySet, build_policy_set
 from proxy.engine.requestinfo import parse_request_info
-from proxy.middlewares.quota import MemoryQuotaCounts, Quota
+from proxy.middlewares.quota import Quota
+from proxy.middlewares.quota_counts import MemoryQuotaCounts
 from proxy.stores import build_store
 from proxy.stores.base import Reservation
 from proxy.stores.memory import MemoryStore

@@ -28,7 +28,8 @@ from proxy.app import section_parsers
 from proxy.engine import requestinfo
 from proxy.engine.policies import build_policy_set
 from proxy.middlewares import accesslog, audit, audit_spec, faults, identity, metrics, ratelimit
-from proxy.middlewares.quota import MemoryQuotaCounts, Quota
+from proxy.middlewares.quota import Quota
+from proxy.middlewares.quota_counts import MemoryQuotaCounts
 from proxy.relay.authn import UpstreamAuthenticator
 from proxy.relay.upstream import UpstreamConfig
 from proxy.stores import build_store

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from proxy.engine.protometa import ProtoMeta, is_protobuf, read_meta
+from proxy.engine.protometa import ProtoMeta, is_protobuf, object_names, read_meta
 
 # a ConfigMap as kube-apiserver v1.35.4 served it with Accept: application/vnd.kubernetes.protobuf
 # (created with generateName "gen-", labels, an ownerReference that is not the controller, then
@@ -58,3 +58,21 @@ def test_content_types() -> None:
     assert not is_protobuf("application/vnd.kubernetes.protobuf+x")
     assert not is_protobuf("application/json")
     assert not is_protobuf(None)
+
+
+@pytest.mark.parametrize(("body", "names"), [
+    (CONFIGMAP_PB, ("gen-xp2jf", "gen-")),
+    (NAMED_PB, ("cm-1", "")),
+    (b'{"metadata": {"name": "cm-2"}}', ("cm-2", "")),
+    (b' {"metadata": {"generateName": "gen-"}}', ("", "gen-")),
+    (b'{"metadata": {"name": 7, "generateName": ["x"]}}', ("", "")),
+    (b'{"metadata": ["name"]}', ("", "")),
+    (b'{"kind": "ConfigMap"}', ("", "")),
+    (b'["metadata"]', ("", "")),
+    (b"\xa1dnamex", ("", "")),  # CBOR
+    (b"{not json", ("", "")),
+    (b"\xff\xfe", ("", "")),  # not UTF-8
+    (NAMED_PB[:-1], ("", "")),
+])
+def test_object_names_from_protobuf_or_json(body: bytes, names: tuple[str, str]) -> None:
+    assert object_names(body) == names

@@ -21,13 +21,9 @@ from proxy.engine.chain import settle
 from proxy.engine.context import Deny, RequestContext
 from proxy.engine.policies import PolicySet, build_policy_set
 from proxy.engine.requestinfo import parse_request_info
-from proxy.middlewares.quota import (
-    MemoryQuotaCounts,
-    Quota,
-    denial_message,
-    format_count,
-    generate_name,
-)
+from proxy.middlewares.quota import Quota
+from proxy.middlewares.quota_counts import MemoryQuotaCounts
+from proxy.middlewares.quota_limits import denial_message, format_count, generate_name
 from proxy.relay.counts import QuotaCounts
 from proxy.relay.quotaobjects import Count, parse_limit, selects
 from proxy.relay.tally import Tally
