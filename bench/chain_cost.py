@@ -43,10 +43,12 @@ from bench.ratelimit_bench import start_redis
 from proxy.app import section_parsers
 from proxy.engine.chain import Chain
 from proxy.engine.context import RequestContext
+from proxy.engine.logfile import RotatingFile
 from proxy.engine.policies import PolicySet, build_policy_set
 from proxy.engine.requestinfo import parse_request_info
 from proxy.middlewares import audit, faults, identity, quota, ratelimit
 from proxy.middlewares.accesslog import AccessLog, AccessWriter
+from proxy.middlewares.audit_stream import QueuedStream
 from proxy.middlewares.metrics import Metrics
 from proxy.relay.fast.wire import WireHeaders
 from proxy.stores import build_store
@@ -74,7 +76,7 @@ def build_chain(redis_url: str, work: Path) -> tuple[list[object], PolicySet, st
     pset = build_policy_set([("bench.yaml", _policy(probe=False, quota=True).encode())],
                             parsers=section_parsers())
     buckets = build_store(redis_url=redis_url, timeout=1.0)
-    audit_writer = AccessWriter(audit.QueuedStream(audit.RotatingFile(str(work / "audit.log"))))
+    audit_writer = AccessWriter(QueuedStream(RotatingFile(str(work / "audit.log"))))
     access = AccessWriter(open(os.devnull, "w"))
     quotas = quota.Quota()
     quotas.prepare(pset)

@@ -30,11 +30,13 @@ from proxy.admin import (
 from proxy.engine import telemetry
 from proxy.engine.chain import Chain
 from proxy.engine.check import check
+from proxy.engine.logfile import RotatingFile
 from proxy.engine.policies import PolicyStore
 from proxy.engine.reload import reload_now, watch_policies
 from proxy.engine.schema import SectionParser
 from proxy.middlewares import audit, capture, faults, identity, quota, ratelimit
 from proxy.middlewares.accesslog import AccessLog, AccessWriter
+from proxy.middlewares.audit_stream import QueuedStream
 from proxy.middlewares.metrics import Metrics
 from proxy.relay import RelaySettings, relay_core, resolve_upstream, serve_api
 from proxy.relay.authn import UpstreamAuthenticator
@@ -182,7 +184,7 @@ def serve(
 
 
 def open_audit_log(settings: Settings, *, tag: str = "") -> tuple[
-        AccessWriter, audit.QueuedStream | None] | None:
+        AccessWriter, QueuedStream | None] | None:
     """The audit log's batched writer (and, for a file, the thread that writes and rotates it);
     each worker of ``--workers N`` writes its own file (``audit.log`` -> ``audit.worker0.log``,
     ``audit.worker1.log``, …)."""
@@ -194,7 +196,7 @@ def open_audit_log(settings: Settings, *, tag: str = "") -> tuple[
     if tag:
         stem, ext = os.path.splitext(path)
         path = f"{stem}.{tag.replace(' ', '')}{ext}"
-    stream = audit.QueuedStream(audit.RotatingFile(
+    stream = QueuedStream(RotatingFile(
         path, max_bytes=settings.log.audit_log_maxsize * 1024 * 1024,
         max_backups=settings.log.audit_log_maxbackup))
     # each batch wakes the writer thread: batched by time however quiet it is (AccessWriter)

@@ -55,8 +55,8 @@ class AccessWriter:
     end of the event loop's current turn instead, with whatever other lines that turn wrote: at
     an operator's usual few calls a second, a timer per batch would wake the loop once more per
     call, which costs more than the write it saves. A stream whose every write wakes a thread
-    (the audit log's :class:`~proxy.middlewares.audit.QueuedStream`) is better batched by time
-    however quiet it is: ``prompt=False``. All is written at :meth:`close`.
+    (the audit log's :class:`~proxy.middlewares.audit_stream.QueuedStream`) is better batched
+    by time however quiet it is: ``prompt=False``. All is written at :meth:`close`.
     """
 
     def __init__(

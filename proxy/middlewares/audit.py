@@ -40,201 +40,46 @@ the tools that read its ``--audit-log-path`` files read opgate's too:
   one ResponseComplete). ``RequestReceived`` is never emitted (as
   if every policy had ``omitStages: [RequestReceived]``), nor ``Panic``.
 
-Nothing here blocks a call: an event is built in the exit hook and handed to an
-:class:`~proxy.middlewares.accesslog.AccessWriter` (batched, as the access log); for a file, its
-batches go to a writer thread through :class:`QueuedStream`, which drops whole batches (counted
-in ``opgate_audit_dropped_total``) rather than hold more than ``MAX_PENDING_BYTES``.
-:class:`RotatingFile` rotates by size as the apiserver's ``--audit-log-maxsize`` /
-``--audit-log-maxbackup`` do (backups named ``audit-2006-01-02T15-04-05.000.log``, UTC).
+Nothing here blocks a call: an event is built in the exit hook (its fields:
+:mod:`proxy.middlewares.audit_event`) and its line handed on, for a file to a writer thread
+(:mod:`proxy.middlewares.audit_stream`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import ipaddress
-import json
 import logging
-import re
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import IO, Any
-from urllib.parse import quote
+from typing import Any
 
 from proxy.engine import telemetry
 from proxy.engine.context import Identity, RequestContext
-from proxy.engine.impersonation import impersonation_of
-from proxy.engine.logfile import BackgroundWriter, RotatingFile
 from proxy.engine.policies import PlanPerSet
-from proxy.engine.protometa import MAGIC as PROTOBUF_MAGIC
-from proxy.engine.protometa import read_meta
-from proxy.engine.redact import redact_object, redact_query
 from proxy.engine.requestinfo import RequestInfo
+from proxy.middlewares.audit_event import (
+    CLIENT_GONE,
+    ENCODER,
+    event,
+    joined_line,
+    object_ref,
+    request_uri,
+)
 from proxy.middlewares.audit_spec import (
     SECTION,
     AuditPlan,
     Decision,
-    at_least,
     build_plan,
     parse_section,
 )
 
-__all__ = ["MAX_PENDING_BYTES", "POLL_SECONDS", "SECTION", "Audit", "QueuedStream",
-           "RotatingFile", "micro_time", "parse_section"]
+__all__ = ["POLL_SECONDS", "SECTION", "Audit", "parse_section"]
 
 log = logging.getLogger("opgate.audit")
 
 POLL_SECONDS = 0.1  # how often open long-running calls are checked for their response head
-MAX_PENDING_BYTES = 8 * 1024 * 1024  # events waiting for the writer thread, at most
 MEMO_SIZE = 4096  # calls whose requestURI and objectRef are remembered
-CLIENT_GONE = 499  # what the relay records for a call whose client left before any response
-_REASONS = {400: "BadRequest", 401: "Unauthorized", 403: "Forbidden", 404: "NotFound",
-            409: "Conflict", 413: "RequestEntityTooLarge", 429: "TooManyRequests",
-            500: "InternalError", 503: "ServiceUnavailable", 504: "Timeout"}
-_PATH_SAFE = "/:@!$&'()*+,;=-._~"
-_NEEDS_QUOTE = re.compile(r"[^A-Za-z0-9/:@!$&'()*+,;=\-._~]")
-_BODY_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
-_ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
-_DECISIONS = {d: _ENCODER.encode(d) for d in (
-    "allowed", "denied", "unauthorized", "throttled", "unavailable", "fault", "error", "quota")}
-
-
-# the last second _second_text formatted: its text, and where it starts and ends as floats
-_last_text = ""
-_second_start = _second_next = float("nan")  # no time is in it before the first call
-
-
-def _second_text(second: int) -> str:
-    """``second`` (whole seconds since the epoch) as RFC 3339 UTC without fraction nor zone,
-    formatted once per second (the last one is remembered, with its bounds)."""
-    global _last_text, _second_start, _second_next
-    if second != _second_start:
-        _last_text = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second))
-        _second_start, _second_next = float(second), float(second + 1)
-    return _last_text
-
-
-def micro_time(wall: float) -> str:
-    """``metav1.MicroTime`` as JSON: RFC 3339, UTC, six fractional digits."""
-    second = int(wall)
-    micros = min(int((wall - second) * 1_000_000), 999_999)  # truncated, as Go formats it
-    return f"{_second_text(second)}.{micros:06d}Z"
-
-
-# The six fractional digits of a timestamp as two lookups, by thousands of microseconds and
-# the rest (Audit._joined; about half the cost of ``:06d``, which goes through the format-spec
-# parser), each with the constant text around it in the line (fewer pieces to join): the point
-# before the first three, and after the last three the text up to the next value
-_MILLIS3 = tuple(f".{i:03d}" for i in range(1000))
-_RECEIVED3 = tuple(f'{i:03d}Z","stageTimestamp":"' for i in range(1000))
-_STAGED3 = tuple(f'{i:03d}Z","annotations":{{"opgate.dev/decision":' for i in range(1000))
-
-
-def _ip(text: str) -> str | None:
-    try:
-        return str(ipaddress.ip_address(text.strip()))
-    except ValueError:
-        return None
-
-
-def source_ips(ctx: RequestContext) -> list[str]:
-    """``sourceIPs`` as the apiserver fills it: the valid addresses of ``X-Forwarded-For``,
-    then ``X-Real-Ip`` unless already listed, then the caller's own address unless it is the
-    last one listed (none on a Unix socket)."""
-    found: list[str] = []
-    forwarded = ctx.headers.get("x-forwarded-for")
-    if forwarded:
-        found = [ip for part in forwarded.split(",") if (ip := _ip(part)) is not None]
-    real = ctx.headers.get("x-real-ip")
-    if real:
-        ip = _ip(real)
-        if ip is not None and ip not in found:
-            found.append(ip)
-    remote = _ip(ctx.remote) if ctx.remote else None
-    if remote is not None and (not found or found[-1] != remote):
-        found.append(remote)
-    return found
-
-
-def request_uri(path: str, query: str, *, escaped: bool = False) -> str:
-    """The request URI as the client sent it (a decoded path re-escaped; an ``escaped`` one, as
-    sent, kept), secrets in the query redacted."""
-    uri = quote(path, safe=_PATH_SAFE) if not escaped and _NEEDS_QUOTE.search(path) else path
-    if not query:
-        return uri
-    return f"{uri}?{redact_query(query)}"
-
-
-def _status(ctx: RequestContext) -> dict[str, Any]:
-    """``responseStatus`` (a ``metav1.Status``, fields in its JSON order)."""
-    answer = ctx.answer
-    code = ctx.status_code
-    if answer is not None:
-        out: dict[str, Any] = {"metadata": {}, "status": "Failure", "message": answer.message,
-                               "reason": answer.reason or _REASONS.get(answer.code, "")}
-        if answer.details is not None:  # (an empty one too: the apiserver logs {} as well)
-            out["details"] = answer.details
-        out["code"] = answer.code
-        return out
-    if code >= 400 and (ctx.decision != "allowed" or ctx.error):  # e.g. the client went away
-        out = {"metadata": {}, "status": "Failure"}
-        if ctx.error:
-            out["message"] = ctx.error
-        reason = _REASONS.get(code)
-        if reason:
-            out["reason"] = reason
-        out["code"] = code
-        return out
-    return {"metadata": {}, "code": code}
-
-
-def _request_object(ctx: RequestContext, decision: Decision,
-                    notes: dict[str, str]) -> Any | None:
-    """The request body as JSON for ``requestObject`` (None, with a note, when it cannot be)."""
-    body = ctx.body
-    if body is None:
-        if ctx.bytes_in and ctx.method in _BODY_METHODS:
-            notes["opgate.dev/request-object"] = "omitted: the body was not read"
-        return None
-    if not body:
-        return None
-    ctype = (ctx.headers.get("content-type") or "").lower()
-    if "protobuf" in ctype or "cbor" in ctype:
-        notes["opgate.dev/request-object"] = f"omitted: not JSON ({ctype.split(';')[0]})"
-        return None
-    try:
-        obj = json.loads(body)
-    except ValueError:
-        notes["opgate.dev/request-object"] = (
-            f"omitted: not JSON ({ctype.split(';')[0] or 'no content type'})")
-        return None
-    info = ctx.info
-    obj = redact_object(obj, info.api_group, info.resource, info.subresource)
-    if isinstance(obj, dict):
-        if decision.omit_managed_fields:
-            meta = obj.get("metadata")
-            if isinstance(meta, dict) and "managedFields" in meta:
-                obj["metadata"] = {k: v for k, v in meta.items() if k != "managedFields"}
-    return obj
-
-
-def _body_name(ctx: RequestContext) -> str:
-    """A create's object name from its JSON or protobuf body (as the apiserver completes
-    objectRef; client-go sends built-in kinds as protobuf by default)."""
-    body = ctx.body
-    if not body or ctx.info.verb != "create":
-        return ""
-    if body.startswith(PROTOBUF_MAGIC):
-        meta = read_meta(body)
-        return meta.name if meta is not None else ""
-    if not body.lstrip().startswith(b"{"):
-        return ""
-    try:
-        meta = json.loads(body).get("metadata")
-    except (ValueError, AttributeError):
-        return ""
-    name = meta.get("name") if isinstance(meta, dict) else None
-    return name if isinstance(name, str) else ""
 
 
 @dataclass(slots=True)
@@ -373,52 +218,13 @@ class Audit:
                 or forwarded
                 # Impersonate-User is only logged where impersonation is allowed
                 or (impersonated and (call.impersonation or ctx.allow_impersonation))):
-            line = self._joined(ctx, call, code, stamp)
+            line = joined_line(ctx, call.fragments or self._fragments(ctx, call),
+                               call.coded, code, stamp)
         if line is None:
             self._emit(ctx, call.decision, "ResponseComplete", stamp)
             return
         self._write(line)
         call.counter.inc()
-
-    def _joined(self, ctx: RequestContext, call: _Call, code: int, stamp: float) -> str | None:
-        """:meth:`exit`'s common line, joined from ``call``'s fragments (``None`` before 1970,
-        where the seconds below do not hold: the caller encodes the event then)."""
-        head, middle, tail = call.fragments or self._fragments(ctx, call)
-        # the JSON from after the audit ID to requestReceivedTimestamp's value, per code
-        coded = call.coded.get(code)
-        if coded is None:
-            coded = call.coded[code] = f'{middle}{code}}},"requestReceivedTimestamp":"'
-        # requestReceivedTimestamp and stageTimestamp, mostly in the same second: its text is
-        # formatted once per second (_second_text) and whether a time is in it is told by
-        # comparing floats (an int() call less per timestamp); the microseconds are truncated,
-        # as Go formats them, and written as two lookups each (not ``:06d``)
-        wall = ctx.wall_time
-        if stamp < wall:
-            stamp = wall
-        if not _second_start <= wall < _second_next:
-            _second_text(int(wall))
-            if wall < _second_start:  # before 1970: int() rounded up, toward zero
-                return None
-        received = _last_text
-        micros = int((wall - _second_start) * 1_000_000)
-        if stamp < _second_next:  # and stamp >= wall: the same second
-            staged = received
-            stage_micros = int((stamp - _second_start) * 1_000_000)
-        else:
-            end = int(stamp)
-            staged = _second_text(end)
-            stage_micros = int((stamp - end) * 1_000_000)
-        # a time just below the next second may round up to 1_000_000: clamped by comparison,
-        # not min() (a builtin call that parses keywords: ~1.2k instructions each)
-        if micros > 999_999:
-            micros = 999_999
-        if stage_micros > 999_999:
-            stage_micros = 999_999
-        outcome = _DECISIONS.get(ctx.decision) or _ENCODER.encode(ctx.decision)
-        return (f'{head}{ctx.trace_id}{coded}'
-                f'{received}{_MILLIS3[micros // 1000]}{_RECEIVED3[micros % 1000]}'
-                f'{staged}{_MILLIS3[stage_micros // 1000]}{_STAGED3[stage_micros % 1000]}'
-                f'{outcome}{tail}}}}}\n')
 
     def _exit_open(self, ctx: RequestContext, item: _Open) -> None:
         """The end of a long-running call (ResponseStarted first if the poll has not sent it)."""
@@ -444,64 +250,9 @@ class Audit:
 
     def event(self, ctx: RequestContext, decision: Decision, stage: str,
               stamp: float) -> dict[str, Any]:
-        """The ``audit.k8s.io/v1`` Event, keys in the apiserver's JSON order."""
-        info = ctx.info
-        notes: dict[str, str] = {}
-        uri, ref = self._info_parts(ctx)
-        if ctx.raw_path:  # escapes as the client sent them (c%6Dq stays c%6Dq), as the apiserver
-            uri = request_uri(ctx.raw_path, ctx.query, escaped=True)
-        ev: dict[str, Any] = {"kind": "Event", "apiVersion": "audit.k8s.io/v1",
-                              "level": decision.level, "auditID": ctx.audit_id, "stage": stage,
-                              "requestURI": uri, "verb": info.verb}
-        identity = ctx.identity
-        if identity is not None:
-            user: dict[str, Any] = {"username": identity.user}
-            if identity.uid:
-                user["uid"] = identity.uid
-            if identity.groups:
-                user["groups"] = list(identity.groups)
-            if identity.extra:  # by key, as Go writes a map
-                user["extra"] = {key: list(values) for key, values in identity.extra}
-            ev["user"] = user
-        else:
-            ev["user"] = {}
-            notes["opgate.dev/user"] = "unverified"
-        impersonated = impersonation_of(ctx)
-        if impersonated is not None:
-            ev["impersonatedUser"] = impersonated
-        sources = source_ips(ctx)
-        if sources:
-            ev["sourceIPs"] = sources
-        agent = ctx.headers.get("user-agent")
-        if agent:
-            ev["userAgent"] = agent
-        if ref is not None:
-            if not info.name and ctx.body:
-                name = _body_name(ctx)
-                if name:  # in objectRef's field order: after namespace
-                    ref = {**{k: v for k, v in ref.items() if k in ("resource", "namespace")},
-                           "name": name,
-                           **{k: v for k, v in ref.items() if k not in ("resource", "namespace")}}
-            ev["objectRef"] = ref
-        if ctx.status_code and (stage == "ResponseComplete" or ctx.status_code != CLIENT_GONE):
-            ev["responseStatus"] = _status(ctx)
-        if (at_least(decision.level, "Request") and info.is_resource_request
-                and stage == "ResponseComplete"):
-            obj = _request_object(ctx, decision, notes)
-            if obj is not None:
-                ev["requestObject"] = obj
-        ev["requestReceivedTimestamp"] = micro_time(ctx.wall_time)
-        ev["stageTimestamp"] = micro_time(max(stamp, ctx.wall_time))
-        annotations = {"opgate.dev/decision": ctx.decision}
-        if ctx.answer is not None:
-            annotations["opgate.dev/reason"] = ctx.answer.message
-        if decision.rule:
-            annotations["opgate.dev/audit-rule"] = decision.rule
-        if ctx.error:
-            annotations["opgate.dev/error"] = ctx.error
-        annotations.update(notes)
-        ev["annotations"] = annotations
-        return ev
+        """The ``audit.k8s.io/v1`` Event (:func:`~proxy.middlewares.audit_event.event`) with
+        this call's remembered requestURI and objectRef."""
+        return event(ctx, decision, stage, stamp, *self._info_parts(ctx))
 
     def _info_parts(self, ctx: RequestContext) -> tuple[str, dict[str, str] | None]:
         """``requestURI`` and ``objectRef`` of a call, remembered per RequestInfo (shared by
@@ -511,19 +262,7 @@ class Audit:
         hit = self._parts.get(key)
         if hit is not None and hit[0] is info:
             return hit[1], hit[2]
-        ref: dict[str, str] | None = None
-        if info.is_resource_request:
-            ref = {"resource": info.resource}
-            if info.namespace:
-                ref["namespace"] = info.namespace
-            if info.name:
-                ref["name"] = info.name
-            if info.api_group:
-                ref["apiGroup"] = info.api_group
-            if info.api_version:
-                ref["apiVersion"] = info.api_version
-            if info.subresource:
-                ref["subresource"] = info.subresource
+        ref = object_ref(info)
         uri = request_uri(ctx.path, ctx.query)
         if len(self._parts) >= MEMO_SIZE:
             self._parts.clear()
@@ -562,7 +301,7 @@ class Audit:
     def line(self, ctx: RequestContext, decision: Decision, stage: str, stamp: float) -> str:
         """:meth:`event` as its JSON line (with its newline); :meth:`exit` joins the same text
         from remembered fragments in the common case."""
-        return _ENCODER.encode(self.event(ctx, decision, stage, stamp)) + "\n"
+        return ENCODER.encode(self.event(ctx, decision, stage, stamp)) + "\n"
 
     def _fragments(self, ctx: RequestContext, call: _Call) -> tuple[str, str, str]:
         """For :meth:`exit`'s common case, the JSON up to the audit ID, from after it to the
@@ -570,14 +309,14 @@ class Audit:
         decision = call.decision
         ev = self.event(ctx, decision, "ResponseComplete", ctx.wall_time)
         head = ('{"kind":"Event","apiVersion":"audit.k8s.io/v1","level":'
-                f'{_ENCODER.encode(decision.level)},"auditID":"')
+                f'{ENCODER.encode(decision.level)},"auditID":"')
         names = ("requestURI", "verb", "user", "impersonatedUser", "sourceIPs", "userAgent",
                  "objectRef")
         middle = '","stage":"ResponseComplete"' + "".join(
-            f",{_ENCODER.encode(k)}:{_ENCODER.encode(ev[k])}" for k in names if k in ev
+            f",{ENCODER.encode(k)}:{ENCODER.encode(ev[k])}" for k in names if k in ev
         ) + ',"responseStatus":{"metadata":{},"code":'
         notes = {k: v for k, v in ev["annotations"].items() if k != "opgate.dev/decision"}
-        tail = "".join(f",{_ENCODER.encode(k)}:{_ENCODER.encode(v)}" for k, v in notes.items())
+        tail = "".join(f",{ENCODER.encode(k)}:{ENCODER.encode(v)}" for k, v in notes.items())
         call.fragments = (head, middle, tail)
         return call.fragments
 
@@ -593,40 +332,3 @@ class Audit:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-
-
-# --- where the lines go ------------------------------------------------------------------------
-
-class QueuedStream:
-    """A stream for :class:`~proxy.middlewares.accesslog.AccessWriter` whose ``write`` never
-    blocks: batches go to a writer thread; past ``max_pending`` bytes waiting, a batch is dropped
-    and its lines counted in ``opgate_audit_dropped_total`` (as are lines a failed write lost)."""
-
-    def __init__(self, target: RotatingFile | IO[str], *,
-                 max_pending: int = MAX_PENDING_BYTES) -> None:
-        self._target = target
-        self._writer: BackgroundWriter[str] = BackgroundWriter(
-            self._write_batch, name="opgate-audit-writer", max_pending=max_pending,
-            dropped=lambda data: telemetry.AUDIT_DROPPED.inc(data.count("\n")))
-
-    def write(self, data: str) -> None:
-        self._writer.put(data, len(data))
-
-    def flush(self) -> None:
-        """Nothing: the writer thread flushes after each batch."""
-
-    def _write_batch(self, batch: Sequence[str]) -> None:
-        data = "".join(batch)
-        try:
-            self._target.write(data)
-            self._target.flush()
-        except (OSError, ValueError) as exc:
-            telemetry.AUDIT_DROPPED.inc(data.count("\n"))
-            self._writer.complain("cannot write the audit log: %s (events dropped)", exc)
-
-    def close(self, timeout: float = 5.0) -> None:
-        """Write what is queued (``timeout`` at most), then close the target."""
-        if self._writer.close(timeout):
-            close = getattr(self._target, "close", None)
-            if close is not None:
-                close()

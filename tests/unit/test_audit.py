@@ -19,6 +19,7 @@ from proxy.app import section_parsers
 from proxy.engine import telemetry
 from proxy.engine.chain import Chain, settle
 from proxy.engine.context import Deny, Identity, RequestContext
+from proxy.engine.logfile import RotatingFile
 from proxy.engine.policies import EMPTY, PolicySet, build_policy_set
 from proxy.engine.requestinfo import parse_request_info
 from proxy.engine.status import (
@@ -30,13 +31,9 @@ from proxy.engine.status import (
 )
 from proxy.middlewares import audit as audit_mod
 from proxy.middlewares.accesslog import AccessWriter
-from proxy.middlewares.audit import (
-    Audit,
-    QueuedStream,
-    RotatingFile,
-    micro_time,
-    request_uri,
-)
+from proxy.middlewares.audit import Audit
+from proxy.middlewares.audit_event import CLIENT_GONE, ENCODER, micro_time, request_uri
+from proxy.middlewares.audit_stream import QueuedStream
 from proxy.relay.fast.wire import WireHeaders
 from tests.unit.test_protometa import NAMED_PB
 
@@ -215,7 +212,7 @@ def test_joined_lines_equal_the_encoded_event(case: str, wire: bool) -> None:
     if case == "non-resource":
         path = "/version"
     if case == "client-gone":
-        code = audit_mod.CLIENT_GONE
+        code = CLIENT_GONE
     if case == "upstream-500":
         code = 500
     if case.startswith("create"):
@@ -267,7 +264,7 @@ def test_joined_lines_equal_the_encoded_event(case: str, wire: bool) -> None:
     # before-received: a clock that went back)
     ctx.finished = ctx.started + {"next-second": 1.9, "before-received": -0.5}.get(case, 0.5)
     end = ctx.wall_time + (ctx.finished - ctx.started)
-    expected = audit_mod._ENCODER.encode(auditor.event(ctx, decision, "ResponseComplete", end))
+    expected = ENCODER.encode(auditor.event(ctx, decision, "ResponseComplete", end))
     assert auditor.line(ctx, decision, "ResponseComplete", end) == expected + "\n"
     if case != "before-1970":
         check_shape(json.loads(expected))
@@ -318,7 +315,7 @@ def test_joined_lines_follow_each_caller_and_the_policy_set_in_force(wire: bool)
                     assert out.lines == []
                     continue
                 end = ctx.wall_time + (ctx.finished - ctx.started)
-                expected = audit_mod._ENCODER.encode(
+                expected = ENCODER.encode(
                     auditor.event(ctx, decision, "ResponseComplete", end))
                 assert out.lines == [expected + "\n"]
 
