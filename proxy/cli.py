@@ -2,19 +2,22 @@
 
 ``python -m proxy`` is the same command. Every ``serve`` flag can also come from an ``OPGATE_*``
 environment variable named after it (``--redis-url`` ↔ ``OPGATE_REDIS_URL``); a flag given on the
-command line wins over the environment. ``serve --workers N`` (N > 1) hands over to the supervisor
-in :mod:`proxy.workers`; otherwise :mod:`proxy.app` runs the sidecar in this process.
+command line wins over the environment, and an ``OPGATE_*`` variable opgate does not read (a
+misspelt ``OPGATE_WORKER``) is warned about at start. ``serve --workers N`` (N > 1) hands over
+to the supervisor in :mod:`proxy.workers`; otherwise :mod:`proxy.app` runs the sidecar in this
+process.
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
 import ipaddress
 import math
 import os
 import signal
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NoReturn
 
 from proxy.relay.hostguard import DEFAULT_ACCEPT_HOSTS
@@ -34,6 +37,11 @@ LOOPS = ("auto", "asyncio", "uvloop")
 RELAYS = ("fast", "aiohttp")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+# OPGATE_* variables read elsewhere than from serve's flags: the Redis password (proxy.stores),
+# the test harness's (proxy.envtest, tests/) and the benchmarks' (bench/interpreter.py)
+OTHER_VARIABLES = frozenset({
+    "OPGATE_REDIS_PASSWORD", "OPGATE_CACHE_DIR", "OPGATE_KEEP_CLUSTER_DIR", "OPGATE_KUBECTL",
+    "OPGATE_HELM", "OPGATE_E2E_SERVE_CMD", "OPGATE_TEST_REDIS_SERVER", "OPGATE_BENCH_PYTHON"})
 
 
 def _whole_number(minimum: int, *, alternative: str = "") -> Callable[[str], int]:
@@ -215,9 +223,7 @@ class _TopParser(_Parser):
                    namespace: argparse.Namespace | None = None) -> argparse.Namespace:
         parsed, extra = self.parse_known_args(args, namespace)
         if extra:
-            commands = next((a.choices for a in self._actions
-                             if isinstance(a, argparse._SubParsersAction)), {})
-            owner = commands.get(getattr(parsed, "command", None), self)
+            owner = _commands(self).get(getattr(parsed, "command", None), self)
             owner.error(f"unrecognized arguments: {' '.join(extra)}")
         return parsed
 
@@ -264,6 +270,30 @@ def _add(
     value = _FromEnv(env, _var(flag)) if env is not None else default
     parser.add_argument(flag, type=_env_aware(kind), default=value, help=help, metavar=metavar)
 
+
+def unknown_variables(parser: argparse.ArgumentParser,
+                      environ: Mapping[str, str]) -> list[str]:
+    """A warning for each ``OPGATE_*`` variable in ``environ`` that opgate does not read,
+    naming the closest one it does (a misspelt ``OPGATE_WORKER=4`` was ignored without a word,
+    where a misspelt flag is an error)."""
+    known = OTHER_VARIABLES | {
+        _var(option) for action in _commands(parser)["serve"]._actions
+        for option in action.option_strings if option.startswith("--") and option != "--help"}
+    prefix = len("OPGATE_")  # compared without it, which every name shares
+    tails = {name[prefix:]: name for name in known}
+    warnings = []
+    for name in sorted(n for n in environ if n.startswith("OPGATE_") and n not in known):
+        close = difflib.get_close_matches(name[prefix:], tails, n=1)
+        hint = f"did you mean {tails[close[0]]}?" if close else "see opgate serve --help"
+        warnings.append(
+            f"environment variable {name} is not one opgate reads, ignored ({hint})")
+    return warnings
+
+
+def _commands(parser: argparse.ArgumentParser) -> Mapping[str, argparse.ArgumentParser]:
+    """The parsers of ``opgate``'s commands, by name."""
+    return next((a.choices for a in parser._actions
+                 if isinstance(a, argparse._SubParsersAction)), {})
 
 
 def _version() -> str:
@@ -413,11 +443,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             # SIGTERM/SIGINT wait (pending) until serving handles them (proxy.workers.
             # release_stop_signals): as a container's PID 1 one met with no handler is dropped
             signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     if args.command == "serve" and getattr(args, "env_problems", None):
         print(f"opgate serve: error: {args.env_problems[0]} (see opgate serve --help)",
               file=sys.stderr)
         return 2
+    if args.command == "serve":
+        for warning in unknown_variables(parser, os.environ):
+            print(f"opgate: warning: {warning}", file=sys.stderr)
     if args.command == "check":
         from proxy.app import check_paths
 

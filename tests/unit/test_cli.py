@@ -163,3 +163,25 @@ def test_version_names_the_installed_distribution(capsys: pytest.CaptureFixture[
         build_parser().parse_args(["--version"])
     assert done.value.code == 0
     assert capsys.readouterr().out == f"opgate {version('opgate')}\n"
+
+
+def test_every_variable_read_in_the_tree_is_known_to_the_warning() -> None:
+    """``opgate serve`` warns about an ``OPGATE_*`` variable it does not read: one read with
+    ``os.environ`` anywhere (the Redis password, the test harness, the benchmarks; by its
+    literal name, or the tools' names) must not be warned about, so a new one must join
+    ``OTHER_VARIABLES`` (or be a flag's)."""
+    import re
+    from pathlib import Path
+
+    from proxy import cli
+    from proxy.envtest.tools import _MEMBERS
+
+    root = Path(__file__).resolve().parents[2]
+    read = re.compile(r"""(?:environ(?:\.get)?[(\[]|getenv\()\s*["'](OPGATE_[A-Z0-9_]+)""")
+    names = {name for folder in ("proxy", "tests", "bench", "examples")
+             for path in (root / folder).rglob("*.py")
+             for name in read.findall(path.read_text())}
+    assert "OPGATE_REDIS_PASSWORD" in names  # (the pattern finds them)
+    names |= {f"OPGATE_{name.upper()}" for name in _MEMBERS}  # OPGATE_KUBECTL, OPGATE_HELM
+    env = dict.fromkeys(names, "x")
+    assert cli.unknown_variables(build_parser(), env) == []

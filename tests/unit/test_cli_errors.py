@@ -235,3 +235,93 @@ def test_demo_files_are_package_data() -> None:
 
     for name in ("rbac.yaml", "widget-crd.yaml"):
         assert (EXAMPLE / name).exists()
+
+
+@pytest.fixture
+def no_opgate_variables(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    """The test's own ``OPGATE_*`` variables only (none the runner's environment may hold)."""
+    import os
+
+    for name in [n for n in os.environ if n.startswith("OPGATE_")]:
+        monkeypatch.delenv(name)
+    return monkeypatch
+
+
+@pytest.mark.parametrize(("env", "warnings"), [
+    ({"OPGATE_WORKER": "4"}, ["OPGATE_WORKER (did you mean OPGATE_WORKERS?)"]),
+    ({"OPGATE_REDIS_ULR": "redis://r:6379/0"},
+     ["OPGATE_REDIS_ULR (did you mean OPGATE_REDIS_URL?)"]),
+    ({"OPGATE_POLICY": "/etc/opgate"}, ["OPGATE_POLICY (did you mean OPGATE_POLICIES?)"]),
+    ({"OPGATE_ZZZ": "1"}, ["OPGATE_ZZZ (see opgate serve --help)"]),
+    ({"OPGATE_WORKER": "4", "OPGATE_LOGLEVEL": "debug"},
+     ["OPGATE_LOGLEVEL (did you mean OPGATE_LOG_LEVEL?)",
+      "OPGATE_WORKER (did you mean OPGATE_WORKERS?)"]),
+    # every flag's variable, and those read elsewhere: the Redis password (proxy.stores), the
+    # test harness's (proxy.envtest, tests/) and the benchmarks'
+    ({"OPGATE_WORKERS": "1", "OPGATE_NO_ACCESS_LOG": "1", "OPGATE_AUDIT_LOG_MAXSIZE": "10",
+      "OPGATE_REDIS_PASSWORD": "pw", "OPGATE_REDIS_PASSWORD_FILE": "/run/pw",
+      "OPGATE_CACHE_DIR": "/tmp/c", "OPGATE_KEEP_CLUSTER_DIR": "1", "OPGATE_KUBECTL": "kubectl",
+      "OPGATE_HELM": "helm", "OPGATE_E2E_SERVE_CMD": "opgate serve",
+      "OPGATE_TEST_REDIS_SERVER": "redis-server", "OPGATE_BENCH_PYTHON": "python3"}, []),
+])
+def test_an_unknown_variable_is_warned_about_with_the_closest_name(
+        no_opgate_variables: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+        env: dict[str, str], warnings: list[str]) -> None:
+    """A misspelt ``OPGATE_WORKER=4`` (for ``OPGATE_WORKERS``) was ignored without a word: the
+    sidecar ran one worker and nothing said why."""
+    import proxy.app
+
+    for name, value in env.items():
+        no_opgate_variables.setenv(name, value)
+    no_opgate_variables.setattr(proxy.app, "serve", lambda settings: 0)
+    assert main(["serve"]) == 0
+    err = capsys.readouterr().err
+    assert err.splitlines() == [
+        f"opgate: warning: environment variable {w.split()[0]} is not one opgate reads, "
+        f"ignored {w.split(maxsplit=1)[1]}" for w in warnings]
+
+
+def test_an_unknown_variable_is_warned_about_before_an_error(
+        no_opgate_variables: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """The misspelt variable may be why the start fails (``OPGATE_TLS_CRT``: the key alone)."""
+    no_opgate_variables.setenv("OPGATE_TLS_CRT", "/tls/tls.crt")
+    no_opgate_variables.setenv("OPGATE_TLS_KEY", "/tls/tls.key")
+    assert main(["serve"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 2, err
+    assert err[0].startswith("opgate: warning: environment variable OPGATE_TLS_CRT ")
+    assert "(did you mean OPGATE_TLS_CERT?)" in err[0]
+    assert "--tls-cert and --tls-key go together" in err[1]
+
+
+def test_other_commands_do_not_warn_about_serve_variables() -> None:
+    done = _opgate("check", "policies/demo", env={"OPGATE_WORKER": "4"})
+    assert done.returncode == 0, done.stderr
+    assert "OPGATE_WORKER" not in done.stderr
+
+
+def test_serve_warns_once_at_start_about_an_unknown_variable() -> None:
+    """The real ``python -m proxy serve``: one warning line, then it serves as without it."""
+    import os
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OPGATE_")}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "proxy", "serve", "--upstream", "https://127.0.0.1:1",
+         "--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"],
+        stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, cwd=ROOT,
+        env={**env, "PYTHONPATH": str(ROOT), "OPGATE_WORKER": "4", "OPGATE_WORKERS": "1"})
+    try:
+        assert proc.stderr is not None
+        lines: list[str] = []
+        for line in proc.stderr:  # until it serves (or exits)
+            lines.append(line)
+            if "serving the Kubernetes API" in line:
+                break
+        assert "serving the Kubernetes API" in lines[-1], lines
+        warned = [line for line in lines if "OPGATE_WORKER " in line]
+        assert warned == ["opgate: warning: environment variable OPGATE_WORKER is not one opgate "
+                          "reads, ignored (did you mean OPGATE_WORKERS?)\n"], lines
+        assert lines[0] == warned[0]
+    finally:
+        proc.terminate()
+        proc.communicate(timeout=30)
