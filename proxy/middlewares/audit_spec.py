@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from proxy.engine.context import Identity
+from proxy.engine.nonresource import url_matches, url_problem
 from proxy.engine.requestinfo import RequestInfo
 from proxy.engine.schema import Fields, Located, PolicyError, sequence
 
@@ -102,7 +103,7 @@ class AuditRule:
         if self.non_resource_urls:
             if info.is_resource_request:
                 return False
-            return any(_path_matches(info.path, spec) for spec in self.non_resource_urls)
+            return url_matches(info.path, self.non_resource_urls)
         return True
 
     def _matches_resource(self, info: RequestInfo) -> bool:
@@ -129,12 +130,6 @@ class AuditRule:
                 if res.endswith("/*") and resource == res[:-2]:
                     return True
         return False
-
-
-def _path_matches(path: str, spec: str) -> bool:
-    if spec == "*" or spec == path:
-        return True
-    return spec.endswith("*") and path.startswith(spec.rstrip("*"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,10 +203,9 @@ def parse_rule(node: Located, what: str, errors: list[PolicyError]) -> AuditRule
     namespaces = f.str_list("namespaces")
     urls = f.str_list("nonResourceURLs")
     for url in urls:
-        if url != "*" and not url.startswith("/"):
-            f.fail("nonResourceURLs", f'"{url}" must begin with "/" (or be "*")')
-        elif "*" in url.rstrip("*") or url.count("*") > 1:
-            f.fail("nonResourceURLs", f'"{url}": "*" is only allowed at the end')
+        problem = url_problem(url)
+        if problem is not None:
+            f.fail("nonResourceURLs", problem)
     if urls and (res_node is not None or namespaces):
         f.fail("nonResourceURLs", 'a rule applies either to resources ("resources", '
                                   '"namespaces") or to "nonResourceURLs", not both')

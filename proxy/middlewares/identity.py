@@ -147,6 +147,9 @@ class _Plan:
     oidc: Mapping[str, Issuer]
     kubernetes: Issuer | None
     memo: bool = True  # whether allowed shapes may be remembered (no subjectAccessReview)
+    # a rule is about paths (nonResourceURLs), which a shape does not hold: a non-resource
+    # call's verdict is then not remembered
+    paths: bool = False
 
 
 def _bearer(headers: Mapping[str, str]) -> str | None:
@@ -305,7 +308,9 @@ class IdentityCheck:
                     else:
                         oidc.setdefault(issuer.url, issuer)
             memo = not any(spec.subject_access_review for _policy, spec in section)
-            self._plan = _Plan(section, oidc, kubernetes, memo)
+            paths = any(rule.non_resource_urls for _policy, spec in section
+                        for rule in spec.rules)
+            self._plan = _Plan(section, oidc, kubernetes, memo, paths)
             self._plan_for = policies
             self._tokens.clear()  # claim mappings may have changed
             self._inflight.clear()  # (verifications under way keep to the set they began in)
@@ -392,6 +397,7 @@ class IdentityCheck:
             return Deny(forbidden(f"opgate: {message}", details=call_details(ctx.info)),
                         "denied")
         if (silent and plan.memo and verified is not None and plan is self._plan
+                and (ctx.info.is_resource_request or not plan.paths)
                 and len(verified.allowed) < ALLOWED_SHAPES):
             verified.allowed.add(ctx.info.shape)
         return None
@@ -415,7 +421,7 @@ class IdentityCheck:
                                         f"in spec.identity.allow ({spec.allow.where})")
         info, verb = ctx.info, ctx.info.policy_verb
         for rule in spec.rules:
-            if rule.match.matches(info, verb, identity.user):
+            if rule.matches(info, verb, identity.user):
                 if rule.allow:
                     return None
                 return 403, "rule_denied", (f'user "{identity.user}" cannot {_action(info, verb)}:'

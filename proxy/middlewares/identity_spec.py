@@ -5,8 +5,10 @@ service-account issuer (``kubernetes: {}``, found by OIDC discovery on the apise
 providers (``oidc: {issuer, audiences, claims}``); any other token is handed to the apiserver (a
 TokenReview). ``allow`` lists who may call at all (``serviceAccount: ns/name``, ``user``,
 ``group``; globs allowed). ``rules`` narrow what they may do, in the shared ``match`` vocabulary
-plus an optional ``name`` and ``effect`` (``allow``, the default, or ``deny``); the first rule
-that matches decides and no match denies. ``subjectAccessReview: true`` also asks the apiserver.
+plus an optional ``name`` and ``effect`` (``allow``, the default, or ``deny``) and RBAC's
+``nonResourceURLs`` (:mod:`proxy.engine.nonresource`: a rule with them is about those paths
+only, never about a resource request); the first rule that matches decides and no match
+denies. ``subjectAccessReview: true`` also asks the apiserver.
 
 The claim mapping (:func:`identity_from_claims`) lives here because it is what the spec means:
 a service-account token becomes ``system:serviceaccount:<ns>:<name>`` with the apiserver's
@@ -22,13 +24,19 @@ from dataclasses import dataclass
 from typing import Any
 
 from proxy.engine.context import Extra, Identity
-from proxy.engine.match import Match, Patterns, parse_match
+from proxy.engine.match import VERBS, Match, Patterns, parse_match
+from proxy.engine.nonresource import url_matches, url_problem
+from proxy.engine.requestinfo import RequestInfo
 from proxy.engine.schema import Fields, Located, PolicyError, sequence
 
 __all__ = ["KUBERNETES", "SECTION", "TOKENREVIEW", "AllowList", "IdentitySpec", "Issuer", "Rule",
            "identity_from_claims", "parse_section"]
 
 SECTION = "identity"
+URLS = "nonResourceURLs"
+# the verbs of a non-resource call: its lower-case HTTP method (requestinfo)
+NON_RESOURCE_VERBS = ("get", "head", "post", "put", "patch", "delete", "options", "connect",
+                      "trace")
 KUBERNETES = "kubernetes"  # the issuer key of the cluster's own service-account issuer
 TOKENREVIEW = "tokenreview"  # the issuer key of identities the apiserver vouched for
 # what a kubernetes token's audience may be besides the issuer itself (the apiserver's defaults)
@@ -99,10 +107,20 @@ class AllowList:
 
 @dataclass(frozen=True, slots=True)
 class Rule:
+    """One of ``rules``. With ``non_resource_urls`` (RBAC's ``nonResourceURLs``) it is about
+    non-resource calls only, and then only those paths; without, ``match`` alone decides."""
+
     name: str
     match: Match
     allow: bool = True
     source: str = ""
+    non_resource_urls: tuple[str, ...] = ()
+
+    def matches(self, info: RequestInfo, verb: str, user: str | None) -> bool:
+        if self.non_resource_urls and (info.is_resource_request
+                                       or not url_matches(info.path, self.non_resource_urls)):
+            return False
+        return self.match.matches(info, verb, user)
 
 
 @dataclass(frozen=True, slots=True)
@@ -224,13 +242,46 @@ def _parse_rule(node: Located, what: str, index: int,
     if not isinstance(node.value, dict):
         Fields(node, what=what, errors=errors)  # reports "expected a mapping"
         return None
-    f = Fields(Located({k: v for k, v in node.value.items() if k in ("name", "effect")},
+    own = ("name", "effect", URLS)
+    f = Fields(Located({k: v for k, v in node.value.items() if k in own},
                        node.file, node.line, node.key_lines), what=what, errors=errors)
     name = f.str("name", default=f"rules[{index}]") or f"rules[{index}]"
     effect = f.str("effect", default="allow", choices=("allow", "deny")) or "allow"
-    rest = {k: v for k, v in node.value.items() if k not in ("name", "effect")}
+    rest = {k: v for k, v in node.value.items() if k not in own}
+    urls = _non_resource_urls(f, rest, errors)
     match = parse_match(Located(rest, node.file, node.line, node.key_lines), what, errors)
-    return Rule(name=name, match=match, allow=effect == "allow", source=node.where())
+    return Rule(name=name, match=match, allow=effect == "allow", source=node.where(),
+                non_resource_urls=urls)
+
+
+def _non_resource_urls(f: Fields, rest: Mapping[str, Located],
+                       errors: list[PolicyError]) -> tuple[str, ...]:
+    """A rule's ``nonResourceURLs``, checked as RBAC checks a ClusterRole's (not with resource
+    fields: such a rule could never match) plus what could never match a call: a bad entry, an
+    empty list, a verb that no non-resource call has (theirs is the lower-case HTTP method)."""
+    urls = f.str_list(URLS)
+    given = f.node(URLS)
+    if given is None:
+        return ()
+    if given.value == []:
+        f.fail(URLS, f'is empty, which matches nothing (leave "{URLS}" out for a rule about '
+               "resources)")
+    for entry in given.value if isinstance(given.value, list) else ():
+        problem = url_problem(entry.value) if isinstance(entry.value, str) else None
+        if problem is not None:
+            errors.append(entry.error(f"{f.path(URLS)}: {problem}"))
+    mixed = [k for k in ("apiGroups", "groups", "resources", "namespaces") if k in rest]
+    if mixed:
+        f.fail(URLS, f'a rule applies either to resources ("{mixed[0]}") or to '
+               f'"{URLS}", not both (RBAC\'s rule too)')
+    verbs = rest.get("verbs")
+    for entry in verbs.value if verbs is not None and isinstance(verbs.value, list) else ():
+        verb = entry.value
+        if isinstance(verb, str) and verb in VERBS and verb not in NON_RESOURCE_VERBS:
+            errors.append(entry.error(
+                f'{f.path("verbs")}: "{verb}" never matches a non-resource URL: its verb is the '
+                f'lower-case HTTP method ({", ".join(NON_RESOURCE_VERBS)})'))
+    return urls
 
 
 def parse_section(node: Located, errors: list[PolicyError]) -> IdentitySpec:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import json
+import subprocess
 import time
 import uuid
 from collections.abc import Callable
@@ -266,3 +267,49 @@ def test_a_subject_access_review_asks_about_the_impersonated_user(
     message = status(refused)["message"]
     assert message.startswith('opgate: user "nobody" (impersonated by '
                               f'"system:serviceaccount:{NS}:impersonator") cannot list'), message
+
+
+PATHS_POLICY = """\
+apiVersion: opgate.dev/v1alpha1
+kind: Policy
+metadata: {{name: paths-e2e}}
+spec:
+  identity:
+    issuers: [{{kubernetes: {{}}}}]
+    allow: [{{serviceAccount: {ns}/allowed}}]
+    rules:
+      - {{name: discovery, verbs: [get], nonResourceURLs: [/api, "/api/*", /apis, "/apis/*",
+                                                          /version]}}
+      - {{name: no-other-paths, effect: deny, nonResourceURLs: ["*"]}}
+      - {{name: read, verbs: [get, list, watch], resources: ["*"]}}
+"""
+
+
+def test_non_resource_urls_narrow_what_rbac_lets_every_user_read(
+        cluster: LocalCluster, opgate_factory: Callable[..., Opgate], setup: Setup,
+        kubectl: Path, tmp_path: Path) -> None:
+    """RBAC lets every authenticated user read /healthz, /livez and /version
+    (system:public-info-viewer) and discovery (system:discovery); a rule with
+    ``nonResourceURLs`` narrows that by path as the apiserver reads the path, and kubectl,
+    whose discovery those rules allow, still works through opgate."""
+    gate = opgate_factory(policies={"paths.yaml": PATHS_POLICY.format(ns=NS)},
+                          extra_args=["--token-file", setup.token_file])
+    for path, code in (("/version", 200), ("/apis/apps", 200), ("/healthz", 403),
+                       ("/livez", 403)):
+        assert cluster.call("GET", path, token=setup.allowed).status == 200  # RBAC allows it
+        through = cluster.call("GET", path, server=gate.url, token=setup.allowed)
+        assert through.status == code, through.body
+        if code == 403:
+            assert f'cannot get path "{path}": rule "no-other-paths"' in status(through)[
+                "message"]
+    config = cluster.write_kubeconfig(tmp_path / "kubeconfig", server=gate.url,
+                                      token=setup.allowed, ca_file=cluster.ca_file)
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([str(kubectl), "--kubeconfig", str(config), *args],
+                              capture_output=True, text=True, timeout=60, check=False)
+
+    listed = run("get", "configmaps", "-n", NS)  # discovery (/api, /apis) then a list
+    assert listed.returncode == 0, listed.stderr
+    refused = run("get", "--raw", "/healthz")
+    assert refused.returncode != 0 and 'rule "no-other-paths"' in refused.stderr, refused.stderr

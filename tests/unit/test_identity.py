@@ -237,6 +237,48 @@ def test_rules_first_match_wins(tmp_path: Path, method: str, path: str,
         assert f'rule "{verdict}" (' in got["message"] and "p0.yaml:14)" in got["message"]
 
 
+PATHS_POLICY = policy().replace(
+    "      - {verbs: [get, list, watch], resources: [\"*\"]}\n",
+    "      - {name: health, verbs: [get], nonResourceURLs: [/healthz, \"/readyz/*\", /version]}\n"
+    "      - {name: no-other-paths, effect: deny, nonResourceURLs: [\"*\"]}\n"
+    "      - {verbs: [get, list, watch], resources: [\"*\"]}\n")
+
+
+@pytest.mark.parametrize(("method", "path", "verdict"), [
+    ("GET", "/healthz", None),                    # exact
+    ("GET", "/healthz/etcd", "no-other-paths"),   # an exact entry is no prefix
+    ("GET", "/readyz/etcd", None),                # a prefix ending in *
+    ("GET", "/readyz", "no-other-paths"),         # "/readyz/*" is not "/readyz"
+    ("GET", "/version", None),
+    ("POST", "/version", "no-other-paths"),       # health allows get only
+    ("GET", "/metrics", "no-other-paths"),
+    ("GET", CM, None),                            # no URL rule is about a resource request
+    ("GET", "/api/v1/namespaces/team-a/pods/p/log", None),
+])
+def test_non_resource_urls_narrow_paths_as_rbac(tmp_path: Path, method: str, path: str,
+                                                verdict: str | None) -> None:
+    """A rule with ``nonResourceURLs`` is about those paths (exact, or a prefix ending in
+    ``*``) and about no resource request, as an RBAC rule is."""
+    ctx = ctx_for(policy_set(tmp_path, PATHS_POLICY), method, path, sa_token())
+    decision = run(IdentityCheck(authenticator=FakeAuth()), ctx)
+    if verdict is None:
+        assert decision is None
+        return
+    assert decision is not None and body(decision)["code"] == 403
+    assert f'cannot {method.lower()} path "{path}": rule "{verdict}"' in body(decision)["message"]
+
+
+def test_an_allowed_path_is_not_remembered_for_another(tmp_path: Path) -> None:
+    """A token's allowed call shapes are remembered; two paths share a shape, so with rules
+    about paths the second is judged on its own."""
+    check, policies, token = IdentityCheck(authenticator=FakeAuth()), policy_set(
+        tmp_path, PATHS_POLICY), sa_token()
+    for _ in range(2):
+        assert run(check, ctx_for(policies, "GET", "/healthz", token)) is None
+    decision = run(check, ctx_for(policies, "GET", "/metrics", token))
+    assert decision is not None and 'rule "no-other-paths"' in body(decision)["message"]
+
+
 def test_callers_outside_allow_are_403(tmp_path: Path) -> None:
     decision = run(IdentityCheck(authenticator=FakeAuth()),
                    ctx_for(policy_set(tmp_path, policy()), "GET", CM, sa_token(name="intruder")))

@@ -122,6 +122,26 @@ def test_issuers_default_to_the_cluster(tmp_path: Path) -> None:
      'spec.identity.issuers: "kubernetes" is listed twice'),
     ("  identity:\n    allow: [{group: x}]\n    rules: [{verbs: [get]}]\n    sar: true\n",
      'unknown field "sar" in spec.identity'),
+    ("  identity:\n    allow: [{group: x}]\n    rules:\n      - nonResourceURLs:\n"
+     "          - /healthz\n          - healthz\n",  # at the entry's own line
+     'ident.yaml:10: spec.identity.rules[0].nonResourceURLs: "healthz" must begin with "/"'),
+    ("  identity:\n    allow: [{group: x}]\n    rules: [{nonResourceURLs: ['/a*b']}]\n",
+     'ident.yaml:7: spec.identity.rules[0].nonResourceURLs: "/a*b": "*" is only allowed at '
+     "the end"),
+    ("  identity:\n    allow: [{group: x}]\n    rules: [{nonResourceURLs: []}]\n",
+     "ident.yaml:7: spec.identity.rules[0].nonResourceURLs: is empty, which matches nothing"),
+    ("  identity:\n    allow: [{group: x}]\n    rules:\n      - resources: [pods]\n"
+     "        nonResourceURLs: ['/healthz']\n",
+     'ident.yaml:9: spec.identity.rules[0].nonResourceURLs: a rule applies either to '
+     'resources ("resources") or to "nonResourceURLs", not both'),
+    ("  identity:\n    allow: [{group: x}]\n    rules:\n      - {nonResourceURLs: ['*'], "
+     "namespaces: [a]}\n",
+     'resources ("namespaces") or to "nonResourceURLs", not both'),
+    ("  identity:\n    allow: [{group: x}]\n    rules:\n      - nonResourceURLs: ['/metrics']\n"
+     "        verbs: [get, list]\n",
+     'ident.yaml:9: spec.identity.rules[0].verbs: "list" never matches a non-resource URL'),
+    ("  identity:\n    allow: [{group: x}]\n    rules: [{nonResourceURLs: '/healthz'}]\n",
+     "spec.identity.rules[0].nonResourceURLs: expected a list of strings"),
 ])
 def test_errors_say_where(tmp_path: Path, body: str, expected: str) -> None:
     errors = errors_of(tmp_path, body)
@@ -170,6 +190,14 @@ def test_an_oidc_issuer_that_is_not_a_mapping(tmp_path: Path, oidc: str, kind: s
 SA_CLAIMS = {"iss": "https://kubernetes.default.svc.cluster.local",
              "sub": "system:serviceaccount:ops:op",
              "kubernetes.io": {"namespace": "ops", "serviceaccount": {"name": "op", "uid": "u1"}}}
+
+
+def test_non_resource_urls_parse(tmp_path: Path) -> None:
+    spec = spec_of(tmp_path, "  identity:\n    allow: [{group: x}]\n    rules:\n"
+                             "      - {verbs: [get, head], nonResourceURLs: [/healthz, /apis/*]}\n"
+                             "      - {verbs: [get]}\n")
+    paths, plain = spec.rules
+    assert paths.non_resource_urls == ("/healthz", "/apis/*") and plain.non_resource_urls == ()
 
 
 def test_service_account_claims() -> None:

@@ -1,0 +1,34 @@
+"""Non-resource URLs (``/healthz``, ``/version``, discovery …) as the apiserver reads them.
+
+RBAC's ``nonResourceURLs`` (``NonResourceURLMatches`` in k8s.io/kubernetes pkg/apis/rbac) and
+the audit policy's (``pathMatches`` in k8s.io/apiserver pkg/audit/policy) read an entry alike:
+``*`` is every path, an entry ending in ``*`` is a prefix, any other entry is the exact path
+(``/healthz`` is not ``/healthz/`` nor ``/healthz/etcd``). One reading here, so the identity
+rules and the audit rules never disagree about which calls a list names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+__all__ = ["url_matches", "url_problem"]
+
+
+def url_matches(path: str, urls: Sequence[str]) -> bool:
+    """Whether the request path ``path`` is one of ``urls`` (module docstring)."""
+    for url in urls:
+        if url == "*" or url == path:
+            return True
+        if url.endswith("*") and path.startswith(url.rstrip("*")):
+            return True
+    return False
+
+
+def url_problem(url: str) -> str | None:
+    """Why ``url`` cannot be a ``nonResourceURLs`` entry (the audit policy's validation: a path
+    beginning with ``/``, or ``*``; a ``*`` only at the end), or ``None``."""
+    if url != "*" and not url.startswith("/"):
+        return f'"{url}" must begin with "/" (or be "*")'
+    if "*" in url.rstrip("*") or url.count("*") > 1:
+        return f'"{url}": "*" is only allowed at the end'
+    return None
