@@ -22,7 +22,9 @@ token goes to the apiserver (a TokenReview) and the apiserver decides, and so do
 service-account token of a key opgate has not fetched (yet: it fetches at most every
 ``retry_seconds``), so a signing-key rotation refuses no valid token, or of an audience opgate
 does not know (``--api-audiences`` may name others than the issuer); the verdict on such a
-token is then the one opgate's own verification would give (:meth:`IdentityCheck._vouched`).
+token is then the one opgate's own verification would give (:meth:`IdentityCheck._vouched`),
+as on a service-account token of another issuer the apiserver accepts (a second
+``--service-account-issuer``: :meth:`IdentityCheck._other_issuer`).
 Its refusals are cached too (``NEGATIVE_TTL``, by digest): a bad token repeated costs one
 TokenReview. At most
 ``REVIEWS_IN_FLIGHT`` TokenReviews are in flight at once (per process), so a flood of distinct
@@ -513,7 +515,29 @@ class IdentityCheck:
                     issuer = plan.kubernetes
             if issuer is not None:
                 return await self._verify_jwt(token, header or {}, claims, issuer, iss)
+            if plan.kubernetes is not None:
+                return await self._other_issuer(token, claims, iss, plan.kubernetes)
         return await self._review(token, claims)
+
+    async def _other_issuer(self, token: str, claims: Mapping[str, Any], iss: str,
+                            kubernetes: Issuer) -> _Verified:
+        """A JWT of an issuer opgate does not verify itself, which the apiserver judges (a
+        TokenReview). When the apiserver takes it as the service account its claims name, it is
+        a service-account token of the cluster, whichever issuer signed it: another of its
+        ``--service-account-issuer`` flags (all are accepted; discovery names the first only),
+        the legacy Secret tokens' ``kubernetes/serviceaccount``, or the discovered one while
+        discovery fails. It is then the ``kubernetes`` issuer's, held to each policy's issuers
+        and audiences as a token opgate verified (:meth:`_vouched`); a token without ``aud``
+        (a legacy one) has those the apiserver gives it (its own ``--api-audiences``)."""
+        claimed = identity_from_claims(kubernetes, iss, claims)
+        if claimed is None:  # no service account: the apiserver's verdict as it stands
+            return await self._review(token, claims)
+        audiences = _audiences(claims)
+        found = await self._review(token, claims)
+        if found.identity is None or found.identity.user != claimed.user:
+            return found
+        return _Verified(found.identity, KUBERNETES, iss, audiences or found.audiences,
+                         found.expires, vouched=True)
 
     async def _verify_jwt(self, token: str, header: Mapping[str, Any],
                           unverified: Mapping[str, Any], issuer: Issuer, iss: str) -> _Verified:

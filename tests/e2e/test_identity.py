@@ -172,6 +172,17 @@ def test_subject_access_review_denies_what_rbac_denies(
     assert "subjectAccessReview" in message and "identity.yaml" in message
 
 
+def resigned(cluster: LocalCluster, token: str, **changes: Any) -> str:
+    """``token`` with some claims changed, signed again with the cluster's own key (what an
+    apiserver with another clock or another ``--service-account-issuer`` would have minted)."""
+    head, claims = (json.loads(base64.urlsafe_b64decode(part + "=="))
+                    for part in token.split(".")[:2])
+    key = serialization.load_pem_private_key((cluster.workdir / "pki" / "sa.key").read_bytes(),
+                                             None)
+    return jwt.encode({**claims, **changes}, key, algorithm="RS256",
+                      headers={"kid": head["kid"]})
+
+
 @pytest.mark.parametrize("offsets", [{"nbf": 45, "iat": 45}, {"nbf": 90, "iat": 90},
                                      {"exp": -45}, {"exp": -90}],
                          ids=["ahead-45s", "ahead-90s", "expired-45s", "expired-90s"])
@@ -180,14 +191,10 @@ def test_time_claims_are_read_as_the_apiserver_reads_them(
     """Tokens of the cluster's own key as an apiserver whose clock runs ahead of the node's
     mints them, or read after their exp: opgate accepts what the apiserver accepts (a minute of
     leeway either way) and refuses what it refuses."""
-    head, claims = (json.loads(base64.urlsafe_b64decode(part + "=="))
-                    for part in setup.allowed.split(".")[:2])
     now = int(time.time())
-    claims = {**claims, "iat": now, "nbf": now, "exp": now + 600, "jti": str(uuid.uuid4()),
-              **{claim: now + offset for claim, offset in offsets.items()}}
-    key = serialization.load_pem_private_key((cluster.workdir / "pki" / "sa.key").read_bytes(),
-                                             None)
-    token = jwt.encode(claims, key, algorithm="RS256", headers={"kid": head["kid"]})
+    token = resigned(cluster, setup.allowed, **{
+        "iat": now, "nbf": now, "exp": now + 600, "jti": str(uuid.uuid4()),
+        **{claim: now + offset for claim, offset in offsets.items()}})
     direct = cluster.call("GET", CM, token=token).status  # the reference
     assert direct in (200, 401)
     through = cluster.call("GET", CM, server=gate.url, token=token)
@@ -215,6 +222,37 @@ def test_a_token_of_another_api_audience_passes_as_the_apiserver_lets_it(
                 assert cluster.call("GET", CM, token=token).status == code  # the reference
                 through = cluster.call("GET", CM, server=gate.url, token=token)
                 assert through.status == code, through.body
+        finally:
+            gate.stop()
+
+
+OLD_ISSUER = "https://old-issuer.example.com"
+
+
+def test_a_token_of_a_second_issuer_is_held_to_the_listed_audiences(
+        kube_binaries: KubeBinaries, tmp_path: Path) -> None:
+    """An apiserver migrating issuers (a second ``--service-account-issuer``: it signs as the
+    first and accepts both) takes a token of either; ``kubernetes: {audiences: [opgate]}``
+    holds for both alike: a token of another audience is a 401, whichever issuer minted it."""
+    with LocalCluster(binaries=kube_binaries, extra_apiserver_args=(
+            f"--service-account-issuer={OLD_ISSUER}",
+            f"--api-audiences={DEFAULT_ISSUER},opgate")) as cluster:
+        rules = [{"apiGroups": [""], "resources": ["configmaps"], "verbs": ["list"]}]
+        cluster.create_service_account_with_rbac(NS, "allowed", rules)
+        token_file = tmp_path / "opgate-token"
+        token_file.write_text(cluster.admin_token)
+        token_file.chmod(0o600)
+        policy = POLICY.format(ns=NS, sar="false").replace(
+            "- kubernetes: {}", "- kubernetes: {audiences: [opgate]}")
+        gate = start_opgate(cluster, tmp_path / "opgate", policies={"identity.yaml": policy},
+                            extra_args=["--token-file", str(token_file)])
+        try:
+            for audience, code in (("opgate", 200), (DEFAULT_ISSUER, 401)):
+                new = cluster.token_request(NS, "allowed", audiences=[audience])
+                for token in (new, resigned(cluster, new, iss=OLD_ISSUER)):
+                    assert cluster.call("GET", CM, token=token).status == 200  # the reference
+                    through = cluster.call("GET", CM, server=gate.url, token=token)
+                    assert through.status == code, (audience, token == new, through.body)
         finally:
             gate.stop()
 

@@ -778,3 +778,76 @@ def test_a_subject_access_review_asks_about_the_user_the_call_impersonates(
     auth.sar = (True, "")
     denied = run(check, ctx_for(policies, "GET", CM + "/c", sa_token()))
     assert (denied is None, len(auth.sar_attrs)) == ((True, 2) if allowed else (False, 1))
+
+
+OLD_ISSUER = "https://old-issuer.example.com"
+
+
+class NoDiscovery(FakeAuth):
+    async def cluster_issuer(self) -> str | None:
+        return None  # its discovery failed (opgate retries later)
+
+
+@pytest.mark.parametrize("auth", [FakeAuth, NoDiscovery])
+@pytest.mark.parametrize(("aud", "allowed"), [("opgate", True), (ISSUER, False)])
+def test_every_service_account_issuer_is_held_to_the_listed_audiences(
+        tmp_path: Path, auth: type[FakeAuth], aud: str, allowed: bool) -> None:
+    """A token of a second ``--service-account-issuer`` (which discovery does not name), or of
+    the cluster's issuer while its discovery fails, is the apiserver's to judge, then held to
+    ``kubernetes: {audiences: [...]}`` as a token opgate verified itself."""
+    fake = auth()
+    policies = policy_set(tmp_path, audience_policy("{audiences: [opgate]}"))
+    iss = ISSUER if auth is NoDiscovery else OLD_ISSUER
+    token = sa_token(aud=[aud], iss=iss)
+    fake.reviews[token] = (SA, (aud,))
+    ctx = ctx_for(policies, "GET", CM, token)
+    decision = run(IdentityCheck(authenticator=fake), ctx)
+    assert fake.calls == ["review"]
+    if allowed:
+        assert decision is None and ctx.identity == SA
+        return
+    assert decision is not None and body(decision)["code"] == 401
+    assert "audience is not accepted" in body(decision)["message"]
+
+
+def test_a_second_issuers_token_needs_the_kubernetes_issuer_listed(tmp_path: Path) -> None:
+    """As a token of the discovered issuer: a policy that lists only an OIDC issuer refuses it
+    when another policy makes it a service-account token (lists ``kubernetes``)."""
+    auth = FakeAuth()
+    policies = policy_set(tmp_path, policy(), OIDC_POLICY)
+    for iss in (ISSUER, OLD_ISSUER):
+        token = sa_token(iss=iss)
+        auth.reviews[token] = (SA, (ISSUER,))
+        decision = run(IdentityCheck(authenticator=auth), ctx_for(policies, "GET", CM, token))
+        assert decision is not None and body(decision)["code"] == 401
+        assert 'issuer is not one of policy "oidc"' in body(decision)["message"], iss
+
+
+def test_a_legacy_token_has_the_audiences_the_apiserver_gives_it(tmp_path: Path) -> None:
+    """A Secret's token (issuer ``kubernetes/serviceaccount``, no ``aud``): the apiserver takes
+    it for its own ``--api-audiences``, which TokenReview returns; listed audiences hold."""
+    now = int(time.time())
+    legacy = jwt.encode({"iss": "kubernetes/serviceaccount", "sub": SA.user,
+                         "kubernetes.io/serviceaccount/namespace": "ops", "iat": now},
+                        RSA_KEY, algorithm="RS256", headers={"kid": "k1"})
+    for audiences, allowed in (("{audiences: [opgate]}", False), ("{}", True),
+                               (f"{{audiences: [{ISSUER}]}}", True)):
+        auth = FakeAuth()
+        auth.reviews[legacy] = (SA, (ISSUER,))
+        policies = policy_set(tmp_path, audience_policy(audiences))
+        decision = run(IdentityCheck(authenticator=auth), ctx_for(policies, "GET", CM, legacy))
+        assert (decision is None) is allowed, audiences
+
+
+def test_an_other_users_review_of_a_service_account_shaped_jwt_is_the_apiservers(
+        tmp_path: Path) -> None:
+    """A JWT whose claims name a service account but that the apiserver takes as someone else
+    (a webhook's token): not the cluster's issuer's, its verdict stands as the apiserver gave
+    it."""
+    auth = FakeAuth()
+    token = sa_token(iss=OLD_ISSUER)
+    admin = Identity(user="admin", groups=("system:masters",), source="tokenreview")
+    auth.reviews[token] = (admin, ())
+    policies = policy_set(tmp_path, audience_policy("{audiences: [opgate]}"))
+    ctx = ctx_for(policies, "GET", CM, token)
+    assert run(IdentityCheck(authenticator=auth), ctx) is None and ctx.identity == admin
