@@ -14,7 +14,7 @@ import pytest
 from proxy.engine.chain import settle
 from proxy.engine.context import Identity, RequestContext
 from proxy.engine.requestinfo import parse_request_info
-from proxy.middlewares import identity
+from proxy.middlewares import identity_tokens, identity_verify
 from proxy.middlewares.identity import IdentityCheck
 from proxy.relay.fast.wire import WireHeaders
 from tests.unit import test_identity as ti
@@ -39,8 +39,8 @@ def wire_ctx(policies: Any, value: bytes | None, method: str = "GET",
 ])
 def test_the_bytes_token_is_the_str_token(value: bytes) -> None:
     headers = WireHeaders([(b"Authorization", value)])
-    token = identity._bearer(headers)
-    assert identity._bearer_bytes(headers) == (None if token is None
+    token = identity_tokens.bearer(headers)
+    assert identity_tokens.bearer_bytes(headers) == (None if token is None
                                                else token.encode("latin-1"))
 
 
@@ -54,8 +54,8 @@ def test_the_token_is_the_one_the_apiserver_reads(value: bytes, token: bytes | N
     empty one is no token (two spaces: the apiserver runs the call as anonymous, so opgate
     must not credit it to the token after them)."""
     headers = WireHeaders([(b"Authorization", value)])
-    assert identity._bearer_bytes(headers) == token
-    assert identity._bearer({"Authorization": value.decode()}) == (
+    assert identity_tokens.bearer_bytes(headers) == token
+    assert identity_tokens.bearer({"Authorization": value.decode()}) == (
         None if token is None else token.decode())
 
 
@@ -66,16 +66,16 @@ def test_the_bytes_token_is_the_str_token_fuzzed() -> None:
         value = bytes(rnd.choice(alphabet) for _ in range(rnd.randrange(14)))
         for prefix in (b"", b"Bearer ", b" bEaReR"):
             headers = WireHeaders([(b"Authorization", prefix + value)])
-            token = identity._bearer(headers)
-            assert identity._bearer_bytes(headers) == (
+            token = identity_tokens.bearer(headers)
+            assert identity_tokens.bearer_bytes(headers) == (
                 None if token is None else token.encode("latin-1")), prefix + value
 
 
 def test_other_mappings_key_the_utf8_of_the_str_token() -> None:
-    assert identity._bearer_bytes({"Authorization": " Bearer tok "}) == b"tok"
-    assert identity._bearer_bytes({"authorization": "Bearer tok"}) == b"tok"
-    assert identity._bearer_bytes({"Authorization": "Basic tok"}) is None
-    assert identity._bearer_bytes({}) is None
+    assert identity_tokens.bearer_bytes({"Authorization": " Bearer tok "}) == b"tok"
+    assert identity_tokens.bearer_bytes({"authorization": "Bearer tok"}) == b"tok"
+    assert identity_tokens.bearer_bytes({"Authorization": "Basic tok"}) is None
+    assert identity_tokens.bearer_bytes({}) is None
 
 
 def test_a_cached_token_over_the_fast_relays_headers(tmp_path: Path) -> None:
@@ -109,7 +109,7 @@ class Clock:
 @pytest.fixture
 def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
     clock = Clock()
-    monkeypatch.setattr(identity.time, "monotonic", clock)
+    monkeypatch.setattr(identity_verify.time, "monotonic", clock)
     return clock
 
 
@@ -125,7 +125,7 @@ def test_a_cached_token_expires_on_the_memo_path(tmp_path: Path, clock: Clock) -
     for _ in range(2):
         assert ti.run(check, ti.ctx_for(policies, "GET", CM, "tok")) is None
     assert auth.calls == ["review"]
-    clock.now += identity.TOKEN_TTL - 1
+    clock.now += identity_verify.TOKEN_TTL - 1
     assert ti.run(check, ti.ctx_for(policies, "GET", CM, "tok")) is None
     assert auth.calls == ["review"]
     clock.now += 1
@@ -141,7 +141,7 @@ def test_a_rejected_token_is_asked_again_after_the_negative_ttl(tmp_path: Path,
         decision = ti.run(check, ti.ctx_for(policies, "GET", CM, "nope"))
         assert decision is not None and ti.body(decision)["code"] == 401
     assert auth.calls == ["review"]
-    clock.now += identity.NEGATIVE_TTL
+    clock.now += identity_verify.NEGATIVE_TTL
     opaque(auth, "nope")  # the apiserver accepts it now
     assert ti.run(check, ti.ctx_for(policies, "GET", CM, "nope")) is None
     assert auth.calls == ["review", "review"]

@@ -15,7 +15,7 @@ import pytest
 from proxy.engine import limitlog, telemetry
 from proxy.engine.chain import settle
 from proxy.engine.context import Deny, Identity
-from proxy.middlewares import identity
+from proxy.middlewares import identity_verify as identity
 from proxy.middlewares.identity import IdentityCheck
 from tests.unit import test_identity as ti
 
@@ -71,7 +71,7 @@ def test_a_hundred_distinct_tokens_at_once_get_at_most_the_bound_of_reviews(
     assert reviews("authenticated") == before["authenticated"] + 50
     assert reviews("rejected") == before["rejected"] + 50
     assert reviews("busy") == before["busy"]
-    assert check._review_slots._value == identity.REVIEWS_IN_FLIGHT  # all given back
+    assert check._verifier._review_slots._value == identity.REVIEWS_IN_FLIGHT  # all given back
 
 
 def test_a_call_with_no_review_free_in_time_gets_429(
@@ -107,7 +107,7 @@ def test_a_call_with_no_review_free_in_time_gets_429(
     assert "opaque-" not in json.dumps(got)
     assert reviews("busy") == busy + 100 - identity.REVIEWS_IN_FLIGHT
     assert auth.calls.count("review") == identity.REVIEWS_IN_FLIGHT
-    assert check._review_slots._value == identity.REVIEWS_IN_FLIGHT
+    assert check._verifier._review_slots._value == identity.REVIEWS_IN_FLIGHT
     assert ti.run(check, ti.ctx_for(policies, "GET", CM, tokens[-1])) is None
     assert auth.calls.count("review") == identity.REVIEWS_IN_FLIGHT + 1
 
@@ -156,5 +156,5 @@ def test_a_failing_review_gives_its_slot_back(tmp_path: Path) -> None:
     decisions = flood(check, policies, [f"opaque-{i}" for i in range(30)])
     assert {ti.body(d)["code"] for d in decisions if d is not None} == {503}
     assert reviews("error") == errors + 30
-    assert check._review_slots._value == identity.REVIEWS_IN_FLIGHT
+    assert check._verifier._review_slots._value == identity.REVIEWS_IN_FLIGHT
     assert auth.peak == identity.REVIEWS_IN_FLIGHT

@@ -22,6 +22,7 @@ from proxy.engine.policies import EMPTY
 from proxy.engine.requestinfo import parse_request_info
 from proxy.middlewares import accesslog as accesslog_mod
 from proxy.middlewares import identity as identity_mod
+from proxy.middlewares import identity_verify
 from proxy.middlewares.accesslog import AccessLog
 from proxy.middlewares.faults import Faults
 from proxy.middlewares.identity import IdentityCheck
@@ -125,13 +126,14 @@ def test_identity_verifies_again_once_a_token_expires(
     """A verified token is remembered until it stops being accepted (its exp plus the leeway
     it was verified with), then verified again: and refused, being expired."""
     clock = _Clock()
-    monkeypatch.setattr(identity_mod, "time", clock)
+    monkeypatch.setattr(identity_mod, "time", clock)  # the cache's clock
+    monkeypatch.setattr(identity_verify, "time", clock)  # the verdict's expiry, the claims' now
     auth = ti.FakeAuth()
     token = ti.sa_token(exp_in=10)
     check, policies = IdentityCheck(authenticator=auth), ti.policy_set(tmp_path, ti.policy())
     call = ti.ctx_for(policies, "GET", CM + "/c", token)
     assert ti.run(check, call) is None
-    clock.advance(10 + identity_mod.LEEWAY - 3)  # past exp, within the leeway: remembered
+    clock.advance(10 + identity_verify.LEEWAY - 3)  # past exp, within the leeway: remembered
     assert ti.run(check, ti.ctx_for(policies, "GET", CM + "/c", token)) is None
     assert auth.calls == ["keys k1"]
     clock.advance(5)
