@@ -6,7 +6,10 @@ apiserver: ``/healthz`` and ``/metrics`` there are forwarded to it, as clients e
 ``/readyz`` follows the apiserver's convention: 200 ``ok`` when every check passes, else 503
 and the failing check; ``?verbose`` lists every check with ``[+]``/``[-]``; ``?exclude=NAME``
 (repeatable) skips a check (``[+]NAME excluded: ok``, a ``warn:`` line for a name no check has);
-``/readyz/NAME`` runs that check alone.
+``/readyz/NAME`` runs that check alone. ``/healthz`` and ``/livez`` (liveness) are answered the
+same way over their own checks: ``ping``, and in the supervisor ``workers`` (it fails while the
+workers crash-loop, :func:`proxy.workers.liveness`); never ``shutdown``: a pod that drains is
+alive.
 
 The app is given its checks, its policy view and its metrics: in one process they are the
 process's own; under the ``--workers`` supervisor (:mod:`proxy.workers`) each check asks one
@@ -209,21 +212,34 @@ def worker_policies(workers: Sequence[WorkerView]) -> PolicyView:
 Answer = tuple[int, str, bytes]  # status, content type, body
 
 
+async def _ping() -> tuple[bool, str]:
+    """The apiserver's ``ping`` check: this process answers."""
+    return True, ""
+
+
 class AdminApp:
     """The admin routes (``GET``/``HEAD`` only), each answering a whole small body."""
 
     def __init__(
         self, *, checks: Sequence[NamedCheck], describe_policies: PolicyView,
-        render_metrics: MetricsRenderer,
+        render_metrics: MetricsRenderer, live_checks: Sequence[NamedCheck] = (),
     ) -> None:
         self._checks = checks
+        self._live = [NamedCheck("ping", _ping), *live_checks]
         self._stopping = False
         self._describe = describe_policies
         self._render = render_metrics
         self._routes: dict[str, Callable[[dict[str, list[str]], Request], Awaitable[Answer]]] = {
-            "/metrics": self._metrics, "/healthz": self._healthz, "/livez": self._healthz,
-            "/readyz": self._readyz, "/debug/policies": self._policies,
+            "/metrics": self._metrics, "/healthz": self._report("healthz", self._live),
+            "/livez": self._report("livez", self._live),
+            "/readyz": self._report("readyz", self._ready_checks()),
+            "/debug/policies": self._policies,
         }
+        self._prefixes = {"/readyz/": self._ready_checks(), "/healthz/": self._live,
+                          "/livez/": self._live}
+
+    def _ready_checks(self) -> list[NamedCheck]:
+        return [*self._checks, NamedCheck("shutdown", self._shutdown_check)]
 
     def close(self) -> None:
         """Stop the render thread (a render under way finishes in it)."""
@@ -239,8 +255,9 @@ class AdminApp:
         url = req.url.decode("latin-1")
         path, _, query = url.partition("?")
         route = self._routes.get(path)
-        if route is None and path.startswith("/readyz/"):
-            route = self._one_check(path.removeprefix("/readyz/"))
+        for prefix, checks in self._prefixes.items():
+            if route is None and path.startswith(prefix):
+                route = self._one_check(checks, path.removeprefix(prefix))
         extra = ""
         if req.method not in (b"GET", b"HEAD"):
             answer: Answer = (405, "text/plain", b"method not allowed\n")
@@ -259,9 +276,6 @@ class AdminApp:
         accept = b", ".join(value for name, value in req.headers if name.lower() == b"accept")
         return 200, *await self._render(accept.decode("latin-1"))
 
-    async def _healthz(self, *_: object) -> Answer:
-        return 200, "text/plain; charset=utf-8", b"ok"
-
     async def _run(self, named: NamedCheck) -> tuple[str, bool, str]:
         try:
             ok, detail = await named.check()
@@ -272,10 +286,17 @@ class AdminApp:
     async def _excluded(self, named: NamedCheck) -> tuple[str, bool, str]:
         return named.name, True, ""
 
-    async def _readyz(self, query: dict[str, list[str]], _: Request) -> Answer:
+    def _report(self, kind: str, checks: Sequence[NamedCheck]) -> Callable[..., Awaitable[Answer]]:
+        """``/readyz``, ``/healthz`` or ``/livez`` (``kind``) over ``checks``."""
+        async def answer(query: dict[str, list[str]], _: Request) -> Answer:
+            return await self._checked(kind, checks, query)
+
+        return answer
+
+    async def _checked(self, kind: str, checks: Sequence[NamedCheck],
+                       query: dict[str, list[str]]) -> Answer:
         # ?exclude=NAME as the apiserver's /readyz: the check is skipped and shown as passed
         excluded = set(query.get("exclude", ()))
-        checks = [*self._checks, NamedCheck("shutdown", self._shutdown_check)]
         EXCLUDED.set(frozenset(excluded))  # seen by the checks' tasks (a copy of this context)
         results = await asyncio.gather(*(
             self._excluded(named) if named.name in excluded else self._run(named)
@@ -289,15 +310,16 @@ class AdminApp:
             if unknown and not any(named.forwards_exclude for named in checks):
                 lines.append("warn: some health checks cannot be excluded: no matches for "
                              + ",".join(f'"{name}"' for name in sorted(unknown)))
-            lines.append("readyz check passed" if ready else "readyz check failed")
+            lines.append(f"{kind} check passed" if ready else f"{kind} check failed")
             text = "\n".join(lines) + "\n"
             return 200 if ready else 503, "text/plain; charset=utf-8", text.encode()
         return 200, "text/plain; charset=utf-8", b"ok"
 
-    def _one_check(self, name: str) -> Callable[..., Awaitable[Answer]] | None:
-        """``/readyz/<name>``: that check alone (200 ``ok``, else 503 and why), as the
-        apiserver serves each of its checks; None for a name no check has."""
-        checks = [*self._checks, NamedCheck("shutdown", self._shutdown_check)]
+    def _one_check(self, checks: Sequence[NamedCheck],
+                   name: str) -> Callable[..., Awaitable[Answer]] | None:
+        """``/readyz/<name>`` (or ``/healthz/``, ``/livez/``): that check alone (200 ``ok``,
+        else 503 and why), as the apiserver serves each of its checks; None for a name no
+        check has."""
         named = next((c for c in checks if c.name == name), None)
         if named is None:
             return None
@@ -323,10 +345,13 @@ class AdminApp:
 
 
 def build_admin_app(
-    *, checks: Sequence[NamedCheck], describe_policies: PolicyView, render_metrics: MetricsRenderer
+    *, checks: Sequence[NamedCheck], describe_policies: PolicyView, render_metrics: MetricsRenderer,
+    live_checks: Sequence[NamedCheck] = (),
 ) -> AdminApp:
+    """The admin app: ``checks`` for ``/readyz``, ``live_checks`` (with ``ping``) for
+    ``/healthz`` and ``/livez``."""
     return AdminApp(checks=checks, describe_policies=describe_policies,
-                    render_metrics=render_metrics)
+                    render_metrics=render_metrics, live_checks=live_checks)
 
 
 class AdminListener:

@@ -19,6 +19,11 @@ relay), all listening on the API address with ``SO_REUSEPORT`` so the kernel spr
   metric files stay, its counts with them, but its live gauges' files are removed when it is
   reaped (``mark_process_dead``), else its last in-flight and open-watch levels stayed for ever.
   ``/readyz`` asks each worker's, ``/metrics`` adds all up (:mod:`proxy.admin`).
+* ``/healthz`` (liveness: :func:`liveness`) fails once no worker serves and every one has been
+  failing (dead, starting, or dying within ``STABLE_AFTER`` of each start) for more than
+  ``LIVENESS_GRACE`` (30 s): a crash loop the restarts do not end (a policy file broken since
+  the start) then gets the pod restarted by kubelet, not left NotReady for ever. A worker that
+  dies once and serves again, or one that serves while the others fail, keeps it passing.
 * SIGTERM/SIGINT go on to the workers as SIGTERM; each finishes its in-flight calls (a second
   signal is passed on too: each cuts what still runs); the supervisor exits when all have
   stopped. Workers also stop when the pipe whose write end only
@@ -39,7 +44,7 @@ import signal
 import socket
 import sys
 import tempfile
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -52,6 +57,7 @@ STOP_MARGIN = 20.0  # seconds past --shutdown-grace for workers to exit after SI
 BACKOFF_FIRST = 0.5
 BACKOFF_MAX = 30.0
 STABLE_AFTER = 10.0  # a worker that ran this long before dying restarts at BACKOFF_FIRST
+LIVENESS_GRACE = 30.0  # seconds every worker may fail, none serving, before /healthz fails
 
 
 def refusal(settings: Settings) -> str | None:
@@ -163,11 +169,36 @@ class _Worker:
     spawning: bool = False  # forked, its Process not yet had (proc: None, or the dead one)
     quick_deaths: int = 0
     last_exit: str = "not started"
+    # when its failing began (its first death since it last served STABLE_AFTER), or None
+    failing_since: float | None = None
 
     @property
     def pid(self) -> int | None:
         proc = self.proc
         return proc.pid if proc is not None and proc.returncode is None else None
+
+
+def liveness(workers: Sequence[_Worker], *, now: float,
+             grace: float = LIVENESS_GRACE) -> tuple[bool, str]:
+    """The supervisor's ``/healthz`` check: fails when no worker serves and every one has been
+    failing for more than ``grace`` seconds (``now``: the loop's clock). Passes while any one
+    serves: the pod still relays, and a restart would cut what it relays."""
+    if any(w.pid is not None and w.up for w in workers):
+        return True, ""
+    since = [w.failing_since for w in workers]
+    if not since or any(s is None or now - s <= grace for s in since):
+        return True, ""  # (one never failed: it is still starting)
+    latest = max(s for s in since if s is not None)
+    return False, (f"no worker has served for {now - latest:.1f}s (more than {grace:g}s): "
+                   + "; ".join(map(_failing, workers)))
+
+
+def _failing(worker: _Worker) -> str:
+    tries = f"{worker.quick_deaths} times in a row within {STABLE_AFTER:g}s of its start"
+    if worker.pid is None:
+        return f"worker {worker.index} {worker.last_exit} ({tries}), restarting"
+    return (f"worker {worker.index} (pid {worker.pid}) not serving since its start; it "
+            f"{worker.last_exit} before ({tries})")
 
 
 def release_stop_signals() -> None:
@@ -264,6 +295,7 @@ class Supervisor:
 
     async def run(self) -> int:
         from proxy.admin import (  # here: prometheus_client only after PROMETHEUS_MULTIPROC_DIR
+            NamedCheck,
             bound_address,
             build_admin_app,
             multiprocess_metrics,
@@ -288,6 +320,7 @@ class Supervisor:
                 return failed
             app = build_admin_app(
                 checks=worker_checks(self.workers),
+                live_checks=[NamedCheck("workers", self._liveness)],
                 describe_policies=worker_policies(self.workers),
                 render_metrics=multiprocess_metrics(os.environ["PROMETHEUS_MULTIPROC_DIR"]))
             try:
@@ -362,6 +395,9 @@ class Supervisor:
                 return
             await self._stopped_within(0.05)
 
+    async def _liveness(self) -> tuple[bool, str]:
+        return liveness(self.workers, now=asyncio.get_running_loop().time())
+
     def _live_pids(self) -> set[int]:
         return {pid for w in self.workers if (pid := w.pid) is not None}
 
@@ -421,12 +457,15 @@ class Supervisor:
         loop = asyncio.get_running_loop()
         while True:
             assert worker.proc is not None
-            code = await worker.proc.wait()
+            code = await self._until_exit(worker, worker.proc)
             if self._stop.is_set():
                 return
-            ran = loop.time() - worker.started
+            now = loop.time()
+            ran = now - worker.started
             mark_process_dead(  # type: ignore[no-untyped-call]
                 worker.proc.pid, os.environ["PROMETHEUS_MULTIPROC_DIR"])
+            if worker.failing_since is None or (worker.up and ran >= STABLE_AFTER):
+                worker.failing_since = now  # (a worker that served steadily: failing anew)
             worker.quick_deaths = worker.quick_deaths + 1 if ran < STABLE_AFTER else 0
             delay = min(BACKOFF_MAX, BACKOFF_FIRST * 2 ** max(0, worker.quick_deaths - 1))
             worker.last_exit = _describe_exit(code)
@@ -442,6 +481,23 @@ class Supervisor:
                     delay = BACKOFF_MAX
                     log.error("cannot start worker %d (%s); retrying in %.0fs", worker.index,
                               exc, delay)
+
+    async def _until_exit(self, worker: _Worker, proc: asyncio.subprocess.Process) -> int:
+        """Wait for ``proc`` (``worker``'s) to exit; meanwhile mark the worker up once its
+        admin socket answers (a restarted worker stayed down to :func:`liveness`)."""
+        watch = asyncio.create_task(self._mark_up(worker, proc))
+        try:
+            return await proc.wait()
+        finally:
+            watch.cancel()
+
+    async def _mark_up(self, worker: _Worker, proc: asyncio.subprocess.Process) -> None:
+        while not worker.up and proc.returncode is None:
+            if await self._answers(worker):
+                worker.up = worker.proc is proc
+                return
+            if await self._stopped_within(0.1):
+                return
 
     async def _stopped_within(self, seconds: float) -> bool:
         """Wait ``seconds`` or until the supervisor stops; whether it stopped."""

@@ -26,6 +26,7 @@ from prometheus_client.openmetrics.parser import (
     text_string_to_metric_families as openmetrics_families,
 )
 
+from proxy.workers import LIVENESS_GRACE
 from tests.integration.fakes import AiohttpUpstream, status_of
 from tests.integration.opgate_proc import OpgateProcess
 from tests.integration.redis_server import RedisServer
@@ -226,6 +227,7 @@ async def test_killed_worker_is_restarted(opgate: OpgateProcess) -> None:
     os.kill(victim, signal.SIGKILL)
     await _until(lambda: _children(opgate.proc.pid),
                  lambda pids: len(pids) == 2 and victim not in pids)
+    assert await _get(opgate.admin_url + "/healthz") == (200, "ok")  # one crash: still alive
     # the survivor serves meanwhile; then the new worker is up and ready
     assert [r.status for r in await _calls(opgate.url, 40)] == [200] * 40
     await _until(lambda: _get(opgate.admin_url + "/readyz"), lambda r: r[0] == 200)
@@ -237,6 +239,33 @@ async def test_killed_worker_is_restarted(opgate: OpgateProcess) -> None:
     _, metrics = await _get(opgate.admin_url + "/metrics")
     assert _requests_total(metrics) == 180  # the dead worker's calls still count
     assert f"(pid {victim}) was killed by SIGKILL" in opgate.stderr()
+
+
+@pytest.mark.asyncio
+async def test_healthz_fails_once_no_worker_has_served_for_the_grace(
+    opgate: OpgateProcess, policy_file: Path,
+) -> None:
+    """Workers that die at every start (their policies broke since: each restart exits with
+    "policies not loaded") leave nothing serving. /readyz fails at once; /healthz must fail
+    too once that has lasted ``LIVENESS_GRACE``, with the failing check named, so kubelet's
+    liveness probe restarts the pod. It answered ``ok`` for ever: the pod sat NotReady."""
+    await asyncio.to_thread(policy_file.write_text, "spec: [broken\n")
+    killed = time.monotonic()
+    for pid in children(opgate.proc.pid):
+        os.kill(pid, signal.SIGKILL)
+    status, body = await _until(lambda: _get(opgate.admin_url + "/healthz"),
+                                lambda r: r[0] != 200, within=LIVENESS_GRACE + 60)
+    assert time.monotonic() - killed >= LIVENESS_GRACE  # not before the grace
+    assert status == 503
+    ping, workers, verdict = body.splitlines()
+    assert ping == "[+]ping ok"
+    assert workers.startswith("[-]workers failed: no worker has served for "), body
+    assert "worker 0 exited with status 1" in workers and "worker 1 exited with status 1" in (
+        workers)
+    assert verdict == "healthz check failed"
+    assert (await _get(opgate.admin_url + "/livez"))[0] == 503
+    assert (await _get(opgate.admin_url + "/readyz"))[0] == 503
+    assert opgate.stderr().count("policies not loaded") >= 4  # each worker restarted, again
 
 
 def _values(metrics_dir: str, kind: str, pid: int) -> dict[str, float]:

@@ -114,6 +114,47 @@ async def test_readyz_of_one_check_as_the_apiservers(admin: AdminListener) -> No
     assert head.startswith("HTTP/1.1 503") and body == ""
 
 
+async def test_healthz_reports_its_checks_as_readyz_does() -> None:
+    """/healthz (and /livez) answer over the liveness checks as the apiserver's do: ``ok``
+    while they pass, else 503 with the failing check and why; with ``?verbose`` each one (the
+    apiserver's ``ping`` first); ``/healthz/NAME`` one alone. A shutdown does not fail it:
+    a pod that drains is alive. (It was a bare ``ok`` whatever the supervisor knew.)"""
+    failing = [True]
+
+    async def workers() -> tuple[bool, str]:
+        return (False, "no worker has served for 31s") if failing[0] else (True, "")
+
+    admin = await serve_admin(build_admin_app(
+        checks=[NamedCheck("policies", _passes)], live_checks=[NamedCheck("workers", workers)],
+        describe_policies=_no_policies, render_metrics=registry_metrics(REGISTRY)),
+        listen="127.0.0.1:0")
+    try:
+        for path in ("/healthz", "/livez"):
+            head, body = await call(admin, path)
+            assert head.startswith("HTTP/1.1 503"), head
+            kind = path[1:]
+            assert body.splitlines() == [
+                "[+]ping ok", "[-]workers failed: no worker has served for 31s",
+                f"{kind} check failed"]
+        head, body = await call(admin, "/healthz/workers")
+        assert head.startswith("HTTP/1.1 503")
+        assert body == "[-]workers failed: no worker has served for 31s\n"
+        head, body = await call(admin, "/healthz?exclude=workers")
+        assert head.startswith("HTTP/1.1 200") and body == "ok"
+        failing[0] = False
+        admin.shutting_down()
+        head, body = await call(admin, "/healthz")
+        assert head.startswith("HTTP/1.1 200") and body == "ok"
+        head, body = await call(admin, "/livez?verbose")
+        assert body.splitlines() == ["[+]ping ok", "[+]workers ok", "livez check passed"]
+        head, body = await call(admin, "/healthz/ping")
+        assert head.startswith("HTTP/1.1 200") and body == "ok"
+        head, _ = await call(admin, "/healthz/shutdown")
+        assert head.startswith("HTTP/1.1 404")
+    finally:
+        await admin.cleanup()
+
+
 @pytest.mark.parametrize("method", ["POST", "PUT", "DELETE"])
 async def test_other_methods_get_405_with_allow(admin: AdminListener, method: str) -> None:
     head, body = await call(admin, "/metrics", method)

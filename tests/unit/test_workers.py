@@ -17,7 +17,14 @@ import pytest
 import uvloop
 
 from proxy.settings import RuntimeSettings, Settings
-from proxy.workers import OrphanReaper, Supervisor
+from proxy.workers import (
+    LIVENESS_GRACE,
+    STABLE_AFTER,
+    OrphanReaper,
+    Supervisor,
+    _Worker,
+    liveness,
+)
 
 LoopFactory = Callable[[], asyncio.AbstractEventLoop]
 
@@ -167,3 +174,52 @@ async def test_a_sighup_while_a_worker_is_being_spawned_reaches_it(
             os.close(fd)
     # the first: the SIGHUP while it was spawned; the second: both, the first one's at once
     assert [p.signals for p in spawned] == [[signal.SIGHUP, signal.SIGHUP], [signal.SIGHUP]]
+
+
+def _worker(index: int, *, up: bool = False, pid: int | None = None,
+            failing_since: float | None = None, quick_deaths: int = 0) -> _Worker:
+    """A worker in a given state; ``pid``: its process runs (a stand-in with that pid)."""
+    worker = _Worker(index, f"/nowhere/worker-{index}.sock", up=up,
+                     failing_since=failing_since, quick_deaths=quick_deaths,
+                     last_exit="exited with status 1")
+    if pid is not None:
+        worker.proc = _Spawned(pid)  # type: ignore[assignment]
+    return worker
+
+
+GRACE = LIVENESS_GRACE
+
+
+@pytest.mark.parametrize(("workers", "live"), [
+    # all serving since the start: never failed
+    ([_worker(0, up=True, pid=10), _worker(1, up=True, pid=11)], True),
+    # one died at once and restarts: the other serves
+    ([_worker(0, failing_since=0.0, quick_deaths=9), _worker(1, up=True, pid=11)], True),
+    # both died together a moment ago (an OOM kill): within the grace
+    ([_worker(0, failing_since=100 - GRACE / 2), _worker(1, failing_since=100 - GRACE / 2)],
+     True),
+    # both crash-loop, past the grace
+    ([_worker(0, failing_since=0.0, quick_deaths=6), _worker(1, failing_since=1.0)], False),
+    # one restarted and serves again (even briefly, in a loop): the pod relays now
+    ([_worker(0, up=True, pid=10, failing_since=0.0), _worker(1, failing_since=0.0)], True),
+    # restarted, running, but its admin never answered: not serving
+    ([_worker(0, pid=10, failing_since=0.0), _worker(1, failing_since=0.0)], False),
+    # one of them failing only since just now: not every one past the grace
+    ([_worker(0, failing_since=0.0), _worker(1, failing_since=100 - GRACE / 2)], True),
+])
+def test_liveness_fails_only_when_no_worker_served_for_the_grace(
+        workers: list[_Worker], live: bool) -> None:
+    ok, detail = liveness(workers, now=100.0)
+    assert ok is live, detail
+    assert (detail == "") is live
+
+
+def test_liveness_says_why_for_each_worker() -> None:
+    ok, detail = liveness([_worker(0, failing_since=10.0, quick_deaths=6),
+                           _worker(1, pid=77, failing_since=20.0, quick_deaths=2)], now=100.0)
+    assert not ok
+    assert detail == (
+        f"no worker has served for 80.0s (more than {GRACE:g}s): worker 0 exited with status 1 "
+        f"(6 times in a row within {STABLE_AFTER:g}s of its start), restarting; worker 1 "
+        "(pid 77) not serving since its start; it exited with status 1 before (2 times in a "
+        f"row within {STABLE_AFTER:g}s of its start)")
