@@ -112,13 +112,13 @@ def registry_metrics(registry: CollectorRegistry, *,
 def multiprocess_metrics(path: str) -> MetricsRenderer:
     """``/metrics`` summed over the worker processes that write into ``path``
     (``PROMETHEUS_MULTIPROC_DIR``): counters and histograms add up, gauges as each one's
-    ``multiprocess_mode`` says. (Files of a worker that died are read as they are: its
-    counters still count; the supervisor removes its live gauges' files.)"""
-    from prometheus_client import multiprocess
+    ``multiprocess_mode`` says. (A worker that died: its counts are in the archive files, its
+    live gauges gone, :mod:`proxy.engine.metricfiles`.)"""
+    from proxy.engine.metricfiles import Collector
 
     def registry() -> CollectorRegistry:
         summed = CollectorRegistry()
-        multiprocess.MultiProcessCollector(summed, path=path)  # type: ignore[no-untyped-call]
+        summed.register(Collector(path))  # type: ignore[arg-type]
         return summed
 
     return MetricsRenderer(registry)

@@ -15,9 +15,10 @@ relay), all listening on the API address with ``SO_REUSEPORT`` so the kernel spr
   the rate limits (``--replicas`` x N), since each keeps its own leases and fallback buckets.
 * The admin listener opens once every worker's admin socket answers; a worker that exits before
   that stops everything with its status (a configuration error would only repeat). Later a dead
-  worker is restarted after a backoff (0.5 s, doubling to 30 s while it dies within 10 s); its
-  metric files stay, its counts with them, but its live gauges' files are removed when it is
-  reaped (``mark_process_dead``), else its last in-flight and open-watch levels stayed for ever.
+  worker is restarted after a backoff (0.5 s, doubling to 30 s while it dies within 10 s); when
+  it is reaped its counts are merged into the archive files and its live gauges' files removed
+  (:func:`proxy.engine.metricfiles.retire`): the sums keep its counts, not its last in-flight
+  and open-watch levels, and a crash loop leaves no file per restart.
   ``/readyz`` asks each worker's, ``/metrics`` adds all up (:mod:`proxy.admin`).
 * ``/healthz`` (liveness: :func:`liveness`) fails once no worker serves and every one has been
   failing (dead, starting, or dying within ``STABLE_AFTER`` of each start) for more than
@@ -452,7 +453,7 @@ class Supervisor:
 
     async def _keep(self, worker: _Worker) -> None:
         """Restart ``worker`` whenever it dies, until the supervisor stops."""
-        from prometheus_client.multiprocess import mark_process_dead
+        from proxy.engine.metricfiles import retire
 
         loop = asyncio.get_running_loop()
         while True:
@@ -462,8 +463,8 @@ class Supervisor:
                 return
             now = loop.time()
             ran = now - worker.started
-            mark_process_dead(  # type: ignore[no-untyped-call]
-                worker.proc.pid, os.environ["PROMETHEUS_MULTIPROC_DIR"])
+            # in a thread: it waits for a /metrics render under way (up to ~220 ms)
+            await asyncio.to_thread(retire, worker.proc.pid, os.environ["PROMETHEUS_MULTIPROC_DIR"])
             if worker.failing_since is None or (worker.up and ran >= STABLE_AFTER):
                 worker.failing_since = now  # (a worker that served steadily: failing anew)
             worker.quick_deaths = worker.quick_deaths + 1 if ran < STABLE_AFTER else 0

@@ -323,7 +323,46 @@ async def test_a_killed_workers_gauges_go_its_counts_stay(opgate: OpgateProcess)
     assert _sample(metrics, "opgate_inflight_requests") == 0.0
     assert _requests_total(metrics) == 40  # the dead worker's calls still count
     files = _files(metrics_dir)
-    assert f"counter_{victim}.db" in files and f"gauge_livesum_{victim}.db" not in files
+    assert f"gauge_livesum_{victim}.db" not in files
+
+
+def _duration_count(metrics: str) -> float:
+    return sum(float(m.group(1)) for m in re.finditer(
+        r'^opgate_request_duration_seconds_count\{[^}]*\} (\S+)$', metrics, re.M))
+
+
+@pytest.mark.asyncio
+async def test_restarted_workers_leave_no_files_behind_and_their_counts_stay(
+    opgate: OpgateProcess,
+) -> None:
+    """Each worker that died left its counter and histogram files, a new set at every restart
+    of a crash loop: the directory grew without bound and every scrape read all of it. A dead
+    worker's counts are merged into one archive file per kind when it is reaped: the sums
+    stay (a counter never goes down), the files are the live workers' and the archives'."""
+    metrics_dir = os.path.join(_run_dir(min(children(opgate.proc.pid))), "metrics")
+    dead: set[int] = set()
+    total = 0
+    for _ in range(3):
+        assert [r.status for r in await _calls(opgate.url, 20)] == [200] * 20
+        total += 20
+        await _until(lambda: _get(opgate.admin_url + "/metrics"),
+                     lambda r, want=total: _requests_total(r[1]) == want)  # flushed
+        victim = min(children(opgate.proc.pid))
+        os.kill(victim, signal.SIGKILL)
+        dead.add(victim)
+        await _until(lambda: _children(opgate.proc.pid),
+                     lambda pids, gone=victim: len(pids) == 2 and gone not in pids)
+        await _until(lambda: _get(opgate.admin_url + "/readyz"), lambda r: r[0] == 200)
+    _, metrics = await _get(opgate.admin_url + "/metrics")
+    assert _requests_total(metrics) == total
+    assert _duration_count(metrics) == total
+    live = children(opgate.proc.pid)
+    files = _files(metrics_dir)
+    assert not [f for f in files if f.removesuffix(".db").rsplit("_", 1)[1] in map(str, dead)]
+    assert {f for f in files if f.endswith("_archive.db")} == {
+        "counter_archive.db", "histogram_archive.db"}, files
+    assert all(f.endswith("_archive.db") or int(f.removesuffix(".db").rsplit("_", 1)[1]) in live
+               for f in files), files
 
 
 @pytest.mark.asyncio
