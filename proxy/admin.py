@@ -150,6 +150,7 @@ class WorkerView(Protocol):
     index: int
     socket: str  # its admin listener (a Unix socket)
     last_exit: str  # how its last process ended
+    up: bool  # its admin socket has answered since this start
 
     @property
     def pid(self) -> int | None: ...  # None while it is not running
@@ -169,6 +170,8 @@ def worker_checks(workers: Sequence[WorkerView]) -> list[NamedCheck]:
             try:
                 status, body = await unix_get(worker.socket, path)
             except OSError:  # (a worker just (re)started has no admin socket yet)
+                if worker.up:  # it answered: now it is stuck
+                    return False, f"pid {pid}: not answering its admin socket"
                 return False, f"pid {pid}: starting (its admin socket does not answer yet)"
             if status == 200:
                 return True, f"pid {pid}"

@@ -25,6 +25,9 @@ relay), all listening on the API address with ``SO_REUSEPORT`` so the kernel spr
   ``LIVENESS_GRACE`` (30 s): a crash loop the restarts do not end (a policy file broken since
   the start) then gets the pod restarted by kubelet, not left NotReady for ever. A worker that
   dies once and serves again, or one that serves while the others fail, keeps it passing.
+* A worker that serves is asked its ``/healthz`` every ``WATCH_EVERY`` (5 s); one that has not
+  answered for ``LIVENESS_GRACE`` (stuck: a deadlock, a loop blocked in a call) is killed, and
+  restarted as any dead one: kubelet would restart the whole pod, the others with it.
 * SIGTERM/SIGINT go on to the workers as SIGTERM; each finishes its in-flight calls (a second
   signal is passed on too: each cuts what still runs); the supervisor exits when all have
   stopped. Workers also stop when the pipe whose write end only
@@ -59,6 +62,7 @@ BACKOFF_FIRST = 0.5
 BACKOFF_MAX = 30.0
 STABLE_AFTER = 10.0  # a worker that ran this long before dying restarts at BACKOFF_FIRST
 LIVENESS_GRACE = 30.0  # seconds every worker may fail, none serving, before /healthz fails
+WATCH_EVERY = 5.0  # how often a serving worker's admin socket is asked whether it answers
 
 
 def refusal(settings: Settings) -> str | None:
@@ -496,8 +500,24 @@ class Supervisor:
         while not worker.up and proc.returncode is None:
             if await self._answers(worker):
                 worker.up = worker.proc is proc
-                return
+                break
             if await self._stopped_within(0.1):
+                return
+        await self._watch(worker, proc)
+
+    async def _watch(self, worker: _Worker, proc: asyncio.subprocess.Process) -> None:
+        """Kill ``proc`` (``worker``'s, serving) once its admin socket has not answered for
+        ``LIVENESS_GRACE``: it runs, but serves nothing (its connections wait for ever)."""
+        loop = asyncio.get_running_loop()
+        answered = loop.time()
+        while not await self._stopped_within(WATCH_EVERY) and proc.returncode is None:
+            if await self._answers(worker):
+                answered = loop.time()
+            elif loop.time() - answered >= LIVENESS_GRACE:
+                log.error("worker %d (pid %d) has not answered its admin socket for %.0fs; "
+                          "killing it", worker.index, proc.pid, loop.time() - answered)
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
                 return
 
     async def _stopped_within(self, seconds: float) -> bool:

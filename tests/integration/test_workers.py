@@ -268,6 +268,30 @@ async def test_healthz_fails_once_no_worker_has_served_for_the_grace(
     assert opgate.stderr().count("policies not loaded") >= 4  # each worker restarted, again
 
 
+@pytest.mark.asyncio
+async def test_a_hung_worker_is_killed_and_replaced(opgate: OpgateProcess) -> None:
+    """A worker that runs but no longer answers (stopped here by SIGSTOP; a deadlock, a loop
+    stuck in a call) was left as it was: /readyz said it was "starting" and /healthz ok for
+    ever, its share of the connections unserved. Once it has not answered its admin socket
+    for ``LIVENESS_GRACE`` the supervisor kills it and starts another."""
+    before = children(opgate.proc.pid)
+    victim = min(before)
+    os.kill(victim, signal.SIGSTOP)
+    try:
+        _, ready = await _until(lambda: _get(opgate.admin_url + "/readyz?verbose"),
+                                lambda r: r[0] == 503)
+        assert f"pid {victim}: not answering its admin socket" in ready, ready
+        await _until(lambda: _children(opgate.proc.pid),
+                     lambda pids: len(pids) == 2 and victim not in pids,
+                     within=LIVENESS_GRACE + 30)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(victim, signal.SIGCONT)
+    await _until(lambda: _get(opgate.admin_url + "/readyz"), lambda r: r[0] == 200)
+    assert f"(pid {victim}) has not answered its admin socket for" in opgate.stderr()
+    assert f"(pid {victim}) was killed by SIGKILL" in opgate.stderr()
+
+
 def _values(metrics_dir: str, kind: str, pid: int) -> dict[str, float]:
     """What worker ``pid`` wrote to its ``kind`` file (``counter``, ``gauge_livesum``): each
     sample's name with its labels, and its value."""

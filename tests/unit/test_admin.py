@@ -280,6 +280,7 @@ class FakeWorker:
     socket: str
     last_exit: str = ""
     pid: int | None = 4242
+    up: bool = False
 
 
 async def test_supervisor_readyz_passes_exclude_on_to_the_workers(tmp_path: Path) -> None:
