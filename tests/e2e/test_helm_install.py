@@ -214,3 +214,23 @@ def test_policy_files_reach_the_configmap_as_written(
     assert build_parser().parse_args(_sidecar_args(deployment)).policies == (
         "/etc/opgate/policies")
     kube.run_helm("uninstall", "files")
+
+
+def test_one_release_name_in_two_namespaces(
+    helm: Path, kubectl: Path, cluster: LocalCluster
+) -> None:
+    """A platform team installs the same operator chart as ``my-op`` in each team's namespace:
+    the ClusterRole and its binding are cluster-scoped, so they must not be named after the
+    release alone (helm refused the second install: the first release owned "my-op-opgate").
+    Each binds its own namespace's ServiceAccount, and uninstalling one leaves the other's."""
+    team_a = Kube(helm, kubectl, cluster, "helm-team-a")
+    team_b = Kube(helm, kubectl, cluster, "helm-team-b")
+    team_a.run_helm("install", "my-op", str(CHART))
+    team_b.run_helm("install", "my-op", str(CHART))
+    for kube in (team_a, team_b):
+        assert kube.can_i("my-op-opgate", "patch", "widgets.demo.opgate.dev")
+    team_a.run_helm("uninstall", "my-op")
+    assert not team_a.can_i("my-op-opgate", "patch", "widgets.demo.opgate.dev")
+    assert team_b.can_i("my-op-opgate", "patch", "widgets.demo.opgate.dev")
+    team_b.run_helm("uninstall", "my-op")
+    assert team_b.names("clusterrole,clusterrolebinding") == []

@@ -29,6 +29,16 @@ that the whole still fits 63 characters (a Service name is a DNS label).
 {{- end -}}
 
 {{/*
+The name of the cluster-scoped objects (the ClusterRole and its binding): <namespace>-<full
+name>. The full name alone is the release's, which is unique only in its namespace: the same
+release name in a second namespace (one install per team) would collide with the first's
+ClusterRole, and helm refuses to take over an object another release owns.
+*/}}
+{{- define "opgate.clusterName" -}}
+{{- printf "%s-%s" .Release.Namespace (include "opgate.fullname" .) -}}
+{{- end -}}
+
+{{/*
 The operator's ServiceAccount: the one the chart creates (serviceAccount.name, default the full
 name), or with serviceAccount.create=false an existing one (serviceAccount.name, default the
 namespace's "default", as in charts made by helm create).
