@@ -919,3 +919,23 @@ def test_a_socket_on_no_writable_mount_is_refused(helm: Path, mount: tuple[str, 
     _render(helm, *sets[:2], "extraVolumes[0].name=run", "extraVolumes[0].emptyDir.medium=Memory",
             "sidecar.extraVolumeMounts[0].name=run", "sidecar.extraVolumeMounts[0].mountPath=/run")
     _render(helm, "sidecar.listen=unix:/tmp/api.sock", "operator.kubeconfig=false")
+
+
+@pytest.mark.parametrize("listen", ["127.0.0.1:8001", "localhost:8001", "[::1]:8001",
+                                    "127.0.0.2:8001", "127.10.0.1:8080"])
+def test_the_sidecar_answers_the_host_its_kubeconfig_names(helm: Path, listen: str) -> None:
+    """opgate answers only the Host names of --accept-hosts (default localhost, 127.0.0.1,
+    [::1]: the DNS rebinding guard), and the chart takes any loopback sidecar.listen: on
+    127.0.0.2 the kubeconfig's server named a host opgate refused, every call a 403."""
+    from urllib.parse import urlsplit
+
+    from proxy.relay.hostguard import HostGuard, parse_accept_hosts
+
+    docs = _render(helm, f"sidecar.listen={listen}")
+    args = build_parser().parse_args(_sidecar(docs)["args"])
+    guard = HostGuard(parse_accept_hosts(args.accept_hosts))
+    config = yaml.safe_load(_one(docs, "ConfigMap", "-kubeconfig")["data"]["config"])
+    host = urlsplit(config["clusters"][0]["cluster"]["server"]).netloc
+    assert host == listen
+    assert guard.accepts(host.encode()), args.accept_hosts
+    assert not guard.accepts(b"evil.example:8001")  # the guard itself stays

@@ -199,6 +199,13 @@ chart's root context, they use the opgate subchart's (.Subcharts.opgate: the val
   args:
     - serve
     - --listen={{ .Values.sidecar.listen }}
+    {{- /* opgate answers only the Host names of --accept-hosts (by default localhost,
+         127.0.0.1 and [::1]: its guard against DNS rebinding); another loopback address is
+         the name its clients (the kubeconfig's server) call it by */}}
+    {{- $host := regexReplaceAll ":[0-9]+$" $listen "" }}
+    {{- if not (or (hasPrefix "unix:" $listen) (has $host (list "127.0.0.1" "localhost" "[::1]"))) }}
+    - --accept-hosts=^{{ regexQuoteMeta $host }}$
+    {{- end }}
     - --admin-listen={{ .Values.sidecar.adminListen }}
     {{- if .Values.policies }}
     - --policies=/etc/opgate/policies
