@@ -939,3 +939,15 @@ def test_the_sidecar_answers_the_host_its_kubeconfig_names(helm: Path, listen: s
     assert host == listen
     assert guard.accepts(host.encode()), args.accept_hosts
     assert not guard.accepts(b"evil.example:8001")  # the guard itself stays
+
+
+def test_the_readiness_probe_waits_for_opgates_own_answer(helm: Path) -> None:
+    """/readyz asks the apiserver (GET /readyz, then /version where RBAC hides it), giving each
+    call PROBE_TIMEOUT: with the kubelet's default timeoutSeconds (1) an apiserver that answers
+    in 1.5 s made the probe fail while opgate would have answered ready, and the pod flapped
+    out of the metrics Service and stalled a rollout exactly when the apiserver was loaded."""
+    from proxy.relay.fast.relay import PROBE_TIMEOUT
+
+    sidecar = _sidecar(_render(helm))
+    readiness = sidecar["readinessProbe"]
+    assert readiness["timeoutSeconds"] > 2 * PROBE_TIMEOUT

@@ -249,6 +249,9 @@ chart's root context, they use the opgate subchart's (.Subcharts.opgate: the val
   readinessProbe:
     httpGet: {path: /readyz, port: admin}
     periodSeconds: 5
+    # /readyz asks the apiserver (/readyz, then /version), up to 3 s each: the kubelet's
+    # default 1 s would count a loaded apiserver's slower answer as a failure
+    timeoutSeconds: 7
   startupProbe:
     httpGet: {path: /healthz, port: admin}
     periodSeconds: 1
