@@ -24,11 +24,13 @@ pytestmark = pytest.mark.e2e
 CHART = Path(__file__).resolve().parents[2] / "helm" / "opgate"
 
 
-def _helm_template(helm: Path, sets: tuple[str, ...], release: str, chart: Path
-                   ) -> subprocess.CompletedProcess[str]:
+def _helm_template(helm: Path, sets: tuple[str, ...], release: str, chart: Path,
+                   strings: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
     args = [str(helm), "template", release, str(chart), "--namespace", "opgate-helm"]
     for s in sets:
         args += ["--set", s]
+    for s in strings:  # --set-string: an env value such as "2" stays a string
+        args += ["--set-string", s]
     return subprocess.run(args, capture_output=True, text=True)
 
 
@@ -39,9 +41,9 @@ def _render(helm: Path, *sets: str, release: str = "demo", chart: Path = CHART
     return [d for d in yaml.safe_load_all(out.stdout) if d]
 
 
-def _render_error(helm: Path, *sets: str) -> str:
+def _render_error(helm: Path, *sets: str, strings: tuple[str, ...] = ()) -> str:
     """helm template must refuse these values; its error message."""
-    out = _helm_template(helm, sets, "demo", CHART)
+    out = _helm_template(helm, sets, "demo", CHART, strings)
     assert out.returncode != 0, out.stdout
     return out.stderr
 
@@ -951,3 +953,23 @@ def test_the_readiness_probe_waits_for_opgates_own_answer(helm: Path) -> None:
     sidecar = _sidecar(_render(helm))
     readiness = sidecar["readinessProbe"]
     assert readiness["timeoutSeconds"] > 2 * PROBE_TIMEOUT
+
+
+@pytest.mark.parametrize(("env", "sets", "says"), [
+    ("OPGATE_WORKERS=2", (), "without redis.url"),
+    ("OPGATE_WORKERS=auto", (), "without redis.url"),
+    ("OPGATE_WORKERS=2", ("redis.url=redis://r:6379/0", "sidecar.listen=unix:/run/opgate/a.sock",
+                          "operator.kubeconfig=false"), "TCP port"),
+    ("OPGATE_TLS_CERT=/etc/tls/tls.crt", (), "operator.kubeconfig=false"),
+])
+def test_an_env_setting_opgate_would_refuse_fails_the_install(
+    helm: Path, env: str, sets: tuple[str, ...], says: str
+) -> None:
+    """Every serve flag has its OPGATE_* variable (flags win over them): one in sidecar.env
+    that the chart refuses as a flag in sidecar.extraArgs (--workers without Redis, --tls-cert
+    under the chart's http:// kubeconfig) rendered, and the pod restarted forever or the
+    operator's every call failed."""
+    name, value = env.split("=")
+    err = _render_error(helm, *sets, strings=(f"sidecar.env[0].name={name}",
+                                              f"sidecar.env[0].value={value}"))
+    assert name in err and says in err, err

@@ -168,18 +168,30 @@ chart's root context, they use the opgate subchart's (.Subcharts.opgate: the val
 {{- $extra := .Values.sidecar.extraArgs | default list -}}
 {{- $redis := .Values.redis.url -}}
 {{- range .Values.sidecar.env }}{{ if eq (toString .name) "OPGATE_REDIS_URL" }}{{ $redis = true }}{{ end }}{{ end -}}
+{{- /* each worker count asked for, as "<where it is> <N>": a flag of sidecar.extraArgs, or
+     OPGATE_WORKERS in sidecar.env (opgate reads it when no flag is given) */ -}}
+{{- $counts := list -}}
 {{- range $i, $arg := $extra -}}
 {{- $arg = toString $arg -}}
 {{- if regexMatch "^--wo(r(k(e(r(s)?)?)?)?)?(=|$)" $arg -}}
 {{- $n := "" -}}
 {{- if contains "=" $arg }}{{ $n = regexReplaceAll "^[^=]*=" $arg "" }}{{ else if lt (add1 $i) (len $extra) }}{{ $n = toString (index $extra (add1 $i)) }}{{ end -}}
+{{- $counts = append $counts (list "sidecar.extraArgs has --workers" $n) -}}
+{{- end -}}
+{{- end -}}
+{{- range .Values.sidecar.env -}}
+{{- if and (eq (toString .name) "OPGATE_WORKERS") (hasKey . "value") -}}
+{{- $counts = append $counts (list "sidecar.env has OPGATE_WORKERS" (toString .value)) -}}
+{{- end -}}
+{{- end -}}
+{{- range $counts -}}
+{{- $where := index . 0 }}{{ $n := index . 1 -}}
 {{- if ne (trim $n) "1" -}}
 {{- if not $redis -}}
-{{- fail (printf "sidecar.extraArgs has --workers %s without redis.url: each worker would keep its own rate-limit buckets (opgate refuses it at start); set redis.url, or run one worker" $n) -}}
+{{- fail (printf "%s %s without redis.url: each worker would keep its own rate-limit buckets (opgate refuses it at start); set redis.url, or run one worker" $where $n) -}}
 {{- end -}}
 {{- if hasPrefix "unix:" $listen -}}
-{{- fail (printf "sidecar.extraArgs has --workers %s with sidecar.listen=%s: workers share a TCP port (opgate refuses a unix: socket with them at start); listen on a loopback HOST:PORT, or run one worker" $n $listen) -}}
-{{- end -}}
+{{- fail (printf "%s %s with sidecar.listen=%s: workers share a TCP port (opgate refuses a unix: socket with them at start); listen on a loopback HOST:PORT, or run one worker" $where $n $listen) -}}
 {{- end -}}
 {{- end -}}
 {{- end -}}
