@@ -186,7 +186,8 @@ spec:
 """
 
 
-def _parent_chart(helm: Path, tmp_path: Path, values: str = "") -> Path:
+def _parent_chart(helm: Path, tmp_path: Path, values: str = "",
+                  deployment: str = PARENT_DEPLOYMENT) -> Path:
     """A chart of its own (appVersion 9.9.9) with opgate as a ``file://`` dependency."""
     parent = tmp_path / "parent"
     (parent / "templates").mkdir(parents=True)
@@ -194,7 +195,7 @@ def _parent_chart(helm: Path, tmp_path: Path, values: str = "") -> Path:
         "apiVersion: v2\nname: parent\nversion: 1.0.0\nappVersion: \"9.9.9\"\n"
         f"dependencies:\n  - name: opgate\n    version: 0.1.0\n    repository: file://{CHART}\n")
     (parent / "values.yaml").write_text("opgate:\n  operator: {enabled: false}\n" + values)
-    (parent / "templates" / "deployment.yaml").write_text(PARENT_DEPLOYMENT)
+    (parent / "templates" / "deployment.yaml").write_text(deployment)
     subprocess.run([str(helm), "dependency", "build", str(parent)], check=True,
                    capture_output=True, text=True)
     return parent
@@ -973,3 +974,31 @@ def test_an_env_setting_opgate_would_refuse_fails_the_install(
     err = _render_error(helm, *sets, strings=(f"sidecar.env[0].name={name}",
                                               f"sidecar.env[0].value={value}"))
     assert name in err and says in err, err
+
+
+def test_the_injected_sidecar_passes_the_restricted_pod_security_standard(
+    helm: Path, kubectl: Path, cluster: LocalCluster, tmp_path: Path
+) -> None:
+    """A parent chart's pod whose own container meets the restricted Pod Security Standard
+    still had its pods refused in a namespace that enforces it: the injected sidecar set no
+    seccompProfile of its own (the chart's pod sets one at pod level, a parent's need not).
+    The pod of the rendered template, created in such a namespace (server dry run)."""
+    restricted = PARENT_DEPLOYMENT.replace(
+        "          image: example.com/controller:1.0\n",
+        "          image: example.com/controller:1.0\n"
+        "          securityContext: {allowPrivilegeEscalation: false, runAsNonRoot: true,\n"
+        "                            capabilities: {drop: [ALL]},\n"
+        "                            seccompProfile: {type: RuntimeDefault}}\n")
+    assert restricted != PARENT_DEPLOYMENT
+    parent = _parent_chart(helm, tmp_path, deployment=restricted)
+    template = _one(_render(helm, release="shop", chart=parent), "Deployment")["spec"]["template"]
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "shop-controller-0"},
+           "spec": template["spec"]}
+    cluster.create_namespace("opgate-restricted",
+                             labels={"pod-security.kubernetes.io/enforce": "restricted"})
+    manifest = tmp_path / "pod.yaml"
+    manifest.write_text(yaml.safe_dump(pod))
+    out = subprocess.run(
+        [str(kubectl), "--kubeconfig", cluster.kubeconfig_path, "create", "--dry-run=server",
+         "-n", "opgate-restricted", "-f", str(manifest)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr

@@ -276,11 +276,14 @@ chart's root context, they use the opgate subchart's (.Subcharts.opgate: the val
   {{- end }}
   resources:
     {{- toYaml .Values.sidecar.resources | nindent 4 }}
+  # the restricted Pod Security Standard on the container itself: a parent chart's pod that
+  # injects it need not set a pod-level seccompProfile (this chart's pod does)
   securityContext:
     allowPrivilegeEscalation: false
     readOnlyRootFilesystem: true
     runAsNonRoot: true
     capabilities: {drop: [ALL]}
+    seccompProfile: {type: RuntimeDefault}
   {{- $mounts := list (dict "name" "opgate-tmp" "mountPath" "/tmp") }}
   {{- if .Values.policies }}
   {{- $mounts = prepend $mounts (dict "name" "opgate-policies" "mountPath" "/etc/opgate/policies" "readOnly" true) }}
