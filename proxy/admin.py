@@ -156,6 +156,11 @@ class WorkerView(Protocol):
     def pid(self) -> int | None: ...  # None while it is not running
 
 
+# How long the supervisor waits for a worker's /readyz: its upstream check may take two of the
+# relay's 3 s probes (/readyz, then /version); the chart's readiness probe waits 7 s
+WORKER_READYZ_WITHIN = 6.5
+
+
 def worker_checks(workers: Sequence[WorkerView]) -> list[NamedCheck]:
     """``/readyz`` of the supervisor: ``worker-N`` passes while N runs and its ``/readyz``
     passes (with the same ``?exclude=``); else the detail names the worker's failing checks."""
@@ -168,7 +173,7 @@ def worker_checks(workers: Sequence[WorkerView]) -> list[NamedCheck]:
             path = "/readyz?verbose" + "".join(f"&exclude={quote(name, safe='')}"
                                                for name in sorted(EXCLUDED.get()))
             try:
-                status, body = await unix_get(worker.socket, path)
+                status, body = await unix_get(worker.socket, path, within=WORKER_READYZ_WITHIN)
             except OSError:  # (a worker just (re)started has no admin socket yet)
                 if worker.up:  # it answered: now it is stuck
                     return False, f"pid {pid}: not answering its admin socket"

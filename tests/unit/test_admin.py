@@ -307,6 +307,29 @@ async def test_supervisor_readyz_passes_exclude_on_to_the_workers(tmp_path: Path
         await worker.cleanup()
 
 
+async def test_supervisor_readyz_waits_for_a_workers_slow_upstream_check(tmp_path: Path) -> None:
+    """A worker's /readyz asks the apiserver (3 s for /readyz, then 3 s for /version): one
+    that answers after 2.5 s is ready, so the supervisor must not give up on it sooner (it
+    waited 2 s and called the worker 'not answering its admin socket')."""
+    async def slow() -> tuple[bool, str]:
+        await asyncio.sleep(2.5)
+        return True, "upstream /version answered 200"
+
+    sock = str(tmp_path / "worker-0.sock")
+    worker = await serve_admin(build_admin_app(
+        checks=[NamedCheck("upstream", slow)], describe_policies=_no_policies,
+        render_metrics=registry_metrics(REGISTRY)), listen=f"unix:{sock}")
+    supervisor = await serve_admin(build_admin_app(
+        checks=worker_checks([FakeWorker(0, sock, up=True)]), describe_policies=_no_policies,
+        render_metrics=registry_metrics(REGISTRY)), listen="127.0.0.1:0")
+    try:
+        head, body = await call(supervisor, "/readyz")
+    finally:
+        await supervisor.cleanup()
+        await worker.cleanup()
+    assert head.startswith("HTTP/1.1 200"), body
+
+
 async def test_supervisor_readyz_says_a_worker_is_starting(tmp_path: Path) -> None:
     """A worker restarted (or starting) runs before its admin socket answers: /readyz says so,
     not the socket's ConnectionRefusedError or FileNotFoundError."""
