@@ -14,9 +14,15 @@ import sys
 import time
 from typing import Any
 
-from .config import ConfigError, load_kubeconfig
-from .controller import Controller
-from .kube import KubeClient
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+if __name__ == "__main__":
+    # held (pending) through the imports and start until the event loop handles them: as a
+    # container's PID 1 a signal met with no handler is dropped (the pod hangs in Terminating)
+    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+
+from .config import ConfigError, load_kubeconfig  # noqa: E402
+from .controller import Controller  # noqa: E402
+from .kube import KubeClient  # noqa: E402
 
 log = logging.getLogger("reconciler")
 
@@ -86,15 +92,16 @@ def setup_logging(*, fmt: str, level: str) -> None:
 
 
 async def run(args: argparse.Namespace) -> int:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in STOP_SIGNALS:
+        loop.add_signal_handler(sig, stop.set)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # one that came meanwhile: now
     try:
         config = load_kubeconfig(args.kubeconfig, context=args.context)
     except ConfigError as exc:
         log.error("%s", exc)
         return 2
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
     namespace = None if args.all_namespaces else args.namespace
     log.info("starting: server=%s namespace=%s workers=%d",
              config.server, namespace or "*", args.workers)
