@@ -1,56 +1,36 @@
-"""``spec.identity``: YAML → an immutable spec (issuers, allow list, rules), and claim mapping.
+"""``spec.identity``: YAML → an immutable spec (issuers, allow list, rules).
 
 Parsed once per policy load. ``issuers`` says whose tokens opgate verifies itself: the cluster's
 service-account issuer (``kubernetes: {}``, found by OIDC discovery on the apiserver) and OIDC
 providers (``oidc: {issuer, audiences, claims}``); any other token is handed to the apiserver (a
 TokenReview). ``allow`` lists who may call at all (``serviceAccount: ns/name``, ``user``,
-``group``; globs allowed). ``rules`` narrow what they may do, in the shared ``match`` vocabulary
-plus an optional ``name`` and ``effect`` (``allow``, the default, or ``deny``) and RBAC's
-``nonResourceURLs`` (:mod:`proxy.engine.nonresource`: a rule with them is about those paths
-only, never about a resource request); the first rule that matches decides and no match
-denies. ``subjectAccessReview: true`` also asks the apiserver.
-
-The claim mapping (:func:`identity_from_claims`) lives here because it is what the spec means:
-a service-account token becomes ``system:serviceaccount:<ns>:<name>`` with the apiserver's
-groups; an OIDC token's user is ``claims.username`` (default ``sub``, prefixed ``<issuer>#``
-unless it is ``email``, as the apiserver does; ``usernamePrefix: "-"`` for none).
+``group``; globs allowed). ``rules`` narrow what they may do
+(:mod:`proxy.middlewares.identity_rules`); the first rule that matches decides and no match
+denies. ``subjectAccessReview: true`` also asks the apiserver. Who a verified token names, by
+its issuer's declaration here, is :mod:`proxy.middlewares.identity_claims`.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
-from proxy.engine.context import Extra, Identity
-from proxy.engine.match import VERBS, Match, Patterns, parse_match
-from proxy.engine.nonresource import url_matches, url_problem
-from proxy.engine.requestinfo import RequestInfo
+from proxy.engine.context import Identity
+from proxy.engine.match import Patterns
 from proxy.engine.schema import Fields, Located, PolicyError, sequence
+from proxy.middlewares.identity_rules import Rule, parse_rules
 
-__all__ = ["KUBERNETES", "SECTION", "TOKENREVIEW", "AllowList", "IdentitySpec", "Issuer", "Rule",
-           "identity_from_claims", "parse_section"]
+__all__ = ["KUBERNETES", "SA_PREFIX", "SECTION", "TOKENREVIEW", "AllowList", "IdentitySpec",
+           "Issuer", "parse_section"]
 
 SECTION = "identity"
-URLS = "nonResourceURLs"
-# the verbs of a non-resource call: its lower-case HTTP method (requestinfo)
-NON_RESOURCE_VERBS = ("get", "head", "post", "put", "patch", "delete", "options", "connect",
-                      "trace")
 KUBERNETES = "kubernetes"  # the issuer key of the cluster's own service-account issuer
 TOKENREVIEW = "tokenreview"  # the issuer key of identities the apiserver vouched for
 # what a kubernetes token's audience may be besides the issuer itself (the apiserver's defaults)
 DEFAULT_KUBERNETES_AUDIENCES = ("https://kubernetes.default.svc",
                                 "https://kubernetes.default.svc.cluster.local")
 SA_PREFIX = "system:serviceaccount:"
-# the keys of user.extra the apiserver's authenticators fill (k8s.io/apiserver
-# pkg/authentication/user and serviceaccount/util.go)
-CREDENTIAL_ID = "authentication.kubernetes.io/credential-id"
-POD_NAME = "authentication.kubernetes.io/pod-name"
-POD_UID = "authentication.kubernetes.io/pod-uid"
-NODE_NAME = "authentication.kubernetes.io/node-name"
-NODE_UID = "authentication.kubernetes.io/node-uid"
-AUTHENTICATED = "system:authenticated"
 _DNS_LABEL = re.compile(r"[a-z0-9*?\[\]]([-a-z0-9.*?\[\]]*[a-z0-9*?\[\]])?")
 
 
@@ -103,24 +83,6 @@ class AllowList:
         if self.users is not None and self.users.matches(identity.user):
             return True
         return self.groups is not None and any(self.groups.matches(g) for g in identity.groups)
-
-
-@dataclass(frozen=True, slots=True)
-class Rule:
-    """One of ``rules``. With ``non_resource_urls`` (RBAC's ``nonResourceURLs``) it is about
-    non-resource calls only, and then only those paths; without, ``match`` alone decides."""
-
-    name: str
-    match: Match
-    allow: bool = True
-    source: str = ""
-    non_resource_urls: tuple[str, ...] = ()
-
-    def matches(self, info: RequestInfo, verb: str, user: str | None) -> bool:
-        if self.non_resource_urls and (info.is_resource_request
-                                       or not url_matches(info.path, self.non_resource_urls)):
-            return False
-        return self.match.matches(info, verb, user)
 
 
 @dataclass(frozen=True, slots=True)
@@ -237,53 +199,6 @@ def _parse_allow(node: Located | None, what: str, errors: list[PolicyError],
                      groups=Patterns.of(tuple(groups)) if groups else None, where=where)
 
 
-def _parse_rule(node: Located, what: str, index: int,
-                errors: list[PolicyError]) -> Rule | None:
-    if not isinstance(node.value, dict):
-        Fields(node, what=what, errors=errors)  # reports "expected a mapping"
-        return None
-    own = ("name", "effect", URLS)
-    f = Fields(Located({k: v for k, v in node.value.items() if k in own},
-                       node.file, node.line, node.key_lines), what=what, errors=errors)
-    name = f.str("name", default=f"rules[{index}]") or f"rules[{index}]"
-    effect = f.str("effect", default="allow", choices=("allow", "deny")) or "allow"
-    rest = {k: v for k, v in node.value.items() if k not in own}
-    urls = _non_resource_urls(f, rest, errors)
-    match = parse_match(Located(rest, node.file, node.line, node.key_lines), what, errors)
-    return Rule(name=name, match=match, allow=effect == "allow", source=node.where(),
-                non_resource_urls=urls)
-
-
-def _non_resource_urls(f: Fields, rest: Mapping[str, Located],
-                       errors: list[PolicyError]) -> tuple[str, ...]:
-    """A rule's ``nonResourceURLs``, checked as RBAC checks a ClusterRole's (not with resource
-    fields: such a rule could never match) plus what could never match a call: a bad entry, an
-    empty list, a verb that no non-resource call has (theirs is the lower-case HTTP method)."""
-    urls = f.str_list(URLS)
-    given = f.node(URLS)
-    if given is None:
-        return ()
-    if given.value == []:
-        f.fail(URLS, f'is empty, which matches nothing (leave "{URLS}" out for a rule about '
-               "resources)")
-    for entry in given.value if isinstance(given.value, list) else ():
-        problem = url_problem(entry.value) if isinstance(entry.value, str) else None
-        if problem is not None:
-            errors.append(entry.error(f"{f.path(URLS)}: {problem}"))
-    mixed = [k for k in ("apiGroups", "groups", "resources", "namespaces") if k in rest]
-    if mixed:
-        f.fail(URLS, f'a rule applies either to resources ("{mixed[0]}") or to '
-               f'"{URLS}", not both (RBAC\'s rule too)')
-    verbs = rest.get("verbs")
-    for entry in verbs.value if verbs is not None and isinstance(verbs.value, list) else ():
-        verb = entry.value
-        if isinstance(verb, str) and verb in VERBS and verb not in NON_RESOURCE_VERBS:
-            errors.append(entry.error(
-                f'{f.path("verbs")}: "{verb}" never matches a non-resource URL: its verb is the '
-                f'lower-case HTTP method ({", ".join(NON_RESOURCE_VERBS)})'))
-    return urls
-
-
 def parse_section(node: Located, errors: list[PolicyError]) -> IdentitySpec:
     """The ``SectionParser`` for ``spec.identity``."""
     what = f"spec.{SECTION}"
@@ -305,115 +220,8 @@ def parse_section(node: Located, errors: list[PolicyError]) -> IdentitySpec:
     if allow_node is not None and allow.users is None and allow.groups is None:
         f.fail("allow", 'names nobody (to allow every verified caller: "- group: '
                'system:authenticated")')
-    rules_node = f.node("rules", required=True)
-    rule_items = (sequence(rules_node, what=f"{what}.rules", errors=errors)
-                  if rules_node is not None else [])
-    rules = [_parse_rule(item, f"{what}.rules[{i}]", i, errors)
-             for i, item in enumerate(rule_items)]
-    if rules_node is not None and not rule_items:
-        f.fail("rules", 'has no rule, so it denies everything (to allow anything RBAC allows: '
-               '"- {verbs: [\'*\']}")')
-    seen: dict[str, str] = {}
-    for index, rule in enumerate(rules):
-        if rule is None:
-            continue
-        if rule.name in seen:  # at the second one, not at the list
-            errors.append(rule_items[index].error(
-                f'{what}.rules[{index}]: two rules are named "{rule.name}" '
-                f"(also at {seen[rule.name]})"))
-        else:
-            seen[rule.name] = rule.source
+    rules, rules_where = parse_rules(f, errors)
     sar = f.bool("subjectAccessReview", default=False)
     f.finish()
-    return IdentitySpec(issuers=issuers, allow=allow, rules=tuple(r for r in rules if r),
-                        rules_where=rules_node.where() if rules_node is not None else "",
+    return IdentitySpec(issuers=issuers, allow=allow, rules=rules, rules_where=rules_where,
                         subject_access_review=sar)
-
-
-# --- claims → Identity --------------------------------------------------------------------
-
-def _service_account(claims: Mapping[str, Any]) -> Identity | None:
-    sub = claims.get("sub")
-    if not isinstance(sub, str) or not sub.startswith(SA_PREFIX):
-        return None
-    namespace, _, name = sub[len(SA_PREFIX):].partition(":")
-    if not namespace or not name or ":" in name:
-        return None
-    uid = ""
-    k8s = claims.get("kubernetes.io")
-    pairs: list[tuple[str, str]] = []
-    if isinstance(k8s, dict):
-        sa = k8s.get("serviceaccount")
-        if k8s.get("namespace") != namespace or not isinstance(sa, dict) or sa.get("name") != name:
-            return None
-        uid = str(sa.get("uid") or "")
-        pairs = _bound_to(k8s)
-    groups = ("system:serviceaccounts", f"system:serviceaccounts:{namespace}", AUTHENTICATED)
-    return Identity(user=sub, groups=groups, uid=uid, source="serviceaccount",
-                    extra=_extra(claims, pairs))
-
-
-def _ref(k8s: Mapping[str, Any], kind: str) -> tuple[str, str] | None:
-    """The name and uid of the object a token is bound to (``kubernetes.io.pod`` …)."""
-    ref = k8s.get(kind)
-    if not isinstance(ref, dict):
-        return None
-    name, uid = ref.get("name"), ref.get("uid")
-    return (name if isinstance(name, str) else "", uid if isinstance(uid, str) else "")
-
-
-def _bound_to(k8s: Mapping[str, Any]) -> list[tuple[str, str]]:
-    """``user.extra`` of a service-account token's binding, as the apiserver's validator
-    (pkg/serviceaccount/claims.go) and ``ServiceAccountInfo.UserInfo`` fill it: the pod's name
-    and uid when both are set, the node's name (and uid, when set) of a pod- or node-bound
-    token; nothing for a secret-bound one."""
-    pairs: list[tuple[str, str]] = []
-    pod = _ref(k8s, "pod")
-    if pod is not None and pod[0] and pod[1]:
-        pairs += [(POD_NAME, pod[0]), (POD_UID, pod[1])]
-    node = _ref(k8s, "node")
-    if node is not None and node[0]:
-        pairs.append((NODE_NAME, node[0]))
-        if node[1]:
-            pairs.append((NODE_UID, node[1]))
-    return pairs
-
-
-def _extra(claims: Mapping[str, Any], pairs: list[tuple[str, str]]) -> Extra:
-    """``user.extra`` by key: ``pairs`` and the credential id ``JTI=<jti>`` of a token with a
-    ``jti`` (the apiserver's service-account and OIDC authenticators both add it)."""
-    jti = claims.get("jti")
-    if isinstance(jti, str) and jti:
-        pairs = [*pairs, (CREDENTIAL_ID, f"JTI={jti}")]
-    return tuple(sorted((key, (value,)) for key, value in pairs))
-
-
-def identity_from_claims(issuer: Issuer, issuer_url: str,
-                         claims: Mapping[str, Any]) -> Identity | None:
-    """The caller a verified token names, or ``None`` when the claims do not name one."""
-    if issuer.kind == KUBERNETES:
-        return _service_account(claims)
-    value = claims.get(issuer.username_claim)
-    if not isinstance(value, str) or not value:
-        return None
-    # as the apiserver: an email_verified claim, when present, must be the JSON true
-    if issuer.username_claim == "email" and claims.get("email_verified", True) is not True:
-        return None
-    prefix = issuer.username_prefix
-    if prefix is None:
-        prefix = "" if issuer.username_claim == "email" else f"{issuer_url}#"
-    elif prefix == "-":
-        prefix = ""
-    groups: list[str] = []
-    if issuer.groups_claim:
-        raw = claims.get(issuer.groups_claim)
-        if isinstance(raw, str):
-            items = [raw]
-        elif raw is None or (isinstance(raw, list) and all(isinstance(g, str) for g in raw)):
-            items = raw or []
-        else:  # as the apiserver, which refuses the token: not a string nor a list of them
-            return None
-        groups = [issuer.groups_prefix + g for g in items if g]
-    groups.append(AUTHENTICATED)
-    return Identity(user=prefix + value, groups=tuple(groups), uid="", source="oidc",
-                    extra=_extra(claims, []))

@@ -27,12 +27,8 @@ from typing import Any, Protocol
 from proxy.engine import telemetry
 from proxy.engine.context import Identity
 from proxy.engine.requestinfo import Shape
-from proxy.middlewares.identity_spec import (
-    KUBERNETES,
-    TOKENREVIEW,
-    Issuer,
-    identity_from_claims,
-)
+from proxy.middlewares.identity_claims import identity_from_claims
+from proxy.middlewares.identity_spec import KUBERNETES, TOKENREVIEW, Issuer
 
 __all__ = ["LEEWAY", "NEGATIVE_TTL", "REVIEWS_IN_FLIGHT", "REVIEW_WAIT", "TOKEN_TTL",
            "Authenticator", "Busy", "Invalid", "TokenVerifier", "Verified"]
