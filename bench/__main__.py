@@ -65,7 +65,7 @@ def _kubectl_version() -> str:
 def _default_relay() -> str:
     """The relay ``opgate serve`` uses when ``--relay`` is not given (its CLI default)."""
     try:
-        from proxy.cli import build_parser
+        from proxy.cli_parser import build_parser
 
         return str(getattr(build_parser().parse_args(["serve"]), "relay", "aiohttp"))
     except (Exception, SystemExit):

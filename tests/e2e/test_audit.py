@@ -203,7 +203,8 @@ def test_events_are_counted(setup: Setup) -> None:
 def test_the_chart_mounts_an_empty_dir_for_the_audit_log(helm: Path) -> None:
     import yaml
 
-    from proxy.cli import build_parser, settings_from
+    from proxy.cli import settings_from
+    from proxy.cli_parser import build_parser
 
     chart = Path(__file__).resolve().parents[2] / "helm" / "opgate"
     out = subprocess.run([str(helm), "template", "demo", str(chart), "--set",

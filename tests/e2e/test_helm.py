@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import yaml
 
-from proxy.cli import build_parser
+from proxy.cli_parser import build_parser
 from proxy.envtest.cluster import LocalCluster
 from proxy.stores import REDIS_SCHEMES
 

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import yaml
 
-from proxy.cli import build_parser
+from proxy.cli_parser import build_parser
 from proxy.envtest.cluster import LocalCluster
 
 pytestmark = pytest.mark.e2e

@@ -468,7 +468,8 @@ def test_to_flow_needs_no_file() -> None:
 def test_the_flags_reach_the_settings_and_each_worker_writes_its_own_file(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from proxy.app import open_capture
-    from proxy.cli import build_parser, settings_from
+    from proxy.cli import settings_from
+    from proxy.cli_parser import build_parser
     from proxy.settings import Settings
 
     path = tmp_path / "capture.flows"

@@ -10,7 +10,8 @@ from typing import Any
 
 import pytest
 
-from proxy.cli import build_parser, main, settings_from
+from proxy.cli import main, settings_from
+from proxy.cli_parser import build_parser
 
 SERVE_FLAGS = [
     "--listen", "--tls-cert", "--tls-key", "--admin-listen", "--upstream", "--kubeconfig",
@@ -169,11 +170,12 @@ def test_every_variable_read_in_the_tree_is_known_to_the_warning() -> None:
     """``opgate serve`` warns about an ``OPGATE_*`` variable it does not read: one read with
     ``os.environ`` anywhere (the Redis password, the test harness, the benchmarks; by its
     literal name, or the tools' names) must not be warned about, so a new one must join
-    ``OTHER_VARIABLES`` (or be a flag's)."""
+    ``proxy.cli_env.OTHER_VARIABLES`` (or be a flag's)."""
     import re
     from pathlib import Path
 
-    from proxy import cli
+    from proxy.cli_env import unknown_variables
+    from proxy.cli_parser import commands
     from proxy.envtest.tools import _MEMBERS
 
     root = Path(__file__).resolve().parents[2]
@@ -184,4 +186,4 @@ def test_every_variable_read_in_the_tree_is_known_to_the_warning() -> None:
     assert "OPGATE_REDIS_PASSWORD" in names  # (the pattern finds them)
     names |= {f"OPGATE_{name.upper()}" for name in _MEMBERS}  # OPGATE_KUBECTL, OPGATE_HELM
     env = dict.fromkeys(names, "x")
-    assert cli.unknown_variables(build_parser(), env) == []
+    assert unknown_variables(commands(build_parser())["serve"], env) == []

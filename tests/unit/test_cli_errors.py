@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from proxy.cli import build_parser, main
+from proxy.cli import main
+from proxy.cli_parser import build_parser
 from proxy.relay.upstream import UpstreamConfigError, resolve_upstream
 from proxy.settings import RateLimitSettings, RuntimeSettings, Settings
 

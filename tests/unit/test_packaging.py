@@ -13,7 +13,7 @@ from pathlib import Path
 
 import yaml
 
-from proxy.cli import build_parser
+from proxy.cli_parser import build_parser
 
 ROOT = Path(__file__).resolve().parents[2]
 

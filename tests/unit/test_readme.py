@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from proxy.app import section_parsers
-from proxy.cli import build_parser
+from proxy.cli_parser import build_parser
 from proxy.engine import telemetry
 from proxy.engine.check import check
 
