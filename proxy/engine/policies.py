@@ -31,15 +31,8 @@ from types import MappingProxyType
 from typing import Any, Generic, TypeVar
 
 from proxy.engine import telemetry
-from proxy.engine.schema import (
-    Fields,
-    Located,
-    PolicyError,
-    SectionParser,
-    describe_type,
-    parse_yaml_documents,
-    read_error,
-)
+from proxy.engine.schema import Fields, Located, PolicyError, SectionParser, describe_type
+from proxy.engine.yamlload import parse_yaml_documents, read_error
 
 log = logging.getLogger("opgate.policies")
 

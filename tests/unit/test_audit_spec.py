@@ -12,7 +12,8 @@ from proxy.engine.check import check
 from proxy.engine.context import Identity
 from proxy.engine.policies import build_policy_set
 from proxy.engine.requestinfo import parse_request_info
-from proxy.engine.schema import PolicyError, parse_yaml_documents
+from proxy.engine.schema import PolicyError
+from proxy.engine.yamlload import parse_yaml_documents
 from proxy.middlewares.audit_spec import (
     AuditPlan,
     AuditRule,

@@ -28,8 +28,9 @@ from proxy.engine.logfile import RotatingFile
 from proxy.engine.policies import EMPTY, PolicySet, build_policy_set
 from proxy.engine.redact import redact_header, redact_object, redact_query
 from proxy.engine.requestinfo import parse_request_info
-from proxy.engine.schema import PolicyError, parse_yaml_documents
+from proxy.engine.schema import PolicyError
 from proxy.engine.status import forbidden
+from proxy.engine.yamlload import parse_yaml_documents
 from proxy.middlewares.capture import CallTap, Capture, CapturedCall
 from proxy.middlewares.capture_spec import DEFAULT_MAX_BODY, parse_section
 

@@ -7,7 +7,8 @@ import pytest
 from proxy.app import section_parsers
 from proxy.engine.check import check
 from proxy.engine.policies import build_policy_set
-from proxy.engine.schema import PolicyError, parse_yaml_documents
+from proxy.engine.schema import PolicyError
+from proxy.engine.yamlload import parse_yaml_documents
 from proxy.middlewares.quota_spec import (
     BoundQuota,
     QuotaRule,

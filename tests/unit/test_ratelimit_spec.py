@@ -6,7 +6,8 @@ import pytest
 
 from proxy.engine.policies import PolicyLoadError, build_policy_set
 from proxy.engine.requestinfo import parse_request_info
-from proxy.engine.schema import PolicyError, parse_yaml_documents
+from proxy.engine.schema import PolicyError
+from proxy.engine.yamlload import parse_yaml_documents
 from proxy.middlewares.ratelimit_spec import RateLimitRule, parse_section
 
 
