@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 from collections.abc import Callable
+
+from proxy.cpus import available_cpus
 
 __all__ = ["LOG_LEVELS", "LOOPS", "RELAYS", "accept_hosts", "listen_address", "log_level",
            "loop_name", "non_negative", "positive_int", "positive_seconds", "redis_url",
@@ -44,9 +45,10 @@ _worker_number = _whole_number(1, alternative=" or auto")
 
 
 def worker_count(text: str) -> int:
-    """``--workers``: a positive number, or ``auto`` for one per CPU."""
+    """``--workers``: a positive number, or ``auto`` for one per CPU the process may use
+    (:func:`proxy.cpus.available_cpus`: a pod's CPU limit, not the node's count)."""
     if text.strip().lower() == "auto":
-        return os.cpu_count() or 1
+        return available_cpus()
     return _worker_number(text)
 
 
