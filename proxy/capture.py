@@ -27,7 +27,6 @@ out.
 from __future__ import annotations
 
 import io
-import json
 import logging
 import time
 import zlib
@@ -36,6 +35,7 @@ from typing import Any
 from urllib.parse import quote, urlsplit
 
 from proxy.engine import telemetry
+from proxy.engine.jsonbody import dumps, loads
 from proxy.engine.logfile import BackgroundWriter, RotatingFile
 from proxy.engine.redact import carries_token, redact_header, redact_object, redact_query
 from proxy.middlewares.capture import CapturedCall
@@ -90,12 +90,11 @@ def _redact_body(call: CapturedCall, body: bytes | None, notes: dict[str, Any],
     if not body or not carries_token(call.api_group, call.resource, call.subresource):
         return body
     try:
-        obj = json.loads(body)
+        obj = loads(body)
     except ValueError:
         notes[f"{which}_body_omitted"] = "may hold a token and is not complete JSON"
         return b""
-    return json.dumps(redact_object(obj, call.api_group, call.resource, call.subresource),
-                      separators=(",", ":")).encode()
+    return dumps(redact_object(obj, call.api_group, call.resource, call.subresource)).encode()
 
 
 def _decode_cut(call: CapturedCall, headers: tuple[tuple[bytes, bytes], ...],

@@ -8,16 +8,17 @@ object has its ``ObjectMeta`` at field 1 (``name`` 1, ``generateName`` 2, ``owne
 13: ``kind`` 1, ``name`` 3, ``controller`` 6), as in k8s.io/apimachinery's ``generated.proto``.
 Only those messages are walked, each field skipped by its length; anything malformed gives
 ``None`` (the caller goes on as for a body it cannot read). :func:`object_names` reads the two
-names from a JSON body as well, for the quota and the audit log alike.
+names from a JSON body as well, for the quota and the audit log alike, at any depth the apiserver
+decodes (:mod:`proxy.engine.jsonbody`).
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 from proxy.engine.context import media_type
+from proxy.engine.jsonbody import loads
 
 MAGIC = b"k8s\x00"
 PROTOBUF = "application/vnd.kubernetes.protobuf"
@@ -132,13 +133,13 @@ def read_meta(body: bytes) -> ProtoMeta | None:
 
 def object_names(body: bytes) -> tuple[str, str]:
     """``(name, generateName)`` of an object body, protobuf or JSON; ``("", "")`` for a body in
-    another encoding (CBOR) or one that cannot be read (the quota's denial then names no object,
-    the audit's objectRef keeps none)."""
+    another encoding (CBOR) or one that cannot be read, nested deeper than the apiserver reads
+    included (the quota's denial then names no object, the audit's objectRef keeps none)."""
     if body.startswith(MAGIC):
         meta = read_meta(body)
         return (meta.name, meta.generate_name) if meta is not None else ("", "")
     try:
-        found = json.loads(body).get("metadata")
+        found = loads(body).get("metadata")
     except (ValueError, AttributeError):
         return "", ""
     if not isinstance(found, dict):

@@ -9,7 +9,6 @@ fragments, with the timestamps of :func:`micro_time` formatted once per second.
 from __future__ import annotations
 
 import ipaddress
-import json
 import re
 import time
 from typing import Any
@@ -17,6 +16,7 @@ from urllib.parse import quote
 
 from proxy.engine.context import RequestContext
 from proxy.engine.impersonation import impersonation_of
+from proxy.engine.jsonbody import MAX_DEPTH, Encoder, TooDeep, loads
 from proxy.engine.protometa import object_names
 from proxy.engine.redact import redact_object, redact_query
 from proxy.engine.requestinfo import RequestInfo
@@ -32,7 +32,7 @@ _REASONS = {400: "BadRequest", 401: "Unauthorized", 403: "Forbidden", 404: "NotF
 _PATH_SAFE = "/:@!$&'()*+,;=-._~"
 _NEEDS_QUOTE = re.compile(r"[^A-Za-z0-9/:@!$&'()*+,;=\-._~]")
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
-ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
+ENCODER = Encoder(ensure_ascii=False, separators=(",", ":"))  # also a requestObject of any depth
 _DECISIONS = {d: ENCODER.encode(d) for d in (
     "allowed", "denied", "unauthorized", "throttled", "unavailable", "fault", "error", "quota")}
 
@@ -141,7 +141,11 @@ def _request_object(ctx: RequestContext, decision: Decision,
         notes["opgate.dev/request-object"] = f"omitted: not JSON ({ctype.split(';')[0]})"
         return None
     try:
-        obj = json.loads(body)
+        obj = loads(body)
+    except TooDeep:  # the apiserver cannot decode it either (its 400)
+        notes["opgate.dev/request-object"] = (
+            f"omitted: nested deeper than {MAX_DEPTH} levels (the apiserver's limit)")
+        return None
     except ValueError:
         notes["opgate.dev/request-object"] = (
             f"omitted: not JSON ({ctype.split(';')[0] or 'no content type'})")

@@ -14,9 +14,10 @@ header is a dict lookup; a body is looked at only for POST/PUT with ``Content-Ty
 application/json`` or ``application/vnd.kubernetes.protobuf`` (what client-go sends for built-in
 kinds by default; only its ``metadata`` is read, :mod:`proxy.engine.protometa`; CBOR bodies are
 never decoded: such calls fall through to 3 and 4) and only when the relay read it (the
-rate-limit middleware's ``wants_body``); ``json.loads`` runs only when the bytes contain
-``"ownerReferences"``, or for a create of a watched kind (for its name). A malformed body falls
-through, never fails the call.
+rate-limit middleware's ``wants_body``); the JSON is parsed only when the bytes contain
+``"ownerReferences"``, or for a create of a watched kind (for its name), at any depth the
+apiserver decodes (:mod:`proxy.engine.jsonbody`). A malformed body falls through, never fails
+the call.
 
 An :class:`InstanceOverrides` (``proxy.relay.informer.InformerPool`` when serving,
 :class:`MemoryInstanceOverrides` in tests) says which resources are watched CR kinds and holds
@@ -27,11 +28,11 @@ get ``-``.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from typing import Any, Protocol
 
 from proxy.engine.context import RequestContext
+from proxy.engine.jsonbody import loads
 from proxy.engine.kinds import is_custom_group, parse_qps
 from proxy.engine.protometa import PROTOBUF, read_meta
 
@@ -127,8 +128,8 @@ def is_readable_write(ctx: RequestContext) -> bool:
 
 def _load(body: bytes) -> dict[str, Any] | None:
     try:
-        doc = json.loads(body)
-    except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
+        doc = loads(body)
+    except ValueError:  # UnicodeDecodeError is one, and so is a body nested too deep
         return None
     return doc if isinstance(doc, dict) else None
 

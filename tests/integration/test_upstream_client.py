@@ -11,9 +11,10 @@ import pytest
 from aiohttp import web
 
 from proxy.relay.endpoint import Endpoint, TokenSource
-from proxy.relay.fast.client import ClientError, UpstreamClient, json_lines
+from proxy.relay.fast.client import Answer, ClientError, UpstreamClient, json_lines
 from proxy.relay.upstream import UpstreamConfig
 from tests.integration.fakes import AiohttpUpstream
+from tests.unit.test_protometa import deep
 
 
 def client_for(url: str, *, token: str | None = "t0k") -> UpstreamClient:
@@ -152,3 +153,22 @@ async def test_json_lines_joins_split_events_and_bounds_them() -> None:
     assert events == [{"a": 1}, {"b": 2}, {"c": 3}]
     with pytest.raises(ClientError, match="larger than 8 bytes"):
         _ = [e async for e in json_lines(chunks(b'{"aaaa":', b'"bbbbbbbb"'), limit=8)]
+
+
+@pytest.mark.asyncio
+async def test_watch_events_and_lists_as_deep_as_the_apiserver_sends_them() -> None:
+    """A custom resource stored 2,000 levels deep (preserve-unknown-fields) has managedFields as
+    deep, even in metadata-only lists and watch events: beyond Python's json, read all the same
+    (an informer that failed on it would never sync again)."""
+    async def chunks(*parts: bytes) -> AsyncIterator[bytes]:
+        for part in parts:
+            yield part
+
+    meta = b'{"metadata":{"name":"b1","managedFields":[{"fieldsV1":' + deep(2000) + b"}]}}"
+    event = b'{"type":"ADDED","object":' + meta + b"}\n"
+    events = [e async for e in json_lines(chunks(event[:5000], event[5000:], b'{"b":2}\n'))]
+    assert [events[0]["object"]["metadata"]["name"], events[1]] == ["b1", {"b": 2}]
+    listed = Answer(200, b'{"kind":"PartialObjectMetadataList","items":[' + meta + b"]}").json()
+    assert listed["items"][0]["metadata"]["name"] == "b1"
+    with pytest.raises(ValueError, match="exceeded max depth"):
+        _ = [e async for e in json_lines(chunks(b"[" * 10001 + b"]" * 10001 + b"\n"))]

@@ -35,7 +35,7 @@ from proxy.middlewares.audit import Audit
 from proxy.middlewares.audit_event import CLIENT_GONE, ENCODER, micro_time, request_uri
 from proxy.middlewares.audit_stream import QueuedStream
 from proxy.relay.fast.wire import WireHeaders
-from tests.unit.test_protometa import NAMED_PB
+from tests.unit.test_protometa import NAMED_PB, deep
 
 TOKEN = "eyJhbGciOiJSUzI1NiJ9.c2VjcmV0LXRva2Vu.c2lnbmF0dXJl"
 SA = Identity(user="system:serviceaccount:ops:op", uid="4d2c-11",
@@ -556,6 +556,41 @@ def test_non_json_bodies_are_left_out_with_a_note() -> None:
     assert "requestObject" not in ev
     assert ev["annotations"]["opgate.dev/request-object"] == \
         "omitted: not JSON (application/vnd.kubernetes.protobuf)"
+
+
+def test_a_body_as_deep_as_the_apiserver_reads_is_recorded_whole() -> None:
+    """A custom resource 2,000 levels deep (preserve-unknown-fields; beyond Python's json):
+    its event has the object as sent and its name; managedFields are left out at any depth."""
+    out = Lines()
+    pset = policies("    omitManagedFields: true\n    level: Request\n")
+    spec = deep(2000)
+    body = (b'{"kind":"Blob","metadata":{"name":"b1","managedFields":[{"fieldsV1":' + spec
+            + b'}]},"spec":' + spec + b"}")
+    ctx = make_ctx("POST", "/apis/deep.example.com/v1/namespaces/a/blobs", pset=pset,
+                   headers={"Content-Type": "application/json"}, body=body)
+    run_call(Audit(write=out), ctx, 201)
+    (line,) = out.lines
+    assert '"objectRef":{"resource":"blobs","namespace":"a","name":"b1"' in line
+    expected = b'{"kind":"Blob","metadata":{"name":"b1"},"spec":' + spec + b"}"
+    assert '"requestObject":' + expected.decode() + "," in line
+    assert '"responseStatus":{"metadata":{},"code":201}' in line
+    assert "opgate.dev/request-object" not in line
+
+
+def test_a_body_deeper_than_the_apiserver_reads_is_left_out_with_a_note() -> None:
+    """10,001 levels: the apiserver answers 400 (``exceeded max depth``); the event says why
+    the body is missing."""
+    out = Lines()
+    pset = policies("    level: Request\n")
+    ctx = make_ctx("POST", "/apis/deep.example.com/v1/namespaces/a/blobs", pset=pset,
+                   headers={"Content-Type": "application/json"},
+                   body=b'{"metadata":{"name":"b2"},"spec":' + deep(10000) + b"}")
+    run_call(Audit(write=out), ctx, 400)
+    (ev,) = out.events
+    check_shape(ev)
+    assert "requestObject" not in ev and "name" not in ev["objectRef"]
+    assert ev["annotations"]["opgate.dev/request-object"] == \
+        "omitted: nested deeper than 10000 levels (the apiserver's limit)"
 
 
 def test_request_response_level_logs_the_request_only() -> None:

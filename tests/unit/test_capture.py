@@ -33,6 +33,7 @@ from proxy.engine.status import forbidden
 from proxy.engine.yamlload import parse_yaml_documents
 from proxy.middlewares.capture import CallTap, Capture, CapturedCall
 from proxy.middlewares.capture_spec import DEFAULT_MAX_BODY, parse_section
+from tests.unit.test_protometa import deep
 
 TOKEN = "eyJhbGciOiJSUzI1NiJ9.c2VjcmV0LXRva2Vu.c2lnbmF0dXJl"
 UPSTREAM = "https://10.0.0.1:6443"
@@ -391,6 +392,22 @@ def test_no_token_reaches_the_file(tmp_path: Path) -> None:
     assert flows[2].request.content == b""
     assert flows[2].metadata["opgate"]["request_body_omitted"]
     assert json.loads(flows[3].response.content)["status"]["token"] == "REDACTED"
+
+
+def test_a_token_is_redacted_from_a_body_as_deep_as_the_apiserver_reads(tmp_path: Path) -> None:
+    """A TokenReview with 2,000 levels in it (beyond Python's json; the apiserver reads up to
+    10,000) is written with its token replaced, the rest as sent."""
+    auth = {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"}
+    nest = deep(2000)
+    review = (b'{"kind":"TokenReview","spec":{"token":"' + TOKEN.encode() + b'","x":' + nest
+              + b"}}")
+    call = tapped_call(make_ctx("POST", "/apis/authentication.k8s.io/v1/tokenreviews",
+                                headers=auth), request=[review], status=201, response=[review],
+                       limit="- {maxBodyBytes: 1000000}\n")
+    (flow,) = write_and_read(tmp_path, call)
+    redacted = b'{"kind":"TokenReview","spec":{"token":"REDACTED","x":' + nest + b"}}"
+    assert (flow.request.content, flow.response.content) == (redacted, redacted)
+    assert TOKEN.encode() not in (tmp_path / "c.flows").read_bytes()
 
 
 def test_secret_bodies_are_left_out_unless_a_rule_opts_in(tmp_path: Path) -> None:

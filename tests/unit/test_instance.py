@@ -26,7 +26,7 @@ from proxy.relay import UpstreamConfig
 from proxy.relay.informer import InformerPool
 from proxy.relay.listwatch import LIST_ACCEPT, WATCH_ACCEPT, Failed, Gone, apply_event
 from proxy.stores.memory import MemoryStore
-from tests.unit.test_protometa import CONFIGMAP_PB, NAMED_PB
+from tests.unit.test_protometa import CONFIGMAP_PB, NAMED_PB, deep
 
 JSON = "application/json"
 PROTOBUF = "application/vnd.kubernetes.protobuf"
@@ -89,6 +89,14 @@ CASES = [
     ("the object itself on a get", ctx("GET", WIDGETS + "/w1", ctype=None), "a/Widget/w1"),
     ("create of a watched kind names it", ctx("POST", WIDGETS, {"metadata": {"name": "w2"}}),
      "a/Widget/w2"),
+    ("create of a watched kind 2,000 levels deep (beyond Python's json) names it",
+     ctx("POST", WIDGETS, b'{"metadata":{"name":"w3"},"spec":' + deep(2000) + b"}"),
+     "a/Widget/w3"),
+    ("controller ownerReference in a body 2,000 levels deep",
+     ctx("POST", CM, b'{"data":' + deep(2000) + b',"metadata":'
+         + json.dumps(OWNED["metadata"]).encode() + b"}"), "a/Widget/w1"),
+    ("deeper than the apiserver reads (10,001 levels): as unreadable",
+     ctx("POST", WIDGETS, b'{"metadata":{"name":"w4"},"spec":' + deep(10000) + b"}"), None),
     ("create with generateName", ctx("POST", WIDGETS, {"metadata": {"generateName": "w-"}}),
      None),
     ("a list of a watched kind", ctx("GET", WIDGETS, ctype=None), None),

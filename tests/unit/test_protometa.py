@@ -76,3 +76,24 @@ def test_content_types() -> None:
 ])
 def test_object_names_from_protobuf_or_json(body: bytes, names: tuple[str, str]) -> None:
     assert object_names(body) == names
+
+
+def deep(depth: int) -> bytes:
+    """A JSON value ``depth`` levels deep, as a preserve-unknown-fields custom resource (or its
+    ``managedFields``) may be: the apiserver decodes up to 10,000 levels."""
+    return b'{"a":' * (depth - 1) + b"[]" + b"}" * (depth - 1)
+
+
+@pytest.mark.parametrize(("body", "names"), [
+    (b'{"metadata":{"name":"cr-1"},"spec":' + deep(1999) + b"}", ("cr-1", "")),
+    (b'{"spec":' + deep(9999) + b',"metadata":{"generateName":"cr-"}}', ("", "cr-")),
+    (b'{"metadata":{"name":"cr-2","managedFields":[{"fieldsV1":' + deep(2000) + b"}]}}",
+     ("cr-2", "")),
+    (b'{"metadata":{"name":"cr-3"},"spec":' + deep(10000) + b"}", ("", "")),  # 10,001 levels
+    (b'{"metadata":{"name":"cr-4"},"spec":' + deep(2000), ("", "")),  # cut short
+])
+def test_object_names_of_a_json_body_as_deep_as_the_apiserver_reads(
+        body: bytes, names: tuple[str, str]) -> None:
+    """2,000 levels is beyond Python's json (RecursionError): the name is read all the same;
+    past the apiserver's own limit the body is unreadable to opgate as it is to the apiserver."""
+    assert object_names(body) == names

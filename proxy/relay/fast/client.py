@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+from proxy.engine.jsonbody import loads
 from proxy.relay.endpoint import Endpoint, TokenSource
 from proxy.relay.fast.upstream import UpstreamConnection, UpstreamPool
 from proxy.relay.fast.wire import Headers
@@ -39,12 +40,13 @@ class Answer:
     body: bytes
 
     def json(self) -> Any:
-        return json.loads(self.body)
+        """The body as JSON, as deep as the apiserver writes it (:mod:`proxy.engine.jsonbody`)."""
+        return loads(self.body)
 
     def message(self) -> str:
         """The ``message`` of a Kubernetes Status body, if there is one (never a token)."""
         try:
-            doc = json.loads(self.body[:65536])
+            doc = loads(self.body[:65536])
         except ValueError:
             return ""
         return str(doc.get("message", ""))[:200] if isinstance(doc, dict) else ""
@@ -236,4 +238,4 @@ async def json_lines(chunks: AsyncIterator[bytes], *, limit: int = MAX_EVENT) ->
         *lines, buf = buf.split(b"\n")
         for line in lines:
             if line.strip():
-                yield json.loads(line)
+                yield loads(line)
