@@ -75,7 +75,8 @@ def test_nothing_to_read_is_no_limit(tmp_path: Path) -> None:
 def _auto_workers(preexec: object) -> int:
     """``--workers auto`` as opgate's CLI parses it, in a process set up by ``preexec``."""
     out = subprocess.run(
-        [sys.executable, "-c", "from proxy.cli_values import worker_count; print(worker_count('auto'))"],
+        [sys.executable, "-c",
+         "from proxy.cli_values import worker_count; print(worker_count('auto'))"],
         capture_output=True, text=True, check=True, preexec_fn=preexec,  # type: ignore[arg-type]
         cwd=Path(__file__).resolve().parents[2])
     return int(out.stdout)
