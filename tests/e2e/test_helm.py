@@ -7,6 +7,7 @@ accepted by kube-apiserver (server-side dry run through kubectl, so schemas are 
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -25,8 +26,11 @@ CHART = Path(__file__).resolve().parents[2] / "helm" / "opgate"
 
 
 def _helm_template(helm: Path, sets: tuple[str, ...], release: str, chart: Path,
-                   strings: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
+                   strings: tuple[str, ...] = (), kube_version: str = ""
+                   ) -> subprocess.CompletedProcess[str]:
     args = [str(helm), "template", release, str(chart), "--namespace", "opgate-helm"]
+    if kube_version:  # .Capabilities.KubeVersion; without it, the one helm was built for
+        args += ["--kube-version", kube_version]
     for s in sets:
         args += ["--set", s]
     for s in strings:  # --set-string: an env value such as "2" stays a string
@@ -34,9 +38,9 @@ def _helm_template(helm: Path, sets: tuple[str, ...], release: str, chart: Path,
     return subprocess.run(args, capture_output=True, text=True)
 
 
-def _render(helm: Path, *sets: str, release: str = "demo", chart: Path = CHART
-            ) -> list[dict[str, Any]]:
-    out = _helm_template(helm, sets, release, chart)
+def _render(helm: Path, *sets: str, release: str = "demo", chart: Path = CHART,
+            kube_version: str = "") -> list[dict[str, Any]]:
+    out = _helm_template(helm, sets, release, chart, kube_version=kube_version)
     assert out.returncode == 0, out.stderr
     return [d for d in yaml.safe_load_all(out.stdout) if d]
 
@@ -49,14 +53,15 @@ def _render_error(helm: Path, *sets: str, strings: tuple[str, ...] = ()) -> str:
 
 
 def _dry_run(kubectl: Path, cluster: LocalCluster, tmp_path: Path,
-             docs: list[dict[str, Any]]) -> str:
-    """``kubectl apply --dry-run=server``: the apiserver validates the manifests; its output."""
+             docs: list[dict[str, Any]], *output: str) -> str:
+    """``kubectl apply --dry-run=server``: the apiserver validates the manifests; its output
+    (``output``: e.g. ``-o``, ``json`` for the objects as the apiserver would store them)."""
     cluster.create_namespace("opgate-helm")
     manifest = tmp_path / "chart.yaml"
     manifest.write_text(yaml.safe_dump_all(docs))
     out = subprocess.run(
         [str(kubectl), "--kubeconfig", cluster.kubeconfig_path, "apply", "--dry-run=server",
-         "-n", "opgate-helm", "-f", str(manifest)], capture_output=True, text=True)
+         "-n", "opgate-helm", "-f", str(manifest), *output], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     return out.stdout
 
@@ -417,6 +422,7 @@ def test_a_shared_socket_directory(
     "serviceAccount.nam=ops",
     "rbac.creat=false",
     "metrics.podAnnotation=false",
+    "sidecar.native=yes",  # true, false or auto
 ])
 def test_the_schema_refuses_bad_values(helm: Path, setting: str) -> None:
     err = _render_error(helm, setting)
@@ -444,8 +450,6 @@ def test_the_schema_takes_what_helm_users_write(helm: Path) -> None:
 
 
 def test_the_schema_names_every_value() -> None:
-    import json
-
     schema = json.loads((CHART / "values.schema.json").read_text())
 
     def resolve(node: dict[str, Any]) -> dict[str, Any]:
@@ -1002,3 +1006,165 @@ def test_the_injected_sidecar_passes_the_restricted_pod_security_standard(
         [str(kubectl), "--kubeconfig", cluster.kubeconfig_path, "create", "--dry-run=server",
          "-n", "opgate-restricted", "-f", str(manifest)], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
+
+
+# ---- a native sidecar (an init container with restartPolicy: Always) ---------------------------
+
+def _pod(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    pod: dict[str, Any] = _one(docs, "Deployment")["spec"]["template"]["spec"]
+    return pod
+
+
+def _is_native(pod: dict[str, Any]) -> bool:
+    """Where the opgate container is: first of initContainers with restartPolicy Always (a
+    native sidecar), or among containers (a classic one); never both."""
+    native = [c for c in pod.get("initContainers") or [] if c["name"] == "opgate"]
+    classic = [c for c in pod["containers"] if c["name"] == "opgate"]
+    assert len(native) + len(classic) == 1, pod
+    if native:
+        assert pod["initContainers"][0] is native[0]  # started before any other init container
+        assert native[0]["restartPolicy"] == "Always"
+        return True
+    assert "restartPolicy" not in classic[0]
+    return False
+
+
+@pytest.mark.parametrize(("sets", "kube_version", "native"), [
+    ((), "", False),                                  # the default: as before
+    (("sidecar.native=false",), "1.35.0", False),
+    (("sidecar.native=true",), "", True),
+    (("sidecar.native=true",), "1.28.0", True),        # asked for: the apiserver says if it can
+    (("sidecar.native=auto",), "1.35.4", True),
+    (("sidecar.native=auto",), "1.29.0", True),        # SidecarContainers on by default
+    (("sidecar.native=auto",), "v1.30.2-eks-1234", True),  # a provider's pre-release suffix
+    (("sidecar.native=auto",), "1.28.9", False),       # alpha, off by default
+    (("sidecar.native=auto",), "", True),              # helm template alone: helm's own version
+])
+def test_the_sidecar_can_be_native(helm: Path, sets: tuple[str, ...], kube_version: str,
+                                   native: bool) -> None:
+    """Kubelet starts a native sidecar and waits for its startupProbe before the operator, and
+    stops it only after the operator has exited: the operator's first call no longer races
+    opgate's start, and its last ones no longer need a preStop sleep to hold opgate back."""
+    docs = _render(helm, *sets, kube_version=kube_version)
+    pod = _pod(docs)
+    assert _is_native(pod) is native
+    [sidecar] = [c for c in [*(pod.get("initContainers") or []), *pod["containers"]]
+                 if c["name"] == "opgate"]
+    assert [c["name"] for c in pod["containers"]] == (
+        ["operator"] if native else ["operator", "opgate"])
+    # what gates the operator's start: /healthz answers once the API port listens
+    assert sidecar["startupProbe"]["httpGet"] == {"path": "/healthz", "port": "admin"}
+    assert sidecar["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    if native:
+        assert "lifecycle" not in sidecar  # kubelet orders the stop: no sleep to wait out
+    else:
+        assert sidecar["lifecycle"]["preStop"]["exec"]["command"] == ["sleep", "5"]
+    assert build_parser().parse_args(sidecar["args"]).listen == "127.0.0.1:8001"
+    config = yaml.safe_load(_one(docs, "ConfigMap", "-kubeconfig")["data"]["config"])
+    assert config["clusters"][0]["cluster"]["server"] == "http://127.0.0.1:8001"
+
+
+def test_the_apiserver_keeps_a_native_sidecar(
+    helm: Path, kubectl: Path, cluster: LocalCluster, tmp_path: Path
+) -> None:
+    """kube-apiserver 1.35 validates the init container with restartPolicy Always (probes are
+    allowed on it, not on a plain init container) and keeps the field: an apiserver without
+    SidecarContainers would drop it, and the pod would wait on opgate forever in Init."""
+    docs = _render(helm, "sidecar.native=true", "sidecar.audit.enabled=true",
+                   "redis.url=redis://r:6379/0", "sidecar.extraArgs={--workers,2}")
+    out = json.loads(_dry_run(kubectl, cluster, tmp_path, docs, "-o", "json"))
+    [deployment] = [d for d in out["items"] if d["kind"] == "Deployment"]
+    pod = deployment["spec"]["template"]["spec"]
+    assert _is_native(pod)
+    assert pod["initContainers"][0]["startupProbe"]["httpGet"]["path"] == "/healthz"
+
+
+def test_a_native_sidecar_needs_no_shutdown_delay(helm: Path) -> None:
+    """A native sidecar gets its SIGTERM once the operator has exited, so
+    sidecar.shutdownDelaySeconds (the classic sidecar's preStop sleep) is not counted in the
+    grace period; opgate's own drain still is."""
+    sets = ("sidecar.native=true", "sidecar.shutdownDelaySeconds=25",
+            "terminationGracePeriodSeconds=30")
+    assert "lifecycle" not in _is_native_sidecar(_render(helm, *sets))
+    err = _render_error(helm, "sidecar.native=true", "sidecar.shutdownGraceSeconds=40")
+    assert "terminationGracePeriodSeconds=30" in err and "(40)" in err, err
+    assert "(35)" in _render_error(helm, *sets[1:])  # classic: the delay counts
+
+
+def _is_native_sidecar(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    pod = _pod(docs)
+    assert _is_native(pod)
+    sidecar: dict[str, Any] = pod["initContainers"][0]
+    return sidecar
+
+
+PARENT_PLACED = """\
+apiVersion: apps/v1
+kind: Deployment
+metadata: {name: {{ .Release.Name }}-controller}
+spec:
+  selector: {matchLabels: {app: controller}}
+  template:
+    metadata: {labels: {app: controller}}
+    spec:
+      initContainers:
+        {{- include "opgate.initContainers" . | nindent 8 }}
+      containers:
+        - name: controller
+          image: example.com/controller:1.0
+        {{- include "opgate.containers" . | nindent 8 }}
+      volumes:
+        {{- include "opgate.volumes" . | nindent 8 }}
+"""
+
+PARENT_NATIVE = PARENT_DEPLOYMENT.replace(
+    "      containers:\n", "      initContainers:\n"
+    "        {{- include \"opgate.sidecar\" . | nindent 8 }}\n      containers:\n").replace(
+    "        {{- include \"opgate.sidecar\" . | nindent 8 }}\n      volumes:",
+    "      volumes:")
+
+
+@pytest.mark.parametrize(("deployment", "native", "kube_version", "expected"), [
+    (PARENT_PLACED, "auto", "", True),
+    (PARENT_PLACED, "auto", "1.28.0", False),
+    (PARENT_PLACED, "false", "", False),
+    (PARENT_PLACED, "true", "1.28.0", True),
+    (PARENT_NATIVE, "true", "", True),
+])
+def test_a_parent_chart_injects_a_native_sidecar(
+    helm: Path, kubectl: Path, cluster: LocalCluster, tmp_path: Path, deployment: str,
+    native: str, kube_version: str, expected: bool,
+) -> None:
+    """opgate.initContainers and opgate.containers place the sidecar where sidecar.native (auto
+    too, from the parent's cluster version) puts it; opgate.sidecar under initContainers is the
+    native sidecar of a parent that always wants one. The apiserver takes either pod."""
+    assert PARENT_NATIVE.count("opgate.sidecar") == 1
+    parent = _parent_chart(helm, tmp_path, f"  sidecar: {{native: {native}}}\n",
+                           deployment=deployment)
+    docs = _render(helm, release="shop", chart=parent, kube_version=kube_version)
+    pod = _pod(docs)
+    assert _is_native(pod) is expected
+    assert pod["containers"][0]["name"] == "controller"
+    _dry_run(kubectl, cluster, tmp_path, docs)
+
+
+def test_auto_needs_the_clusters_version(helm: Path, tmp_path: Path) -> None:
+    """A parent chart that passes opgate's values in a dict of its own gives the helpers no
+    .Capabilities: sidecar.native=auto cannot tell the cluster's version then, and says so."""
+    by_dict = PARENT_PLACED.replace(
+        'include "opgate.initContainers" .',
+        'include "opgate.initContainers" (dict "Values" .Values.opgate "Release" .Release '
+        '"Chart" .Chart)')
+    parent = _parent_chart(helm, tmp_path, "  sidecar: {native: auto}\n", deployment=by_dict)
+    out = _helm_template(helm, (), "shop", parent)
+    assert out.returncode != 0 and "Capabilities" in out.stderr, out.stderr
+    with_caps = by_dict.replace('"Chart" .Chart)', '"Chart" .Chart "Capabilities" .Capabilities)')
+    (parent / "templates" / "deployment.yaml").write_text(with_caps)
+    assert _is_native(_pod(_render(helm, release="shop", chart=parent)))
+
+
+def test_lint_native(helm: Path) -> None:
+    for native in ("true", "auto"):
+        out = subprocess.run([str(helm), "lint", "--strict", str(CHART), "--set",
+                              f"sidecar.native={native}"], capture_output=True, text=True)
+        assert out.returncode == 0, out.stdout + out.stderr

@@ -234,3 +234,25 @@ def test_one_release_name_in_two_namespaces(
     assert team_b.can_i("my-op-opgate", "patch", "widgets.demo.opgate.dev")
     team_b.run_helm("uninstall", "my-op")
     assert team_b.names("clusterrole,clusterrolebinding") == []
+
+
+def test_auto_native_follows_the_clusters_version(
+    helm: Path, kubectl: Path, cluster: LocalCluster
+) -> None:
+    """At helm install .Capabilities.KubeVersion is the apiserver's (1.35 here), not helm's
+    guess: sidecar.native=auto makes opgate a native sidecar, which the apiserver stores as
+    such; an upgrade back to false moves it among the pod's containers again."""
+    kube = Kube(helm, kubectl, cluster, "helm-native")
+    kube.run_helm("install", "gate", str(CHART), "--set", "sidecar.native=auto")
+    pod = kube.get("deployment", "gate-opgate")["spec"]["template"]["spec"]
+    [sidecar] = pod["initContainers"]
+    assert (sidecar["name"], sidecar["restartPolicy"]) == ("opgate", "Always")
+    assert "lifecycle" not in sidecar
+    assert [c["name"] for c in pod["containers"]] == ["operator"]
+    build_parser().parse_args(sidecar["args"])
+
+    kube.run_helm("upgrade", "gate", str(CHART), "--reuse-values", "--set", "sidecar.native=false")
+    pod = kube.get("deployment", "gate-opgate")["spec"]["template"]["spec"]
+    assert "initContainers" not in pod
+    assert [c["name"] for c in pod["containers"]] == ["operator", "opgate"]
+    kube.run_helm("uninstall", "gate")

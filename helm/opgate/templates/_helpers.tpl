@@ -120,6 +120,8 @@ and inject them next to their controller container:
     {{- include "opgate.sidecar" . | nindent 8 }}
   volumes:
     {{- include "opgate.volumes" . | nindent 8 }}
+(with sidecar.native, opgate.sidecar goes under initContainers; opgate.initContainers and
+opgate.containers, above, place it either way)
 Given a context whose .Values hold opgate's values (this chart's own, .Subcharts.<alias> for an
 aliased dependency, or a dict with Values, Release and Chart), they use it; given a parent
 chart's root context, they use the opgate subchart's (.Subcharts.opgate: the values under
@@ -136,10 +138,54 @@ chart's root context, they use the opgate subchart's (.Subcharts.opgate: the val
 {{- end -}}
 {{- end -}}
 
+{{/*
+"true" when the sidecar is a native one (given opgate's context): an init container with
+restartPolicy Always, which kubelet starts (and waits for its startupProbe) before the pod's
+containers and stops after them. sidecar.native: true, false, or auto: on a cluster of 1.29 or
+later (SidecarContainers on by default; .Capabilities.KubeVersion is the apiserver's at helm
+install, --kube-version's or helm's own at helm template). Unset (a release of an older chart
+upgraded with --reuse-values): false, as before.
+*/}}
+{{- define "opgate.native" -}}
+{{- $native := .Values.sidecar.native -}}
+{{- if eq (toString $native) "auto" -}}
+{{- if not .Capabilities -}}
+{{- fail "sidecar.native=auto reads the cluster's version from .Capabilities, which this context lacks: add \"Capabilities\" .Capabilities to the dict given to the opgate helpers, or set sidecar.native to true or false" -}}
+{{- end -}}
+{{- if semverCompare ">=1.29.0-0" .Capabilities.KubeVersion.Version }}true{{ end -}}
+{{- else if eq (toString $native) "true" -}}
+true
+{{- end -}}
+{{- end -}}
+
+{{/*
+The sidecar where sidecar.native puts it, for a parent chart whose pod works with either:
+  initContainers:
+    {{- include "opgate.initContainers" . | nindent 8 }}
+  containers:
+    - name: controller
+      ...
+    {{- include "opgate.containers" . | nindent 8 }}
+opgate.initContainers renders it when it is native (nothing otherwise), opgate.containers when
+it is not.
+*/}}
+{{- define "opgate.initContainers" -}}
+{{- $r := dict -}}
+{{- include "opgate.context" (dict "in" . "out" $r) -}}
+{{- if include "opgate.native" $r.ctx }}{{ include "opgate.sidecar" $r.ctx }}{{ end -}}
+{{- end -}}
+
+{{- define "opgate.containers" -}}
+{{- $r := dict -}}
+{{- include "opgate.context" (dict "in" . "out" $r) -}}
+{{- if not (include "opgate.native" $r.ctx) }}{{ include "opgate.sidecar" $r.ctx }}{{ end -}}
+{{- end -}}
+
 {{- define "opgate.sidecar" -}}
 {{- $r := dict -}}
 {{- include "opgate.context" (dict "in" . "out" $r) -}}
 {{- with $r.ctx -}}
+{{- $native := include "opgate.native" . -}}
 {{- $listen := toString .Values.sidecar.listen -}}
 {{- if not (or (hasPrefix "unix:" $listen) (regexMatch "^(127\\.[0-9.]+|\\[::1\\]|localhost):[0-9]+$" $listen)) -}}
 {{- fail (printf "sidecar.listen=%s is not a loopback address: opgate adds the pod's ServiceAccount token to the calls it relays, so its API port must stay inside the pod (127.0.0.1:PORT, [::1]:PORT, localhost:PORT or unix:/path)" $listen) -}}
@@ -208,6 +254,11 @@ chart's root context, they use the opgate subchart's (.Subcharts.opgate: the val
 - name: opgate
   image: "{{ .Values.image.repository }}:{{ include "opgate.imageTag" (list .Values.image.tag .Chart.AppVersion) }}"
   imagePullPolicy: {{ .Values.image.pullPolicy }}
+  {{- if $native }}
+  # a native sidecar (in initContainers): kubelet starts the operator once the startupProbe
+  # passes, and stops opgate once the operator has exited
+  restartPolicy: Always
+  {{- end }}
   args:
     - serve
     - --listen={{ .Values.sidecar.listen }}
@@ -264,11 +315,12 @@ chart's root context, they use the opgate subchart's (.Subcharts.opgate: the val
     # /readyz asks the apiserver (/readyz, then /version), up to 3 s each: the kubelet's
     # default 1 s would count a loaded apiserver's slower answer as a failure
     timeoutSeconds: 7
+  # /healthz answers once the API port listens: a native sidecar's gates the operator's start
   startupProbe:
     httpGet: {path: /healthz, port: admin}
     periodSeconds: 1
     failureThreshold: 30
-  {{- if .Values.sidecar.shutdownDelaySeconds }}
+  {{- if and .Values.sidecar.shutdownDelaySeconds (not $native) }}
   # the operator stops first: its last calls still go through (see sidecar.shutdownDelaySeconds)
   lifecycle:
     preStop:
