@@ -120,8 +120,8 @@ and inject them next to their controller container:
     {{- include "opgate.sidecar" . | nindent 8 }}
   volumes:
     {{- include "opgate.volumes" . | nindent 8 }}
-(with sidecar.native, opgate.sidecar goes under initContainers; opgate.initContainers and
-opgate.containers, above, place it either way)
+(opgate.sidecar refuses sidecar.native, whose container belongs under initContainers:
+opgate.initContainers and opgate.containers, above, place it either way)
 Given a context whose .Values hold opgate's values (this chart's own, .Subcharts.<alias> for an
 aliased dependency, or a dict with Values, Release and Chart), they use it; given a parent
 chart's root context, they use the opgate subchart's (.Subcharts.opgate: the values under
@@ -172,19 +172,29 @@ it is not.
 {{- define "opgate.initContainers" -}}
 {{- $r := dict -}}
 {{- include "opgate.context" (dict "in" . "out" $r) -}}
-{{- if include "opgate.native" $r.ctx }}{{ include "opgate.sidecar" $r.ctx }}{{ end -}}
+{{- if include "opgate.native" $r.ctx }}{{ include "opgate.sidecarContainer" $r.ctx }}{{ end -}}
 {{- end -}}
 
 {{- define "opgate.containers" -}}
 {{- $r := dict -}}
 {{- include "opgate.context" (dict "in" . "out" $r) -}}
-{{- if not (include "opgate.native" $r.ctx) }}{{ include "opgate.sidecar" $r.ctx }}{{ end -}}
+{{- if not (include "opgate.native" $r.ctx) }}{{ include "opgate.sidecarContainer" $r.ctx }}{{ end -}}
 {{- end -}}
 
+{{- /* a pod's containers entry (it knows no placement): a native sidecar there would be a
+     container that restarts on its own and gets no preStop, which the apiserver of 1.35 takes */ -}}
 {{- define "opgate.sidecar" -}}
 {{- $r := dict -}}
 {{- include "opgate.context" (dict "in" . "out" $r) -}}
-{{- with $r.ctx -}}
+{{- if include "opgate.native" $r.ctx -}}
+{{- fail "opgate.sidecar renders a container for the pod's containers, and sidecar.native makes opgate a native sidecar, which belongs under initContainers: place it with include \"opgate.initContainers\" (under initContainers) and include \"opgate.containers\" (under containers) instead, or set sidecar.native=false" -}}
+{{- end -}}
+{{- include "opgate.sidecarContainer" $r.ctx -}}
+{{- end -}}
+
+{{- /* the container itself, given opgate's resolved context */ -}}
+{{- define "opgate.sidecarContainer" -}}
+{{- with . -}}
 {{- $native := include "opgate.native" . -}}
 {{- $listen := toString .Values.sidecar.listen -}}
 {{- if not (or (hasPrefix "unix:" $listen) (regexMatch "^(127\\.[0-9.]+|\\[::1\\]|localhost):[0-9]+$" $listen)) -}}
