@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 from proxy.envtest.procs import free_port
@@ -62,3 +64,19 @@ class OpgateProcess:
         self._out.close()
         self._err.close()
         return self.proc.returncode
+
+
+def open_once_read(fifo: Path, proc: subprocess.Popen[bytes] | subprocess.Popen[str],
+                   describe: Callable[[], str] = lambda: "") -> int:
+    """A write end of ``fifo``, once ``proc`` opens it to read (its start is held there until
+    the test writes); ``describe`` says what went wrong when it exits or never reads it."""
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            return os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+        except OSError as exc:  # ENXIO: nobody reads it yet
+            if exc.errno != errno.ENXIO:
+                raise
+        assert proc.poll() is None, describe()
+        assert time.monotonic() < deadline, describe()
+        time.sleep(0.01)

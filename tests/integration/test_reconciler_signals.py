@@ -4,13 +4,13 @@ Terminating until kubelet's SIGKILL; outside one it is killed (143) mid-start.""
 
 from __future__ import annotations
 
-import errno
 import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
+
+from tests.integration.opgate_proc import open_once_read
 
 REPO = Path(__file__).resolve().parents[2]
 KUBECONFIG = """apiVersion: v1
@@ -22,20 +22,6 @@ current-context: c
 """
 
 
-def _writer_once_read(fifo: Path, proc: subprocess.Popen[str]) -> int:
-    """The FIFO's write end, once ``proc`` has opened it to read (its start is held there)."""
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            return os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
-        except OSError as exc:  # ENXIO: nobody reads it yet
-            if exc.errno != errno.ENXIO:
-                raise
-        assert proc.poll() is None, proc.communicate()[1]
-        assert time.monotonic() < deadline, "the reconciler never read its kubeconfig"
-        time.sleep(0.01)
-
-
 def test_a_sigterm_while_starting_stops_the_reconciler_cleanly(tmp_path: Path) -> None:
     fifo = tmp_path / "kubeconfig"
     os.mkfifo(fifo)
@@ -43,7 +29,7 @@ def test_a_sigterm_while_starting_stops_the_reconciler_cleanly(tmp_path: Path) -
         [sys.executable, "-m", "examples.reconciler", "--kubeconfig", str(fifo)],
         cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
-        fd = _writer_once_read(fifo, proc)
+        fd = open_once_read(fifo, proc, lambda: "the reconciler never read its kubeconfig")
         proc.send_signal(signal.SIGTERM)
         os.write(fd, KUBECONFIG.encode())
         os.close(fd)

@@ -6,7 +6,6 @@ dying of the signal (exit 143, the last access and audit records lost)."""
 from __future__ import annotations
 
 import asyncio
-import errno
 import json
 import os
 import signal
@@ -20,7 +19,7 @@ from aiohttp import web
 
 from proxy.relay.aftercare import CUT_AT_SHUTDOWN
 from tests.integration.fakes import AiohttpUpstream, status_of
-from tests.integration.opgate_proc import OpgateProcess
+from tests.integration.opgate_proc import OpgateProcess, open_once_read
 
 SLOW = "/api/v1/namespaces/slow/configmaps"
 POLICY = """\
@@ -132,20 +131,6 @@ async def test_shutdown_grace_bounds_the_drain(upstream: str, tmp_path: Path, re
     assert_cut_by_opgate(opgate)
 
 
-def open_once_read(fifo: Path, opgate: OpgateProcess) -> int:
-    """A write end of ``fifo``, once opgate opens it to read its policies (it is starting)."""
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            return os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
-        except OSError as exc:  # ENXIO: nobody reads it yet
-            if exc.errno != errno.ENXIO:
-                raise
-        assert opgate.proc.poll() is None, opgate.stderr()
-        assert time.monotonic() < deadline, opgate.stderr()
-        time.sleep(0.01)
-
-
 @pytest.mark.asyncio
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 async def test_a_signal_while_starting_stops_it_cleanly(
@@ -161,7 +146,7 @@ async def test_a_signal_while_starting_stops_it_cleanly(
     os.mkfifo(fifo)
     opgate = OpgateProcess("--upstream", upstream, "--policies", str(fifo), log_dir=tmp_path)
     try:
-        fd = await asyncio.to_thread(open_once_read, fifo, opgate)
+        fd = await asyncio.to_thread(open_once_read, fifo, opgate.proc, opgate.stderr)
         opgate.proc.send_signal(sig)
         os.write(fd, POLICY.encode())  # the policies: the start goes on
         os.close(fd)

@@ -661,7 +661,7 @@ async def test_sigterm_while_the_workers_start_stops_them_and_says_so(
     exit 0, and the log says so: it said nothing at all, so the pod's log ended on nothing
     (no "serving", no "shutting down"). The workers read their policies from a FIFO here,
     which holds their start until the test has signalled the supervisor."""
-    from tests.integration.test_signals import open_once_read
+    from tests.integration.opgate_proc import open_once_read
 
     fifo = tmp_path / "policy.yaml"
     os.mkfifo(fifo)
@@ -669,7 +669,8 @@ async def test_sigterm_while_the_workers_start_stops_them_and_says_so(
                          "--policies", str(fifo), "--workers", "2", log_dir=tmp_path)
     workers: set[int] = set()
     try:
-        fd = await asyncio.to_thread(open_once_read, fifo, proc)  # a worker reads it: starting
+        # a worker reads it: starting
+        fd = await asyncio.to_thread(open_once_read, fifo, proc.proc, proc.stderr)
         try:
             workers = children(proc.proc.pid)
             proc.proc.send_signal(signal.SIGTERM)
