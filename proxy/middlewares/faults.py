@@ -7,7 +7,8 @@ place (a Kubernetes Status with the chosen code: a 409 Conflict, a 429 with ``Re
 500 or 503 …; ``retryAfter`` gives any code a ``Retry-After`` and ``details.retryAfterSeconds``,
 as the apiserver's Status of a 504 Timeout has them: client-go retries a 429 or a 5xx after
 it), or delays the call and then relays it, or both (delay, then answer). In a
-``dryrun`` policy a fault never fires: it says, in a ``Warning`` header, what it would have done.
+``dryrun`` policy a fault never fires: it says, in a ``Warning`` header and the log, what it
+would have done, and counts it.
 
     faults:
       - name: widget-conflicts
@@ -162,6 +163,8 @@ class Faults:
                 continue
             if "dryrun" in (fault.mode, policy.mode):  # a dryrun policy never denies
                 telemetry.DRYRUN_DENIALS.labels("faults").inc()
+                log.info("dryrun: fault %s of policy %s would fire (%s %s, trace %s)",
+                         fault.name, policy.name, ctx.method, ctx.path, ctx.trace_id)
                 ctx.warn(f"fault {fault.name} of policy {policy.name} would fire (dryrun)")
                 continue
             return self._fire(ctx, fault, policy.name)

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from pathlib import Path
 
 import pytest
 
+from proxy.engine import telemetry
 from proxy.engine.chain import settle
 from proxy.engine.check import check
 from proxy.engine.context import Delay, Deny, RequestContext
@@ -155,6 +157,23 @@ def test_dryrun_warns_and_never_fires(tmp_path: Path, own: str) -> None:
     assert asyncio.run(settle(Faults().entry(ctx))) is None
     [(name, value)] = ctx.response_headers
     assert name == "Warning" and "widget-conflicts" in value and "dryrun" in value
+
+
+def test_dryrun_counts_and_logs_the_fault_it_would_fire(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """DESIGN.md: a dryrun policy "counts the would-be denial in metrics, logs it, and adds a
+    Warning": the log is where a team rehearsing faults in dryrun reads what would have fired
+    (quota, rate limits and identity log theirs)."""
+    ctx = ctx_for(policies(tmp_path, CONFLICTS, mode="dryrun"), "PUT", WIDGET)
+    before = telemetry.REGISTRY.get_sample_value(
+        "opgate_dryrun_denials_total", {"middleware": "faults"}) or 0.0
+    with caplog.at_level(logging.INFO, logger="opgate.faults"):
+        assert asyncio.run(settle(Faults().entry(ctx))) is None
+    assert telemetry.REGISTRY.get_sample_value(
+        "opgate_dryrun_denials_total", {"middleware": "faults"}) == before + 1
+    [record] = [r for r in caplog.records if r.name == "opgate.faults"]
+    message = record.getMessage()
+    assert "dryrun" in message and "widget-conflicts" in message and WIDGET in message
 
 
 def test_duplicate_names_are_reported_at_the_duplicate(tmp_path: Path) -> None:
