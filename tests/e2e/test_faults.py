@@ -4,7 +4,8 @@ would (``AlreadyExists`` for a create's 409, ``TooManyRequests``, ``Timeout``,
 ``ServiceUnavailable``), and client-go
 retries exactly the faults the apiserver would have it retry: a 429 (always with
 ``Retry-After``) and a 5xx given a ``retryAfter``, after that many seconds; a 5xx without one
-reaches the caller at once (an outage, rehearsed)."""
+reaches the caller at once (an outage, rehearsed). And where faults sit in the chain: after
+identity, before rate limits and quota."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import pytest
 from proxy.envtest.cluster import LocalCluster
 from tests.e2e.conftest import Opgate
 from tests.e2e.test_clientgo import configmap, of, run
+from tests.e2e.test_quota import wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -85,3 +87,61 @@ def test_a_409_to_a_create_is_already_exists_to_client_go(clientgo: Path,
     lines = run(clientgo, "create", kubeconfig, "--namespace", NS, "--name", "again")
     (err,) = of(lines, "error")
     assert (err["code"], err["reason"], err["conflict"]) == (409, "AlreadyExists", False), err
+
+
+ORDER_NS = "faults-e2e-order"
+ORDER_POLICY = f"""\
+apiVersion: opgate.dev/v1alpha1
+kind: Policy
+metadata: {{name: order-e2e}}
+spec:
+  identity:
+    issuers: [{{kubernetes: {{}}}}]
+    allow: [{{group: "system:masters"}}]
+    rules: [{{verbs: [get, list, watch, create, update, patch, delete], resources: ["*"]}}]
+  faults:
+    - name: update-conflicts
+      match: {{verbs: [update], resources: [configmaps], namespaces: [{ORDER_NS}]}}
+      respond: {{code: 409}}
+  rateLimits:
+    - name: one-write
+      match: {{verbs: [create, update], resources: [configmaps], namespaces: [{ORDER_NS}]}}
+      key: "{{user}}"
+      qps: 0.001
+      burst: 1
+  quotas:
+    - resources: [configmaps]
+      namespaces: [{ORDER_NS}]
+      max: 0
+"""
+
+
+def test_the_middlewares_run_identity_faults_rate_limits_then_quota(
+        cluster: LocalCluster, opgate_factory: Callable[..., Opgate], tmp_path: Path) -> None:
+    """The order README's policy section gives (DESIGN.md lists the concerns, not their order):
+    an unauthenticated call is refused before a fault can answer it; an injected fault answers
+    before the rate limiter counts the call (three faulted updates leave the one token of the
+    bucket); a create takes that token before the quota refuses it, so the next create is
+    throttled, not refused by the quota again."""
+    cluster.create_namespace(ORDER_NS)
+    token_file = tmp_path / "token"
+    token_file.write_text(cluster.admin_token)
+    gate = opgate_factory(policies={"order.yaml": ORDER_POLICY},
+                          extra_args=["--token-file", str(token_file)])
+
+    def synced() -> bool:
+        _, body = gate.admin_get("/readyz?verbose")
+        return any("quota-counts" in x and "configmaps=synced" in x for x in body.splitlines())
+
+    wait_for("opgate's quota counts to sync", synced, timeout=30)
+    cm = f"/api/v1/namespaces/{ORDER_NS}/configmaps"
+    update = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "c"}}
+
+    def code(method: str, path: str, token: str | None = None) -> tuple[int, str]:
+        resp = cluster.call(method, path, server=gate.url, body=update, token=token)
+        return resp.status, resp.json().get("reason", "")
+
+    assert code("PUT", f"{cm}/c", token="") == (401, "Unauthorized")
+    assert [code("PUT", f"{cm}/c") for _ in range(3)] == [(409, "Conflict")] * 3
+    assert code("POST", cm) == (403, "Forbidden")  # the bucket's token, then the quota
+    assert code("POST", cm) == (429, "TooManyRequests")
