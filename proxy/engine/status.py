@@ -119,17 +119,24 @@ def internal_error(message: str) -> StatusError:
 
 def service_unavailable(message: str, *, retry_after: float | None = None) -> StatusError:
     """503; with ``retry_after`` (something opgate needs will be back: a store, the apiserver's
-    keys) an integer ``Retry-After`` and ``details.retryAfterSeconds``, so client-go waits and
-    retries the call itself (it retries a 5xx only when told when), as for a 429."""
+    keys; or the call never reached the apiserver) an integer ``Retry-After`` and
+    ``details.retryAfterSeconds``, so client-go waits and retries the call itself (it retries a
+    5xx only when told when), as for a 429."""
+    return _retryable(503, message, "ServiceUnavailable", retry_after)
+
+
+def gateway_timeout(message: str, *, retry_after: float | None = None) -> StatusError:
+    """504 ``Timeout``; ``retry_after`` as for :func:`service_unavailable` (only for a call
+    that never reached the apiserver: one it may have seen could be made twice)."""
+    return _retryable(504, message, "Timeout", retry_after)
+
+
+def _retryable(code: int, message: str, reason: str, retry_after: float | None) -> StatusError:
     if retry_after is None:
-        return StatusError(503, message, "ServiceUnavailable")
+        return StatusError(code, message, reason)
     seconds = max(1, math.ceil(retry_after))
-    return StatusError(503, message, "ServiceUnavailable", {"retryAfterSeconds": seconds},
+    return StatusError(code, message, reason, {"retryAfterSeconds": seconds},
                        (("Retry-After", str(seconds)),))
-
-
-def gateway_timeout(message: str) -> StatusError:
-    return StatusError(504, message, "Timeout")
 
 
 # what may not go into a header value as it is: control characters (a CR LF would end the header

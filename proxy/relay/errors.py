@@ -5,9 +5,12 @@ for once aiohttp is loaded, as they can only occur then).
 
 An unreachable, refusing or TLS-failing upstream is a ``503 ServiceUnavailable``; a connect,
 header or request timeout is a ``504 Timeout`` (both Kubernetes ``Status`` bodies, so client-go
-shows and retries them). Failures are counted in ``opgate_upstream_errors_total{kind}`` with a
-bounded ``kind`` and logged at most once per kind every few seconds, so an apiserver outage does
-not flood the log.
+shows them). When nothing of the call left opgate (the connection to the apiserver was refused,
+failed its TLS handshake or timed out) either carries ``Retry-After: 1``: a retry is safe for
+any verb, and client-go makes it itself (it retries a 5xx only with a ``Retry-After``). A call
+the apiserver may have seen has none: a create retried could be made twice. Failures are
+counted in ``opgate_upstream_errors_total{kind}`` with a bounded ``kind`` and logged at most
+once per kind every few seconds, so an apiserver outage does not flood the log.
 """
 
 from __future__ import annotations
@@ -181,8 +184,15 @@ def _kind(exc: BaseException) -> str:
     return "other"
 
 
-def upstream_failed(exc: BaseException, ctx: RequestContext, where: str) -> Answer:
-    """Count and log a failure before the upstream's headers; the Status to answer with."""
+RETRY_UNSENT = 1.0  # Retry-After (s) of a call that never reached the apiserver
+
+
+def upstream_failed(exc: BaseException, ctx: RequestContext, where: str, *,
+                    sent: bool = True) -> Answer:
+    """Count and log a failure before the upstream's headers; the Status to answer with.
+    ``sent=False``: nothing of the call reached the upstream (it failed connecting), so the
+    Status tells the client to retry it."""
+    retry_after = None if sent else RETRY_UNSENT
     kind = _kind(exc)
     telemetry.UPSTREAM_ERRORS.labels(kind).inc()
     text = describe(exc)
@@ -191,8 +201,10 @@ def upstream_failed(exc: BaseException, ctx: RequestContext, where: str) -> Answ
                 ctx.method, ctx.path, text)
     if kind in ("timeout", "connect_timeout"):
         what = "connect" if kind == "connect_timeout" else "respond"
-        return Answer(gateway_timeout(f"opgate: the apiserver did not {what} in time ({text})"))
-    return Answer(service_unavailable(f"opgate: the apiserver is unavailable ({text})"))
+        return Answer(gateway_timeout(f"opgate: the apiserver did not {what} in time ({text})",
+                                      retry_after=retry_after))
+    return Answer(service_unavailable(f"opgate: the apiserver is unavailable ({text})",
+                                      retry_after=retry_after))
 
 
 def stream_broke(exc: BaseException, ctx: RequestContext, *, idle: bool) -> None:

@@ -334,7 +334,9 @@ class Relay:
                     server_hostname=self._endpoint.server_name,
                 )
         except (aiohttp.ClientError, TimeoutError, OSError) as e:
-            raise errors.upstream_failed(e, ctx, self._endpoint.base) from e
+            # (a connector's error, TLS included, or its timeout: the call was never sent)
+            unsent = isinstance(e, (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError))
+            raise errors.upstream_failed(e, ctx, self._endpoint.base, sent=not unsent) from e
         ctx.upstream_seconds = time.monotonic() - started
         self.observe_upstream(ctx.info.verb, ctx.upstream_seconds)
         events: EventEnds | None = None

@@ -111,9 +111,9 @@ async def relay_upgrade(
             )
     except TimeoutError as e:
         timeout = aiohttp.ConnectionTimeoutError("connect timed out")
-        raise errors.upstream_failed(timeout, ctx, endpoint.base) from e
+        raise errors.upstream_failed(timeout, ctx, endpoint.base, sent=False) from e
     except (OSError, ssl.SSLError) as e:
-        raise errors.upstream_failed(e, ctx, endpoint.base) from e
+        raise errors.upstream_failed(e, ctx, endpoint.base, sent=False) from e
     try:
         writer.write(head)
         try:

@@ -59,6 +59,45 @@ async def test_503_when_nothing_listens_then_serves_once_the_upstream_is_up() ->
 
 
 @pytest.mark.asyncio
+@pytest.mark.parametrize("method", ["GET", "POST", "DELETE"])
+async def test_a_call_that_never_reached_the_apiserver_says_retry_after(method: str) -> None:
+    """Nothing of the call left opgate (the apiserver refused the connection: restarting, or a
+    rollout behind its Service), so retrying it is safe whatever its verb: the 503 carries
+    ``Retry-After: 1`` and ``retryAfterSeconds``, and client-go waits and retries it itself as
+    it does a 429 (it retries a 5xx only when told when). Without them a controller's create
+    failed at once during an apiserver restart."""
+    port = free_port()
+    async with running_proxy(f"http://127.0.0.1:{port}") as proxy, aiohttp.ClientSession() as c:
+        async with c.request(method, proxy.url + "/api/v1/namespaces/a/configmaps",
+                             data=b"{}" if method == "POST" else None) as r:
+            assert r.status == 503
+            assert r.headers.get("Retry-After") == "1"
+            status = assert_status(await r.read(), 503, "ServiceUnavailable")
+            assert status["details"]["retryAfterSeconds"] == 1
+
+
+@pytest.mark.asyncio
+async def test_a_create_the_apiserver_may_have_seen_gets_no_retry_after() -> None:
+    """An upstream that took the call and then closed without an answer may have made the
+    object: a retry could make it twice, so that 503 says nothing of retrying (client-go then
+    returns the error, as it would talking to the apiserver directly)."""
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_head(reader)
+        writer.close()
+
+    up = await RawUpstream(serve).start()
+    try:
+        async with running_proxy(up.url) as proxy, aiohttp.ClientSession() as c, c.post(
+                proxy.url + "/api/v1/namespaces/a/configmaps", data=b"{}") as r:
+            assert r.status == 503
+            assert "Retry-After" not in r.headers
+            status = assert_status(await r.read(), 503, "ServiceUnavailable")
+            assert "retryAfterSeconds" not in status.get("details", {})
+    finally:
+        await up.close()
+
+
+@pytest.mark.asyncio
 @pytest.mark.parametrize("settings", [
     RelaySettings(header_timeout=0.5),
     RelaySettings(header_timeout=30, request_timeout=0.5),
@@ -144,6 +183,7 @@ async def test_504_on_connect_timeout() -> None:
                 if r.status == 503:
                     pytest.skip("this kernel refuses instead of dropping SYNs to a full queue")
                 assert r.status == 504
+                assert r.headers.get("Retry-After") == "1"  # (nothing was sent: safe to retry)
                 assert_status(await r.read(), 504, "Timeout")
     finally:
         for s in fillers:

@@ -302,7 +302,7 @@ class FastRelay:
                 try:
                     conn = await self.pool.connect()
                 except (OSError, TimeoutError) as e:
-                    raise errors.upstream_failed(e, ctx, self._base) from e
+                    raise errors.upstream_failed(e, ctx, self._base, sent=False) from e
             # (client, extra, defer_head, head_only, http11, keep_alive), positional as above
             exchange = (
                 (WatchExchange if long_running else Exchange) if ctx.tap is None
@@ -373,7 +373,7 @@ class FastRelay:
         try:
             conn = await self.pool.connect()
         except (OSError, TimeoutError) as e:
-            raise errors.upstream_failed(e, ctx, self._base) from e
+            raise errors.upstream_failed(e, ctx, self._base, sent=False) from e
         exchange = (Exchange if ctx.tap is None else partial(TappedExchange, ctx.tap))(
             client, extra=ctx.response_headers, defer_head=False, head_only=False,
             http11=req.http11, keep_alive=False)
