@@ -22,7 +22,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ssl
-from typing import TYPE_CHECKING
+from asyncio import sslproto
+from typing import TYPE_CHECKING, cast
 
 import aiohttp
 from aiohttp import web
@@ -31,6 +32,7 @@ from multidict import CIMultiDict
 from proxy.engine.context import RequestContext
 from proxy.engine.status import service_unavailable
 from proxy.relay import errors
+from proxy.relay.endpoint import Endpoint
 from proxy.relay.headers import response_headers
 from proxy.relay.response import RelayResponse, abort, read_body
 
@@ -102,13 +104,7 @@ async def relay_upgrade(
     started = loop.time()
     try:
         async with asyncio.timeout(settings.connect_timeout or None):
-            reader, writer = await asyncio.open_connection(
-                endpoint.host,
-                endpoint.port,
-                ssl=endpoint.tls,
-                server_hostname=(endpoint.server_name or endpoint.host) if endpoint.tls else None,
-                limit=READ_SIZE * 2,
-            )
+            reader, writer = await _open_upstream(endpoint)
     except TimeoutError as e:
         timeout = aiohttp.ConnectionTimeoutError("connect timed out")
         raise errors.upstream_failed(timeout, ctx, endpoint.base, sent=False) from e
@@ -133,6 +129,45 @@ async def relay_upgrade(
         return await _relay_refusal(request, ctx, reader, code, reason, up_headers)
     finally:
         writer.close()
+
+
+class _StreamProtocol(asyncio.StreamReaderProtocol):
+    """A StreamReaderProtocol that keeps the transport it is given (the TLS one, over TLS)."""
+
+    transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)
+        super().connection_made(transport)
+
+
+async def _open_upstream(endpoint: Endpoint) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """``asyncio.open_connection`` to the upstream, but over TLS with asyncio's own TLS layer
+    (``asyncio.sslproto.SSLProtocol``) on top of the loop's TCP transport, whichever loop runs.
+
+    Why not the loop's: a tunnel ends with the apiserver closing the connection right after
+    its last bytes (exec's output, then its status), and uvloop's TLS layer, when the TCP FIN
+    arrives while the reader is paused (the client reads slower than the apiserver sends:
+    always, for a few MB), drops the records it has received but not yet handed over
+    (MagicStack/uvloop#661): kubectl got exec output short by up to 256 KiB. asyncio's keeps
+    them and ends the stream after they have been read."""
+    loop = asyncio.get_running_loop()
+    reader = asyncio.StreamReader(limit=READ_SIZE * 2, loop=loop)
+    protocol = _StreamProtocol(reader, loop=loop)
+    if endpoint.tls is None:
+        await loop.create_connection(lambda: protocol, endpoint.host, endpoint.port)
+    else:
+        handshake: asyncio.Future[None] = loop.create_future()
+        tls = sslproto.SSLProtocol(loop, protocol, endpoint.tls, handshake,
+                                   server_hostname=endpoint.server_name or endpoint.host)
+        transport, _ = await loop.create_connection(lambda: tls, endpoint.host, endpoint.port)
+        try:
+            await handshake
+        except BaseException:
+            transport.abort()
+            raise
+    assert protocol.transport is not None
+    return reader, asyncio.StreamWriter(protocol.transport, protocol, reader, loop)
 
 
 async def _tunnel(

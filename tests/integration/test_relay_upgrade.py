@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
 import ssl
+import threading
 from typing import Any
 
 import pytest
@@ -16,6 +18,7 @@ from tests.integration.fakes import (
     RawUpstream,
     make_cert,
     read_head,
+    run_on,
     running_proxy,
     server_context,
     wait_closed,
@@ -66,10 +69,19 @@ class Upgrader:
 
 
 async def open_tunnel(
-    address: str, protocol: str, *, tls: ssl.SSLContext | None = None
+    address: str, protocol: str, *, tls: ssl.SSLContext | None = None,
+    receive_buffer: int | None = None,
 ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, str, dict[str, str]]:
+    """Connect and ask for the upgrade; ``receive_buffer``: the client socket's SO_RCVBUF (a
+    small one makes the relay's writes to the client back up as soon as it stops reading)."""
     host, port = address.rsplit(":", 1)
-    reader, writer = await asyncio.open_connection(host, int(port), ssl=tls)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    if receive_buffer is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, receive_buffer)
+    sock.setblocking(False)
+    await asyncio.get_running_loop().sock_connect(sock, (host, int(port)))
+    reader, writer = await asyncio.open_connection(
+        sock=sock, ssl=tls, server_hostname=host if tls else None)
     writer.write(PROTOCOLS[protocol][0])
     status, headers = await read_head(reader)
     return reader, writer, status, headers
@@ -276,3 +288,51 @@ async def test_denied_upgrade_gets_a_status_and_the_connection_closes() -> None:
     finally:
         await up.close()
     assert len(fake.heads) == 1
+
+
+@pytest.mark.parametrize("loop", ["uvloop", "asyncio"])  # opgate's default loop, and asyncio's
+def test_every_byte_the_upstream_sent_before_closing_reaches_the_client(
+        loop: str, tmp_path: Any) -> None:
+    """kubectl exec's output ends with the apiserver (Go's TLS) closing the connection right
+    after its last bytes: all of them reach the client, also one that reads them only later.
+    Several sizes, as what the relay holds when the FIN comes depends on where it stands."""
+    run_on(loop, lambda: _upstream_closes_right_after_its_last_bytes(str(tmp_path)))
+
+
+def _send_then_close(listener: socket.socket, context: ssl.SSLContext, data: bytes,
+                     done: threading.Event) -> None:
+    """One TLS connection that gets ``data`` and then at once the TCP FIN (Go's tls.Conn does
+    not wait for the peer's close_notify), served by a thread: nothing of the loop's."""
+    conn, _ = listener.accept()
+    with context.wrap_socket(conn, server_side=True) as tls:
+        head = b""
+        while b"\r\n\r\n" not in head:
+            head += tls.recv(65536)
+        tls.sendall(data)
+    done.set()
+
+
+async def _upstream_closes_right_after_its_last_bytes(tmp: str) -> None:
+    cert, key = make_cert(tmp)
+    context = server_context(cert, key)
+    for size in range(700_000, 2_100_000, 200_000):  # all fit in the sockets' buffers
+        payload = os.urandom(size)
+        listener = socket.create_server(("127.0.0.1", 0))
+        done = threading.Event()
+        thread = threading.Thread(target=_send_then_close, daemon=True, args=(
+            listener, context, PROTOCOLS["SPDY/3.1"][1] + payload, done))
+        thread.start()
+        try:
+            async with running_proxy(f"https://127.0.0.1:{listener.getsockname()[1]}",
+                                     ca_file=cert) as proxy:
+                reader, writer, status, _ = await open_tunnel(
+                    proxy.listener.address, "SPDY/3.1", receive_buffer=4096)
+                assert status.startswith("HTTP/1.1 101")
+                # the client reads nothing until the upstream has sent everything and closed
+                assert await asyncio.to_thread(done.wait, 30)
+                got = await asyncio.wait_for(reader.read(), 60)
+                writer.close()
+                assert (size, len(got), got == payload) == (size, size, True)
+        finally:
+            listener.close()
+            thread.join(10)
