@@ -15,6 +15,8 @@ Fixtures (session-scoped; other e2e modules such as the reconciler's tests rely 
   ``tls=False`` for a plain-HTTP listener (then pass ``--token-file``: see ``start_opgate``).
 - ``clientgo``: the path of the client-go program of ``tests/e2e/clientgo`` (built once with
   Go and cached, see ``clientgo_binary``); only built when a collected test uses it.
+- ``fake_kubelet``: the path of the fake kubelet of ``tests/e2e/kubelet`` (the same way, see
+  ``kubelet_binary``), for exec / attach / port-forward.
 - ``kubeconfigs``: ``.direct`` and ``.via_opgate`` admin kubeconfigs (the client sends the admin
   bearer token either way; opgate forwards it). Call the API through opgate from Python with
   ``cluster.call(method, path, server=opgate.url, token=...)``.
@@ -41,7 +43,7 @@ from proxy.envtest.binaries import BinariesUnavailable, KubeBinaries, find_or_bu
 from proxy.envtest.cluster import LocalCluster
 from proxy.envtest.procs import Proc, free_port, tail
 from proxy.envtest.tools import KubeTools, find_tools
-from tests.e2e import clientgo_binary
+from tests.e2e import clientgo_binary, kubelet_binary
 
 REPO = Path(__file__).resolve().parents[2]
 OPGATE_READY_TIMEOUT = 90.0
@@ -158,6 +160,8 @@ def _prepare(what: str) -> object:
         try:
             if what == "clientgo":
                 _PREPARED[what] = clientgo_binary.find_or_build()
+            elif what == "fake_kubelet":
+                _PREPARED[what] = kubelet_binary.find_or_build()
             else:
                 _PREPARED[what] = find_or_build() if what == "kube" else find_tools()
         except BinariesUnavailable as exc:
@@ -175,9 +179,10 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     started = time.monotonic()
     for what in ("kube", "tools"):
         _prepare(what)
-    if any(isinstance(item, pytest.Function) and "clientgo" in item.fixturenames
-           for item in session.items):
-        _prepare("clientgo")
+    for go_program in ("clientgo", "fake_kubelet"):
+        if any(isinstance(item, pytest.Function) and go_program in item.fixturenames
+               for item in session.items):
+            _prepare(go_program)
     if reporter is not None and time.monotonic() - started > 5:
         reporter.write_line(f"opgate e2e: binaries ready in {time.monotonic() - started:.0f}s")
 
@@ -221,6 +226,18 @@ def clientgo() -> Path:
     found = _prepare("clientgo")
     if isinstance(found, BinariesUnavailable):
         pytest.fail(f"the client-go e2e tests need their Go program: {found}", pytrace=False)
+    assert isinstance(found, tuple)
+    binary, seconds = found
+    if seconds:
+        print(f"\nopgate e2e: built {binary} in {seconds:.0f}s", file=sys.stderr)
+    return Path(binary)
+
+
+@pytest.fixture(scope="session")
+def fake_kubelet() -> Path:
+    found = _prepare("fake_kubelet")
+    if isinstance(found, BinariesUnavailable):
+        pytest.fail(f"the exec e2e tests need the fake kubelet: {found}", pytrace=False)
     assert isinstance(found, tuple)
     binary, seconds = found
     if seconds:
