@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ssl
-from asyncio import sslproto
 from typing import TYPE_CHECKING, cast
 
 import aiohttp
@@ -31,7 +30,7 @@ from multidict import CIMultiDict
 
 from proxy.engine.context import RequestContext
 from proxy.engine.status import service_unavailable
-from proxy.relay import errors
+from proxy.relay import errors, tlsconnect
 from proxy.relay.endpoint import Endpoint
 from proxy.relay.headers import response_headers
 from proxy.relay.response import RelayResponse, abort, read_body
@@ -142,30 +141,13 @@ class _StreamProtocol(asyncio.StreamReaderProtocol):
 
 
 async def _open_upstream(endpoint: Endpoint) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-    """``asyncio.open_connection`` to the upstream, but over TLS with asyncio's own TLS layer
-    (``asyncio.sslproto.SSLProtocol``) on top of the loop's TCP transport, whichever loop runs.
-
-    Why not the loop's: a tunnel ends with the apiserver closing the connection right after
-    its last bytes (exec's output, then its status), and uvloop's TLS layer, when the TCP FIN
-    arrives while the reader is paused (the client reads slower than the apiserver sends:
-    always, for a few MB), drops the records it has received but not yet handed over
-    (MagicStack/uvloop#661): kubectl got exec output short by up to 256 KiB. asyncio's keeps
-    them and ends the stream after they have been read."""
+    """``asyncio.open_connection`` to the upstream, over TLS with asyncio's own TLS layer
+    whichever loop runs (``proxy.relay.tlsconnect`` says why)."""
     loop = asyncio.get_running_loop()
     reader = asyncio.StreamReader(limit=READ_SIZE * 2, loop=loop)
     protocol = _StreamProtocol(reader, loop=loop)
-    if endpoint.tls is None:
-        await loop.create_connection(lambda: protocol, endpoint.host, endpoint.port)
-    else:
-        handshake: asyncio.Future[None] = loop.create_future()
-        tls = sslproto.SSLProtocol(loop, protocol, endpoint.tls, handshake,
-                                   server_hostname=endpoint.server_name or endpoint.host)
-        transport, _ = await loop.create_connection(lambda: tls, endpoint.host, endpoint.port)
-        try:
-            await handshake
-        except BaseException:
-            transport.abort()
-            raise
+    await tlsconnect.open_connection(protocol, endpoint.host, endpoint.port, tls=endpoint.tls,
+                                     server_hostname=endpoint.server_name)
     assert protocol.transport is not None
     return reader, asyncio.StreamWriter(protocol.transport, protocol, reader, loop)
 

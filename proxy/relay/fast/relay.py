@@ -371,7 +371,7 @@ class FastRelay:
             ctx.body = body
         data = self._head(req, ctx, upgrade=True)
         try:
-            conn = await self.pool.connect()
+            conn = await self.pool.connect(tunnel=True)
         except (OSError, TimeoutError) as e:
             raise errors.upstream_failed(e, ctx, self._base, sent=False) from e
         exchange = (Exchange if ctx.tap is None else partial(TappedExchange, ctx.tap))(

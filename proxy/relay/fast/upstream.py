@@ -12,7 +12,9 @@ The pool is LIFO (the warmest connection first), unbounded in size like the aioh
 
 An upgrade request (exec, attach, port-forward) goes over a connection of its own
 (:meth:`UpstreamPool.connect`): on ``101`` the exchange is told (``on_switch``) and every further
-byte the upstream sends is handed to ``on_body`` untouched; such a connection is never pooled.
+byte the upstream sends is handed to ``on_body`` untouched; such a connection is never pooled,
+and its TLS layer is asyncio's, which keeps the bytes before the upstream's FIN
+(``proxy.relay.tlsconnect``).
 
 A length-framed body of at least ``LONG_BODY`` bytes (a big LIST) is read past the parser into a
 buffer of the connection's own (:class:`BodyReader`, an ``asyncio.BufferedProtocol`` the
@@ -50,6 +52,7 @@ from typing import Protocol, cast
 
 import httptools
 
+from proxy.relay import tlsconnect
 from proxy.relay.errors import ConnectTimeout
 from proxy.relay.fast.chunked import ChunkedFraming, FramingError
 from proxy.relay.fast.request import Flow, FlowForwarding
@@ -514,16 +517,23 @@ class UpstreamPool:
             return conn
         return None
 
-    async def connect(self) -> UpstreamConnection:
-        """A new connection (for the pool, or for an upgrade's tunnel)."""
+    async def connect(self, *, tunnel: bool = False) -> UpstreamConnection:
+        """A new connection (for the pool, or with ``tunnel`` for an upgrade's tunnel: over
+        TLS, asyncio's TLS layer then, which ``proxy.relay.tlsconnect`` explains)."""
         loop = asyncio.get_running_loop()
         tls = self.tls
         try:
             async with asyncio.timeout(self._connect_timeout):
-                _, conn = await loop.create_connection(
-                    lambda: UpstreamConnection(self, loop), self._host, self._port, ssl=tls,
-                    server_hostname=(self._server_hostname or self._host) if tls else None,
-                )
+                if tunnel:
+                    conn = UpstreamConnection(self, loop)
+                    await tlsconnect.open_connection(conn, self._host, self._port, tls=tls,
+                                                     server_hostname=self._server_hostname)
+                else:
+                    _, conn = await loop.create_connection(
+                        lambda: UpstreamConnection(self, loop), self._host, self._port,
+                        ssl=tls,
+                        server_hostname=(self._server_hostname or self._host) if tls else None,
+                    )
         except TimeoutError as e:
             raise ConnectTimeout(f"connect to {self._host}:{self._port} timed out") from e
         self.opened += 1
