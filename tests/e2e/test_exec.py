@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from proxy.envtest.cluster import LocalCluster
-from proxy.envtest.procs import Proc, tail
+from proxy.envtest.procs import Proc, free_port, tail
 from tests.e2e.conftest import Opgate
 
 pytestmark = pytest.mark.e2e
@@ -36,6 +36,8 @@ NODE = "opgate-fake-node"
 POD = "box"
 CONTAINER = "main"
 SA = "execer"
+DEAD_NODE = "opgate-dead-node"  # its kubelet's port has no listener
+ON_DEAD_NODE, ON_NO_NODE = "on-dead-node", "on-no-node"
 LOCKED_NS = "exec-e2e-locked"  # RBAC lets the ServiceAccounts exec there, opgate's rules do not
 HASTY = "hasty"  # allowed, but with a budget of one exec call
 BIG = 8 * 1024 * 1024
@@ -136,31 +138,43 @@ def _start_kubelet(binary: Path, workdir: Path) -> Kubelet:
     pytest.fail(f"the fake kubelet did not start; {log}:\n{tail(log)}", pytrace=False)
 
 
-def _register_node_and_pods(cluster: LocalCluster, kubelet_port: int) -> None:
-    """A Node whose kubelet is the fake one (InternalIP 127.0.0.1, its port in
-    daemonEndpoints: what the apiserver's kubelet client reads), and Running pods bound to it."""
-    cluster.apply({"apiVersion": "v1", "kind": "Node", "metadata": {"name": NODE}})
-    cluster.call("PATCH", f"/api/v1/nodes/{NODE}/status", content_type=(
+def _register_node(cluster: LocalCluster, name: str, kubelet_port: int) -> None:
+    """A Node whose kubelet listens on ``kubelet_port`` of 127.0.0.1 (InternalIP and
+    daemonEndpoints: what the apiserver's kubelet client reads)."""
+    cluster.apply({"apiVersion": "v1", "kind": "Node", "metadata": {"name": name}})
+    cluster.call("PATCH", f"/api/v1/nodes/{name}/status", content_type=(
         "application/merge-patch+json"), body={"status": {
             "addresses": [{"type": "InternalIP", "address": "127.0.0.1"}],
             "daemonEndpoints": {"kubeletEndpoint": {"Port": kubelet_port}},
             "conditions": [{"type": "Ready", "status": "True", "reason": "KubeletReady",
                             "lastHeartbeatTime": None, "lastTransitionTime": None}]}}).ok()
-    cluster.create_namespace(NS)
-    cluster.create_namespace(LOCKED_NS)
+
+
+def _run_pod(cluster: LocalCluster, ns: str, name: str, node: str | None) -> None:
+    """A pod bound to ``node`` (or to none), whose status says it runs."""
+    cluster.apply({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": ns},
+                   "spec": {**({"nodeName": node} if node else {}), "containers": [
+                       {"name": CONTAINER, "image": "opgate.dev/none",
+                        "ports": [{"containerPort": 8080}]}]}})
+    cluster.call("PATCH", f"/api/v1/namespaces/{ns}/pods/{name}/status",
+                 content_type="application/merge-patch+json", body={"status": {
+                     "phase": "Running",
+                     "containerStatuses": [{
+                         "name": CONTAINER, "ready": True, "restartCount": 0,
+                         "image": "opgate.dev/none", "imageID": "",
+                         "state": {"running": {"startedAt": "2026-01-01T00:00:00Z"}}}]}}).ok()
+
+
+def _register_node_and_pods(cluster: LocalCluster, kubelet_port: int) -> None:
+    """The fake kubelet's Node and its pods; a Node whose kubelet is gone and a pod on it; a
+    pod on no node."""
+    _register_node(cluster, NODE, kubelet_port)
+    _register_node(cluster, DEAD_NODE, free_port())
     for ns in (NS, LOCKED_NS):
-        cluster.apply({"apiVersion": "v1", "kind": "Pod",
-                       "metadata": {"name": POD, "namespace": ns},
-                       "spec": {"nodeName": NODE, "containers": [
-                           {"name": CONTAINER, "image": "opgate.dev/none",
-                            "ports": [{"containerPort": 8080}]}]}})
-        cluster.call("PATCH", f"/api/v1/namespaces/{ns}/pods/{POD}/status",
-                     content_type="application/merge-patch+json", body={"status": {
-                         "phase": "Running",
-                         "containerStatuses": [{
-                             "name": CONTAINER, "ready": True, "restartCount": 0,
-                             "image": "opgate.dev/none", "imageID": "",
-                             "state": {"running": {"startedAt": "2026-01-01T00:00:00Z"}}}]}}).ok()
+        cluster.create_namespace(ns)
+        _run_pod(cluster, ns, POD, NODE)
+    _run_pod(cluster, NS, ON_DEAD_NODE, DEAD_NODE)
+    _run_pod(cluster, NS, ON_NO_NODE, None)
 
 
 @pytest.fixture(scope="module")
@@ -401,3 +415,16 @@ def test_a_rate_limited_exec_reaches_kubectl_as_too_many_requests(
     assert (code, out) == (1, ""), err
     assert err.startswith("Error from server (TooManyRequests): "), err
     assert "hasty-exec" in err, err
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("pod", (ON_DEAD_NODE, ON_NO_NODE))
+def test_the_apiservers_refusals_reach_kubectl_as_they_do_directly(
+        setup: Setup, pod: str, mode: str) -> None:
+    """A pod whose kubelet does not answer (the apiserver's 500 / "error dialing backend"), a
+    pod on no node (400): kubectl prints through opgate exactly what it prints directly."""
+    for args in (("exec", pod, "--", "echo", "hi"), ("port-forward", f"pod/{pod}", ":8080")):
+        results = {target: _text(setup.run(target, mode, *args)) for target in TARGETS}
+        assert results["direct"][0] == 1 and results["direct"][2], results["direct"]
+        assert results["fast"] == results["direct"], args
+        assert results["aiohttp"] == results["direct"], args
