@@ -100,7 +100,7 @@ class Setup:
     home: Path
     kubelet: Kubelet
     gates: dict[str, Opgate]
-    kubeconfigs: dict[tuple[str, str], Path]  # (ServiceAccount, target)
+    kubeconfigs: dict[tuple[str, str], Path]  # (ServiceAccount or "sidecar", target)
 
     def argv(self, target: str, *args: str, user: str = SA, ns: str = NS) -> list[str]:
         config = self.kubeconfigs[user, target]
@@ -118,10 +118,11 @@ class Setup:
         return subprocess.run(self.argv(target, *args, user=user, ns=ns), input=stdin,
                               capture_output=True, env=self.env(mode), timeout=timeout)
 
-    def popen(self, target: str, mode: str, *args: str,
+    def popen(self, target: str, mode: str, *args: str, user: str = SA,
               stdin: int | None = subprocess.DEVNULL) -> subprocess.Popen[bytes]:
-        return subprocess.Popen(self.argv(target, *args), stdin=stdin, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, env=self.env(mode))
+        return subprocess.Popen(self.argv(target, *args, user=user), stdin=stdin,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                env=self.env(mode))
 
 
 def _start_kubelet(binary: Path, workdir: Path) -> Kubelet:
@@ -428,3 +429,53 @@ def test_the_apiservers_refusals_reach_kubectl_as_they_do_directly(
         assert results["direct"][0] == 1 and results["direct"][2], results["direct"]
         assert results["fast"] == results["direct"], args
         assert results["aiohttp"] == results["direct"], args
+
+
+SIDECAR_POLICY = """\
+apiVersion: opgate.dev/v1alpha1
+kind: Policy
+metadata: {name: exec-e2e-sidecar}
+spec:
+  rateLimits:
+    - {name: everything, key: "{user}", qps: 1000}
+  audit: {level: Metadata}
+"""
+
+
+@pytest.fixture(scope="module")
+def sidecars(setup: Setup, opgate_factory: Callable[..., Opgate],
+             tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Kubeconfigs (no credentials) of opgates set up as the chart's sidecar: plain HTTP on
+    loopback, their own token (``--token-file``) towards the apiserver."""
+    base = tmp_path_factory.mktemp("exec-sidecar")
+    token_file = base / "token"
+    token_file.write_text(setup.cluster.admin_token)
+    token_file.chmod(0o600)
+    configs = {}
+    for relay in ("fast", "aiohttp"):
+        gate = opgate_factory(policies={"sidecar.yaml": SIDECAR_POLICY}, tls=False, extra_args=[
+            "--relay", relay, "--token-file", str(token_file),
+            "--audit-log", str(base / f"{relay}-audit.log")])
+        configs[relay] = setup.cluster.write_kubeconfig(
+            base / f"{relay}.kubeconfig", server=gate.url, token="", ca_file=None)
+    return configs
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("relay", ("fast", "aiohttp"))
+def test_exec_and_port_forward_through_a_plain_http_sidecar(
+        setup: Setup, sidecars: dict[str, Path], relay: str, mode: str) -> None:
+    setup.kubeconfigs["sidecar", relay] = sidecars[relay]
+    data = _payload(BIG)
+    proc = setup.run(relay, mode, "exec", "-i", POD, "--", "cat", stdin=data, user="sidecar")
+    assert (proc.returncode, _errors(proc.stderr)) == (0, "")
+    assert hashlib.sha256(proc.stdout).digest() == hashlib.sha256(data).digest()
+    proc = setup.run(relay, mode, "exec", POD, "--", "yes", str(BIG), user="sidecar")
+    assert (proc.returncode, len(proc.stdout)) == (0, BIG), _errors(proc.stderr)
+    forward = setup.popen(relay, mode, "port-forward", f"pod/{POD}", ":8080", user="sidecar")
+    try:
+        got = _echo(_forwarded_port(forward), data)
+        assert hashlib.sha256(got).digest() == hashlib.sha256(data).digest()
+    finally:
+        forward.kill()
+        forward.wait(timeout=30)
