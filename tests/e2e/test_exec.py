@@ -20,6 +20,7 @@ import threading
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -320,6 +321,12 @@ def test_port_forward_moves_megabytes_both_ways(setup: Setup, target: str, mode:
         data = _payload(BIG)
         got = _echo(port, data)
         assert (len(got), hashlib.sha256(got).digest()) == (BIG, hashlib.sha256(data).digest())
+        # connections at once: streams of one tunnel (SPDY, or SPDY inside the WebSocket)
+        datas = [_payload(2 * 1024 * 1024 + i) for i in range(4)]
+        with ThreadPoolExecutor(len(datas)) as pool:
+            echoes = list(pool.map(lambda sent: _echo(port, sent), datas))
+        assert [hashlib.sha256(e).digest() for e in echoes] == [
+            hashlib.sha256(d).digest() for d in datas]
     finally:
         proc.kill()
         proc.wait(timeout=30)
