@@ -26,6 +26,7 @@ from pathlib import Path
 
 import pytest
 
+from proxy.envtest.binaries import KUBERNETES_VERSION
 from proxy.envtest.cluster import LocalCluster
 from proxy.envtest.procs import Proc, free_port, tail
 from tests.e2e.conftest import Opgate
@@ -486,3 +487,11 @@ def test_exec_and_port_forward_through_a_plain_http_sidecar(
     finally:
         forward.kill()
         forward.wait(timeout=30)
+
+
+def test_the_fake_kubelet_matches_the_apiserver_minor() -> None:
+    """The kubelet streaming code the fake serves is the apiserver's own minor's (bumped
+    together)."""
+    gomod = (Path(__file__).parent / "kubelet" / "go.mod").read_text()
+    minor = ".".join(KUBERNETES_VERSION.replace("v1.", "v0.", 1).split(".")[:2])
+    assert f"k8s.io/kubelet {minor}." in gomod, "bump tests/e2e/kubelet with the apiserver"
