@@ -13,10 +13,10 @@ Fixtures (session-scoped; other e2e modules such as the reconciler's tests rely 
   another opgate (stopped at session end), e.g. with identity or quota policies; without
   ``policies`` it gets ``PASSTHROUGH_POLICY`` (valid, configures no middleware);
   ``tls=False`` for a plain-HTTP listener (then pass ``--token-file``: see ``start_opgate``).
-- ``clientgo``: the path of the client-go program of ``tests/e2e/clientgo`` (built once with
-  Go and cached, see ``clientgo_binary``); only built when a collected test uses it.
-- ``fake_kubelet``: the path of the fake kubelet of ``tests/e2e/kubelet`` (the same way, see
-  ``kubelet_binary``), for exec / attach / port-forward.
+- ``clientgo`` / ``ctrlruntime`` / ``fake_kubelet``: the paths of the Go programs of
+  ``tests/e2e/clientgo``, ``tests/e2e/ctrlruntime`` and ``tests/e2e/kubelet`` (the fake kubelet
+  of exec / attach / port-forward), built once with Go and cached (see ``clientgo_binary``);
+  each only built when a collected test uses it.
 - ``kubeconfigs``: ``.direct`` and ``.via_opgate`` admin kubeconfigs (the client sends the admin
   bearer token either way; opgate forwards it). Call the API through opgate from Python with
   ``cluster.call(method, path, server=opgate.url, token=...)``.
@@ -43,7 +43,7 @@ from proxy.envtest.binaries import BinariesUnavailable, KubeBinaries, find_or_bu
 from proxy.envtest.cluster import LocalCluster
 from proxy.envtest.procs import Proc, free_port, tail
 from proxy.envtest.tools import KubeTools, find_tools
-from tests.e2e import clientgo_binary, kubelet_binary
+from tests.e2e import clientgo_binary
 
 REPO = Path(__file__).resolve().parents[2]
 OPGATE_READY_TIMEOUT = 90.0
@@ -158,10 +158,8 @@ def _prepare(what: str) -> object:
     fails with the same message (never skips)."""
     if what not in _PREPARED:
         try:
-            if what == "clientgo":
-                _PREPARED[what] = clientgo_binary.find_or_build()
-            elif what == "fake_kubelet":
-                _PREPARED[what] = kubelet_binary.find_or_build()
+            if what in clientgo_binary.PROGRAMS:
+                _PREPARED[what] = clientgo_binary.PROGRAMS[what].find_or_build()
             else:
                 _PREPARED[what] = find_or_build() if what == "kube" else find_tools()
         except BinariesUnavailable as exc:
@@ -179,10 +177,10 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     started = time.monotonic()
     for what in ("kube", "tools"):
         _prepare(what)
-    for go_program in ("clientgo", "fake_kubelet"):
-        if any(isinstance(item, pytest.Function) and go_program in item.fixturenames
+    for program in clientgo_binary.PROGRAMS:
+        if any(isinstance(item, pytest.Function) and program in item.fixturenames
                for item in session.items):
-            _prepare(go_program)
+            _prepare(program)
     if reporter is not None and time.monotonic() - started > 5:
         reporter.write_line(f"opgate e2e: binaries ready in {time.monotonic() - started:.0f}s")
 
@@ -221,28 +219,30 @@ def kube_tools() -> KubeTools:
     return found
 
 
-@pytest.fixture(scope="session")
-def clientgo() -> Path:
-    found = _prepare("clientgo")
+def _go_program(what: str, tests: str) -> Path:
+    found = _prepare(what)
     if isinstance(found, BinariesUnavailable):
-        pytest.fail(f"the client-go e2e tests need their Go program: {found}", pytrace=False)
+        pytest.fail(f"the {tests} e2e tests need their Go program: {found}", pytrace=False)
     assert isinstance(found, tuple)
     binary, seconds = found
     if seconds:
         print(f"\nopgate e2e: built {binary} in {seconds:.0f}s", file=sys.stderr)
     return Path(binary)
+
+
+@pytest.fixture(scope="session")
+def clientgo() -> Path:
+    return _go_program("clientgo", "client-go")
+
+
+@pytest.fixture(scope="session")
+def ctrlruntime() -> Path:
+    return _go_program("ctrlruntime", "controller-runtime")
 
 
 @pytest.fixture(scope="session")
 def fake_kubelet() -> Path:
-    found = _prepare("fake_kubelet")
-    if isinstance(found, BinariesUnavailable):
-        pytest.fail(f"the exec e2e tests need the fake kubelet: {found}", pytrace=False)
-    assert isinstance(found, tuple)
-    binary, seconds = found
-    if seconds:
-        print(f"\nopgate e2e: built {binary} in {seconds:.0f}s", file=sys.stderr)
-    return Path(binary)
+    return _go_program("fake_kubelet", "exec")
 
 
 @pytest.fixture(scope="session")
