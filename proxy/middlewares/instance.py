@@ -3,8 +3,9 @@
 DESIGN.md's order, the first source that answers wins:
 
 1. the ``Opgate-Instance: <namespace>/<kind>/<name>`` request header (the controller says so);
-2. the controlling ownerReference (``controller: true``) in a create/update body: the ConfigMap a
-   Widget's reconcile creates counts against that Widget;
+2. the controlling ownerReference (``controller: true``) in a create/update body, or in a
+   server-side apply's: the ConfigMap a Widget's reconcile creates or applies counts against that
+   Widget;
 3. the object itself when its resource is a watched custom resource: ``PUT …/widgets/w1/status``
    is for ``<ns>/Widget/w1`` (a create names it in the body's ``metadata.name``);
 4. ``-`` (``None`` here).
@@ -13,7 +14,9 @@ It runs per call, so it stays cheap: only when a matched rule's key needs ``{ins
 header is a dict lookup; a body is looked at only for POST/PUT with ``Content-Type:
 application/json`` or ``application/vnd.kubernetes.protobuf`` (what client-go sends for built-in
 kinds by default; only its ``metadata`` is read, :mod:`proxy.engine.protometa`; CBOR bodies are
-never decoded: such calls fall through to 3 and 4) and only when the relay read it (the
+never decoded: such calls fall through to 3 and 4), for a PATCH with ``application/apply-patch+
+yaml`` or ``+json`` (parsed as JSON, which client-go sends; a YAML body falls through), and only
+when the relay read it (the
 rate-limit middleware's ``wants_body``); the JSON is parsed only when the bytes contain
 ``"ownerReferences"``, or for a create of a watched kind (for its name), at any depth the
 apiserver decodes (:mod:`proxy.engine.jsonbody`). A malformed body falls through, never fails
@@ -40,6 +43,9 @@ __all__ = ["INSTANCE_HEADER", "InstanceOverrides", "InstanceResolver", "MemoryIn
            "header_instance", "is_custom_group", "is_readable_write"]
 
 INSTANCE_HEADER = "Opgate-Instance"
+# server-side apply bodies that may be JSON (client-go marshals its apply configurations to
+# JSON under either type); application/apply-patch+cbor is never decoded
+APPLY_TEXT = frozenset({"application/apply-patch+yaml", "application/apply-patch+json"})
 _OWNER_MARK = b'"ownerReferences"'
 MAX_NAME = 253
 MAX_KIND = 63
@@ -118,10 +124,16 @@ def header_instance(ctx: RequestContext) -> str | None:
 
 def is_readable_write(ctx: RequestContext) -> bool:
     """A create (POST) or update (PUT) whose body is JSON, or protobuf to a built-in kind (the
-    apiserver serves custom resources no protobuf): the bodies opgate reads."""
-    if ctx.method != "POST" and ctx.method != "PUT":
-        return False
+    apiserver serves custom resources no protobuf), or a server-side apply (PATCH): the bodies
+    opgate reads. An apply is controller-runtime's create-or-update (``Client.Apply``); its body
+    is the whole intent, ownerReferences included, in JSON as client-go sends it whatever the
+    ``+yaml`` of its type (a YAML one is not parsed: it falls through)."""
+    method = ctx.method
     kind = ctx.media_type
+    if method == "PATCH":
+        return kind in APPLY_TEXT
+    if method != "POST" and method != "PUT":
+        return False
     return kind == "application/json" or (kind == PROTOBUF
                                           and not is_custom_group(ctx.info.api_group))
 
@@ -176,7 +188,7 @@ class InstanceResolver:
             return None
         body = ctx.body if ctx.body is not None and is_readable_write(ctx) else None
         doc: dict[str, Any] | None = None
-        if body is not None and ctx.media_type != "application/json":
+        if body is not None and ctx.media_type == PROTOBUF:
             # protobuf: a built-in kind, so only its controlling owner can name an instance
             meta = read_meta(body)
             owner = _checked(meta.controller) if meta is not None else None

@@ -15,9 +15,10 @@ in-process (see :mod:`proxy.stores.breaker`) and ``failure: closed`` rules answe
 calls get ``RateLimit-*`` headers too: the verdict is already at hand, so they cost three tuples.
 
 ``{instance}`` is resolved only for calls that a rule needing it matches
-(:mod:`proxy.middlewares.instance`); to find it in a create/update body this middleware declares
-``needs_body`` and narrows it per call with ``wants_body`` (POST/PUT JSON or protobuf bodies
-without the ``Opgate-Instance`` header that such a rule matches), so the relay streams every
+(:mod:`proxy.middlewares.instance`); to find it in a create/update/apply body this middleware
+declares ``needs_body`` and narrows it per call with ``wants_body`` (POST/PUT JSON or protobuf
+bodies and server-side apply PATCHes without the ``Opgate-Instance`` header that such a rule
+matches), so the relay streams every
 other body.
 An instance's own qps comes from its ``InstanceOverrides`` (the informer pool when serving); a
 failure there never fails a call: the rule's plain qps applies.
@@ -135,9 +136,10 @@ class RateLimit:
                 "instance": "-"}
 
     def wants_body(self, ctx: RequestContext) -> bool:
-        """Whether the relay should read this call's body: a JSON or protobuf create/update
-        without the ``Opgate-Instance`` header that a rule with ``{instance}`` in its key may
-        match (the relay asks before the entry hooks, so before identity is known: any user)."""
+        """Whether the relay should read this call's body: a JSON or protobuf create/update, or
+        a server-side apply, without the ``Opgate-Instance`` header that a rule with
+        ``{instance}`` in its key may match (the relay asks before the entry hooks, so before
+        identity is known: any user)."""
         if not self.needs_body or not is_readable_write(ctx) or ctx.headers.get(INSTANCE_HEADER):
             return False
         plan = self._plan_of(ctx.policies)

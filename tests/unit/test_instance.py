@@ -68,6 +68,16 @@ CASES = [
         {"kind": "Widget", "name": "w1", "controller": False}]}}), None),
     ("a patch body is not looked at", ctx("PATCH", CM + "/cm", OWNED,
                                           ctype="application/merge-patch+json"), None),
+    ("controller ownerReference in a server-side apply (JSON, as client-go and "
+     "controller-runtime send it)",
+     ctx("PATCH", CM + "/cm", OWNED, ctype="application/apply-patch+yaml"), "a/Widget/w1"),
+    ("apply-patch+json", ctx("PATCH", CM + "/cm", OWNED, ctype="application/apply-patch+json"),
+     "a/Widget/w1"),
+    ("an apply in YAML is not parsed", ctx(
+        "PATCH", CM + "/cm", b"metadata:\n  ownerReferences:\n  - {kind: Widget, name: w1, "
+        b"controller: true}\n", ctype="application/apply-patch+yaml"), None),
+    ("an apply in CBOR is not decoded", ctx("PATCH", CM + "/cm", b'\xd9\xd9\xf7"ownerReferences"',
+                                            ctype="application/apply-patch+cbor"), None),
     ("protobuf body (client-go's default)", ctx("POST", CM, CONFIGMAP_PB, ctype=PROTOBUF),
      "a/Widget/w1"),
     ("protobuf update", ctx("PUT", CM + "/cm", CONFIGMAP_PB, ctype=PROTOBUF), "a/Widget/w1"),
@@ -149,6 +159,9 @@ def pset(rules: str) -> PolicySet:
 INSTANCE_WRITES = pset(
     "- {name: inst, match: {verbs: [create, update]}, key: '{instance}', qps: 1}")
 PER_USER = pset("- {name: user, key: '{user}', qps: 1}")
+INSTANCE_PATCHES = pset(
+    "- {name: inst, match: {verbs: [create, update, patch]}, key: '{instance}', qps: 1}")
+APPLY = "application/apply-patch+yaml"
 
 
 def with_policies(call: RequestContext, policies: PolicySet) -> RequestContext:
@@ -164,6 +177,12 @@ def with_policies(call: RequestContext, policies: PolicySet) -> RequestContext:
     (ctx("PUT", WIDGETS + "/w1", b"", ctype=PROTOBUF), INSTANCE_WRITES, False),  # never served
     (ctx("POST", CM, OWNED, ctype="application/cbor"), INSTANCE_WRITES, False),
     (ctx("PATCH", CM + "/cm", OWNED, ctype="application/merge-patch+json"), INSTANCE_WRITES,
+     False),
+    (ctx("PATCH", CM + "/cm", OWNED, ctype=APPLY), INSTANCE_PATCHES, True),  # apply: verb patch
+    (ctx("PATCH", CM + "/cm", OWNED, ctype=APPLY), INSTANCE_WRITES, False),
+    (ctx("PATCH", CM + "/cm", OWNED, ctype="application/merge-patch+json"), INSTANCE_PATCHES,
+     False),
+    (ctx("PATCH", CM + "/cm", OWNED, ctype="application/apply-patch+cbor"), INSTANCE_PATCHES,
      False),
     (ctx("DELETE", CM + "/cm", {}), INSTANCE_WRITES, False),
     (ctx("POST", CM, OWNED), PER_USER, False),  # no rule needs {instance}

@@ -45,6 +45,7 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/builder"
 	"sigs.k8s.io/controller-runtime/pkg/cache"
 	"sigs.k8s.io/controller-runtime/pkg/client"
+	"sigs.k8s.io/controller-runtime/pkg/controller"
 	"sigs.k8s.io/controller-runtime/pkg/log/zap"
 	metricsserver "sigs.k8s.io/controller-runtime/pkg/metrics/server"
 )
@@ -183,6 +184,7 @@ type options struct {
 	leaseDuration  time.Duration
 	renewDeadline  time.Duration
 	retryPeriod    time.Duration
+	workers        int
 }
 
 func parse() options {
@@ -196,6 +198,7 @@ func parse() options {
 	fs.DurationVar(&o.leaseDuration, "lease-duration", 15*time.Second, "LeaseDuration")
 	fs.DurationVar(&o.renewDeadline, "renew-deadline", 10*time.Second, "RenewDeadline")
 	fs.DurationVar(&o.retryPeriod, "retry-period", 2*time.Second, "RetryPeriod")
+	fs.IntVar(&o.workers, "workers", 1, "MaxConcurrentReconciles")
 	if err := fs.Parse(os.Args[1:]); err != nil {
 		fail("%v", err)
 	}
@@ -245,7 +248,9 @@ func run(cfg *rest.Config, o options) error {
 	}
 	r := &reconciler{Client: mgr.GetClient(), recorder: mgr.GetEventRecorder(fieldOwner)}
 	if err := ctrl.NewControllerManagedBy(mgr).Named("widget").For(newWidget()).
-		Owns(&corev1.ConfigMap{}, builder.OnlyMetadata).Complete(r); err != nil {
+		Owns(&corev1.ConfigMap{}, builder.OnlyMetadata).
+		WithOptions(controller.Options{MaxConcurrentReconciles: o.workers}).
+		Complete(r); err != nil {
 		return fmt.Errorf("controller: %w", err)
 	}
 	ctx := ctrl.SetupSignalHandler()
