@@ -412,6 +412,10 @@ def test_quota_denies_apply_creates_as_the_apiserver_and_the_manager_requeues(
     assert (f'configmaps "{denied["name"]}" is forbidden: exceeded quota: widget-configmaps, '
             f"requested: count/configmaps=1, used: count/configmaps={QUOTA_MAX}, "
             f"limited: count/configmaps={QUOTA_MAX}") in denied["message"]
+    # controller-runtime's own log: the reconcile failed with the apiserver's words
+    wait_for("the Reconciler error in the manager's log", lambda: any(
+        '"Reconciler error"' in line and "exceeded quota: widget-configmaps" in line
+        for line in mgr.log.read_text().splitlines()), 30)
     wait_for("the quota'd ConfigMaps",
              lambda: len(configmaps(setup.cluster, setup.quota_ns)) == QUOTA_MAX)
     # the requeue: the same Widget is tried again (with backoff) and denied again
