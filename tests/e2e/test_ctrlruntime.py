@@ -466,10 +466,17 @@ def test_leader_keeps_the_lease_across_an_opgate_restart(
         setup: Setup, manager: Callable[..., Manager]) -> None:
     """opgate stops and comes back on the same port within the lease duration: the manager
     keeps leading (it would exit on a lost lease), renews the Lease, and its informers, which
-    watch again, still see new Widgets."""
+    watch again from their last resourceVersion (opgate ends their watches as the apiserver's
+    timeout does: no new initial list), still see new Widgets."""
     (setup.gate.policies_dir / "policy.yaml").write_text(policy(setup.suffix))
     mgr = manager(setup.ns, "--lease-duration", "30s", "--renew-deadline", "20s",
                   "--retry-period", "2s")
+    # both informers streaming events (a watch ended within 1 s of its start without one is
+    # one client-go lists again after, whoever ended it)
+    create_widgets(setup.cluster, setup.ns, ["before-restart"])
+    mgr.reconciled({"before-restart"}, "a Widget created before the restart")
+    mgr.drain()
+    since = len(mgr.lines)
     name = f"widgets-{setup.ns}"
     before = lease(setup.cluster, setup.ns, name)
     setup.gate.proc.stop()
@@ -483,4 +490,10 @@ def test_leader_keeps_the_lease_across_an_opgate_restart(
     create_widgets(setup.cluster, setup.ns, ["after-restart"])
     mgr.reconciled({"after-restart"}, "a Widget created after the restart")
     assert mgr.proc.poll() is None
+    watches = [ln for ln in mgr.http(since) if ln["method"] == "GET" and ln.get("code") == 200
+               and ln["path"].endswith(("/widgets", "/configmaps"))]
+    assert watches, "the informers did not watch again"
+    relisted = [ln for ln in watches if "sendInitialEvents=true" in ln["query"]
+                or "resourceVersion=" not in ln["query"] or "watch=true" not in ln["query"]]
+    assert not relisted, relisted
 
