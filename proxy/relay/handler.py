@@ -101,6 +101,7 @@ class Relay:
         # once there is one, and where a watch's events end (ended at shutdown)
         self._long_running: dict[
             asyncio.BaseTransport, tuple[aiohttp.ClientResponse, EventEnds | None] | None] = {}
+        self._draining = False  # the listener is closing: no call after this one on its conn
 
     async def start(self) -> None:
         publish_levels()  # with --workers: the in-flight and watch gauges' levels
@@ -122,6 +123,7 @@ class Relay:
         and port-forward tunnels) are cut. Their clients resume them (a watch from its last
         resourceVersion) while ordinary calls get the listener's grace to finish. Called again
         and again while the listener drains."""
+        self._draining = True
         now = asyncio.get_running_loop().time()
         for transport, running in list(self._long_running.items()):
             if running is None:
@@ -204,6 +206,12 @@ class Relay:
         else:
             resp = await self._after.track(
                 ctx, self._answer(request, ctx, bad_request(f"opgate: {bad}")))
+        if self._draining:
+            # as the fast relay: the connection closes after a call that ends while the
+            # listener drains. Kept alive, it took the call the client sent next (an informer
+            # watching again the moment its watch ended), which the drain then ended within a
+            # second and without an event: client-go takes that for a failure and lists again
+            resp.force_close()
         if self._after.has_hooks:
             # shielded: a client that leaves now must not cut the hooks short
             await asyncio.shield(settle(self._chain.exit(ctx)))

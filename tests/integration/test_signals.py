@@ -6,6 +6,7 @@ dying of the signal (exit 143, the last access and audit records lost)."""
 from __future__ import annotations
 
 import asyncio
+import http.client
 import json
 import os
 import signal
@@ -87,6 +88,50 @@ def assert_cut_by_opgate(opgate: OpgateProcess) -> None:
     records = [json.loads(line) for line in opgate.stdout().splitlines() if line.startswith("{")]
     assert [r["verb"] for r in records] == ["list"], records
     assert records[0]["error"] == CUT_AT_SHUTDOWN, records
+
+
+def _two_calls_on_one_connection(url: str) -> tuple[int, str]:
+    """A slow call, then at once a second on the same kept-alive connection (as Go's transport
+    reuses one): the first's status, and the second's or the error that ended it."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=20)
+    try:
+        conn.request("GET", SLOW + "?sleep=1")
+        first = conn.getresponse()
+        first.read()
+        try:
+            conn.request("GET", SLOW)
+            second = conn.getresponse()
+            second.read()
+            return first.status, str(second.status)
+        except (OSError, http.client.HTTPException) as exc:
+            return first.status, type(exc).__name__
+    finally:
+        conn.close()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("relay", ["fast", "aiohttp"])
+async def test_a_kept_alive_connection_takes_no_new_call_once_draining(
+        upstream: str, tmp_path: Path, relay: str) -> None:
+    """During the drain a call in flight finishes, and its connection is closed after it: a
+    call the client sends next on it (a controller's informer watching again the moment opgate
+    ended its watch) is not started only to be ended at once (client-go takes a watch ended
+    within a second without an event for a failure and lists everything again); the client
+    dials again and is refused, which it retries."""
+    opgate = OpgateProcess("--upstream", upstream, "--relay", relay, log_dir=tmp_path)
+    try:
+        await asyncio.to_thread(opgate.wait_ready)
+        calls = asyncio.create_task(asyncio.to_thread(_two_calls_on_one_connection, opgate.url))
+        await _until_in_flight(opgate, 1)
+        opgate.proc.send_signal(signal.SIGTERM)
+        first, second = await asyncio.wait_for(calls, 20)
+        code = await asyncio.to_thread(opgate.proc.wait, 20)
+    finally:
+        opgate.stop()
+    assert code == 0, opgate.stderr()
+    assert first == 200
+    assert second != "200", "a call was started on a connection of a draining opgate"
 
 
 @pytest.mark.asyncio
