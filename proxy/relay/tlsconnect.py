@@ -10,7 +10,8 @@ yet handed over (MagicStack/uvloop#661, open): ``kubectl exec`` got its output s
 256 KiB, with exit code 0. asyncio's own TLS layer (``asyncio.sslproto.SSLProtocol``, what
 asyncio's loop runs) keeps them and reports the end only after they have been read, and it runs
 on any loop's TCP transport, so tunnels use it on uvloop too. Calls whose responses are framed
-(everything else) are done before a FIN can matter, and keep the loop's faster TLS layer.
+(everything else) are done before a FIN can matter, and keep the loop's TLS layer. Reading
+200 MB costs the two layers the same CPU (``bench/tls_layers.py``).
 """
 
 from __future__ import annotations
