@@ -222,8 +222,8 @@ def setup(cluster: LocalCluster, kubectl: Path, fake_kubelet: Path,
 
 
 def _text(proc: subprocess.CompletedProcess[bytes]) -> tuple[int, str, str]:
-    return proc.returncode, proc.stdout.decode(errors="replace"), proc.stderr.decode(
-        errors="replace")
+    """Exit code, stdout and stderr (without kubectl's stream-end noise: :func:`_errors`)."""
+    return proc.returncode, proc.stdout.decode(errors="replace"), _errors(proc.stderr)
 
 
 @pytest.mark.parametrize("mode", MODES)
