@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import itertools
 import json
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 from proxy.envtest.cluster import LocalCluster
+from tests.e2e import waiting
 from tests.e2e.conftest import Opgate
 from tests.e2e.test_quota import metric
 
@@ -78,12 +78,7 @@ def blob(name: str, depth: int) -> str:
 
 
 def wait_for(what: str, check: Callable[[], bool], timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if check():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
+    waiting.wait_for(what, check, timeout)  # (the apiserver's CRD and opgate's informers: 30 s)
 
 
 def blobs_synced(gate: Opgate) -> bool:

@@ -18,7 +18,6 @@ import concurrent.futures
 import json
 import re
 import subprocess
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -27,6 +26,7 @@ import pytest
 
 from proxy.envtest.cluster import LocalCluster
 from tests.e2e.conftest import Opgate
+from tests.e2e.waiting import wait_for
 from tests.integration.redis_server import RedisServer
 
 pytestmark = pytest.mark.e2e
@@ -103,15 +103,6 @@ def resource_quota(cluster: LocalCluster, namespace: str, name: str, hard: dict[
     cluster.apply({"apiVersion": "v1", "kind": "ResourceQuota",
                    "metadata": {"name": name, "namespace": namespace}, "spec": {"hard": hard}})
     cluster.set_quota_status(namespace, name)
-
-
-def wait_for(what: str, check: Callable[[], bool], timeout: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if check():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def metric(gate: Opgate, name: str, labels: dict[str, str]) -> float | None:
