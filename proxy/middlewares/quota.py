@@ -136,14 +136,21 @@ def _dry_run(ctx: RequestContext) -> bool:
     return "dryRun=" in ctx.query
 
 
-def _outcome(code: int, apply: bool = False) -> bool | None:
-    """Whether a create answered ``code`` made the object (``None``: cannot tell). An apply
-    answered 200 updated an object that existed after all: not a create."""
+def _outcome(ctx: RequestContext, apply: bool = False) -> bool | None:
+    """Whether a create answered ``ctx.status_code`` made the object (``None``: cannot tell).
+    An apply answered 200 updated an object that existed after all: not a create. When the
+    relay answered a 503/504 itself, its ``Retry-After`` says the call never left opgate
+    (nothing made); without one the apiserver may have had it (the connection closed after
+    the request): as unknown as no answer."""
+    code = ctx.status_code
     if apply and code == 200:
         return False
     if 200 <= code < 300:
         return True
-    if code == 0 or code == 504:  # no answer, or the apiserver/opgate gave up waiting
+    answer = ctx.answer
+    if answer is not None and code in (503, 504):
+        return False if any(k == "Retry-After" for k, _ in answer.headers) else None
+    if code == 0 or code == 504:  # no answer, or the apiserver gave up waiting
         return None
     return False
 
@@ -346,7 +353,7 @@ class Quota:
         held: _Held | None = state.pop(STATE_KEY, None)
         if held is None:
             return None
-        created = _outcome(ctx.status_code, held.apply)
+        created = _outcome(ctx, held.apply)
         self.counts.settle(held.expected, created)
         return self.store.settle(held.scope, held.member,
                                  None if created is False else self.settle_seconds)

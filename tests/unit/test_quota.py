@@ -21,6 +21,7 @@ from proxy.engine.chain import settle
 from proxy.engine.context import Deny, RequestContext
 from proxy.engine.policies import PolicySet, build_policy_set
 from proxy.engine.requestinfo import parse_request_info
+from proxy.engine.status import gateway_timeout, service_unavailable
 from proxy.middlewares.quota import Quota
 from proxy.middlewares.quota_counts import MemoryQuotaCounts
 from proxy.middlewares.quota_limits import denial_message, format_count, generate_name
@@ -672,6 +673,28 @@ def test_exit_outcomes() -> None:
     assert sorted(m.partition("|")[0] for m in left) == ["x-0", "x-201", "x-504"]
     now = mw.store.now_us()  # type: ignore[attr-defined]
     assert all(now < expiry <= now + 30_000_000 for expiry in left.values())
+
+
+def test_opgates_own_answers_say_whether_the_apiserver_saw_the_create() -> None:
+    """A 503 the relay answers once the call went out (the apiserver closed the connection
+    before its answer) may have made the object, as a 504 may: its room is kept until the watch
+    shows the object or the reservation settles. One answered with ``Retry-After`` never left
+    opgate (connection refused, a connect timeout): nothing was made, the room is free at once.
+    The apiserver's own 503 is a failed create, as before."""
+    counts = MemoryQuotaCounts()
+    mw = Quota(counts=counts, settle_seconds=30, reserve_seconds=60)
+    pset = policies("    - {resources: [configmaps], namespaces: ['team-*'], max: 10}")
+    cases = [("sent-503", 503, service_unavailable("opgate: the apiserver is unavailable")),
+             ("unsent-503", 503, service_unavailable("opgate: refused", retry_after=1)),
+             ("unsent-504", 504, gateway_timeout("opgate: connect timed out", retry_after=1)),
+             ("apiserver-503", 503, None)]
+    for name, code, answer in cases:
+        ctx = ctx_for(pset, body={"metadata": {"name": name}})
+        assert decide(mw, ctx) is None
+        ctx.answer = answer
+        run(_exit(mw, ctx, code))
+    assert counts.settled == [None, False, False, False]
+    assert [m.partition("|")[0] for m in reservations(mw)] == ["sent-503"]
 
 
 APPLY = "application/apply-patch+yaml"
