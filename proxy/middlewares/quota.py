@@ -37,9 +37,11 @@ checks this replica's observed count plus every replica's live reservations agai
 smallest enforced limit; reservations whose object this replica's watch already shows
 (:meth:`QuotaCounts.seen`: by name, or for a ``generateName`` create of this replica by its
 token) are not counted twice. A reservation is ``<name>|<token>``; the exit hook drops it when
-the create failed (an apply answered 200 updated an object after all) and otherwise lets it
-expire within ``settle_seconds``; when this replica's watch shows the object it is cut to
-``linger_seconds`` (the other replicas' watches catch up meanwhile); and it expires by itself
+the create failed (an apply answered 200 updated an object after all; a 409 AlreadyExists for
+a name the watch does not show yet did not: a create of that name, let through on this
+reservation, won the race) and otherwise lets it expire within ``settle_seconds``; when this
+replica's watch shows the object it is cut to ``linger_seconds`` (the other replicas' watches
+catch up meanwhile); and it expires by itself
 ``reserve_seconds`` after the create came in. So a burst over several replicas cannot
 overshoot; the rare errors are on the safe side (a ``generateName`` object another replica
 already sees is counted twice until its reservation lingers out). Only creates of quota'd
@@ -167,6 +169,8 @@ class _Held:
     member: str
     expected: object
     apply: bool
+    name: str  # "" for a generateName create (or a name the body did not say)
+    where: tuple[str, str, str]  # (group, resource, namespace)
 
 
 class Quota:
@@ -318,7 +322,8 @@ class Quota:
 
             expected = self.counts.expect(group, resource, namespace, names[0], names[1],
                                           token, seen)
-            ctx.state[STATE_KEY] = _Held(scope, member, expected, apply)
+            ctx.state[STATE_KEY] = _Held(scope, member, expected, apply, names[0],
+                                         (group, resource, namespace))
         return None
 
     def _shifts(self, group: str, resource: str, namespace: str,
@@ -354,6 +359,9 @@ class Quota:
         if held is None:
             return None
         created = _outcome(ctx, held.apply)
+        if created is False and ctx.status_code == 409 and held.name and not held.apply \
+                and self.counts.exists(*held.where, held.name) is False:
+            created = None  # AlreadyExists, and the watch does not show it yet: made just now
         self.counts.settle(held.expected, created)
         return self.store.settle(held.scope, held.member,
                                  None if created is False else self.settle_seconds)

@@ -151,8 +151,8 @@ def test_a_burst_cannot_overshoot() -> None:
 
     results = run(burst())
     assert [r is None for r in results] == [True, True, False, False, False]  # type: ignore[union-attr]
-    # the first create failed (409): its room is free again
-    run(_exit(mw, ctxs[0], 409))
+    # the first create failed (422, invalid): its room is free again
+    run(_exit(mw, ctxs[0], 422))
     assert decide(mw, ctx_for(pset, body={"metadata": {"name": "late"}})) is None
 
 
@@ -763,6 +763,34 @@ def test_an_apply_racing_the_create_it_follows_is_not_refused() -> None:
                       Deny)
 
 
+def test_a_create_that_lost_the_race_for_its_name_keeps_the_room_of_the_winner() -> None:
+    """Two creates of one name at once: the first reserved the room, the second was let
+    through on it (the same object). When the second reaches the apiserver first, the first
+    gets 409 AlreadyExists: the object exists, but the watch may not show it yet, so the
+    first's reservation keeps its room until it does; it was dropped, and the next create
+    got the room a second time. A 409 for an object the watch shows is just gone."""
+    counts = MemoryQuotaCounts()
+    counts.set("", "configmaps", "team-a", 2)  # SIMPLE: at most 3
+    mw = Quota(counts=counts)
+    pset = policies(SIMPLE)
+    first = ctx_for(pset, body={"metadata": {"name": "same"}})
+    second = ctx_for(pset, body={"metadata": {"name": "same"}})
+    assert decide(mw, first) is None
+    assert decide(mw, second) is None
+    run(_exit(mw, second, 201))
+    run(_exit(mw, first, 409))
+    assert used(mw, counts) == 3
+    assert isinstance(decide(mw, ctx_for(pset, body={"metadata": {"name": "other"}})), Deny)
+    counts.add("", "configmaps", "team-a", "same")  # the watch shows it: counted once
+    assert used(mw, counts) == 3
+    # a create of a name the watch already shows: 409, and no room held for it
+    again = ctx_for(pset, body={"metadata": {"name": "existing-0"}})
+    counts.set("", "configmaps", "team-a", 1)
+    assert decide(mw, again) is None
+    run(_exit(mw, again, 409))
+    assert [m.partition("|")[0] for m in reservations(mw)] == ["same"]
+
+
 def test_not_synced_names_fail_an_apply_as_the_policy_says() -> None:
     counts = MemoryQuotaCounts()
     counts.unsync("", "configmaps")
@@ -853,7 +881,7 @@ def test_store_down_reserves_locally_when_open_and_answers_503_when_closed() -> 
     assert store.breaker.state == "open" and down.calls == 2  # no more calls once open
     assert telemetry.REGISTRY.get_sample_value(
         "opgate_quota_reservations_total", {"backend": "fallback"}) == before + 2
-    run(_exit(mw, ctxs[0], 409))  # settles the in-process reservation; Redis is skipped
+    run(_exit(mw, ctxs[0], 422))  # settles the in-process reservation; Redis is skipped
     assert decide(mw, ctx_for(pset, body={"metadata": {"name": "o-3"}})) is None
 
 
