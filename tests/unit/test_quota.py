@@ -1110,13 +1110,27 @@ def test_a_relist_ends_named_expected_creates() -> None:
 @pytest.mark.parametrize("raw, value, text", [
     ("10", 10, "10"), (7, 7, ""), ("1k", 1000, "1k"), ("2Ki", 2048, "2Ki"), ("1e3", 1000, "1e3"),
     # n objects fit while n <= the quantity (the apiserver compares quantities): 1.5 lets one in
-    ("1500m", 1, "1500m"), ("1.5", 1, "1.5"), ("500m", 0, "500m"), (" 3 ", 3, "3"),
+    ("1500m", 1, "1500m"), ("1.5", 1, "1500m"), ("500m", 0, "500m"), (" 3 ", 3, "3"),
     ("abc", None, ""), (True, None, ""), ("-1", None, ""), ("5X", None, ""), (1.5, None, "")])
 def test_parse_limit(raw: object, value: int | None, text: str) -> None:
     limit = parse_limit(raw)
     assert limit == value
     if limit is not None:
         assert isinstance(limit, Count) and limit.text == text
+
+
+@pytest.mark.parametrize("raw, text", [
+    ("1000", "1k"), ("2000000", "2M"), ("1500", "1500"), ("+5", "5"), ("007", "7"),
+    ("1.0", "1"), ("2000m", "2"), ("0.5", "500m"), ("1500k", "1500k"), ("1E", "1E"),
+    ("10e2", "1e3"), ("1e0", "1"), ("1024Ki", "1Mi"), ("1.5Ki", "1536"), ("0.5Ki", "512"),
+    ("1Gi", "1Gi"), ("0", "0"), ("0Ki", "0")])
+def test_a_limit_reads_as_the_apiserver_prints_it(raw: str, text: str) -> None:
+    """The quota admission prints a limit as a canonical quantity whatever its spelling: a
+    ClusterResourceQuota (on OpenShift a custom resource, stored as written) with ``hard:
+    {count/configmaps: "1000"}`` denies with ``limited: count/configmaps=1k``, as the
+    apiserver rewrites a ResourceQuota's ``"1000"`` when it stores it."""
+    limit = parse_limit(raw)
+    assert isinstance(limit, Count) and limit.text == text
 
 
 def test_cluster_resource_quota_selectors() -> None:
