@@ -13,7 +13,9 @@ One entry limits how many objects of some resources may exist in each namespace 
         failure: open
 
 Each (apiGroup, resource) pair is counted by a list+watch of the whole cluster, so resources and
-groups are literal names (no globs): ``*`` would mean watching every resource. Only namespaced
+groups are literal names (no globs): ``*`` would mean watching every resource; and a resource
+is named without its group (``deployments`` with ``apiGroups: [apps]``, not ResourceQuota's
+``count/deployments.apps``). Only namespaced
 resources can be quota'd (as with ResourceQuota). ``max`` may be left out when ``alignWith``
 names something: the entry then only mirrors the cluster's own quotas (opgate denies before the
 apiserver would, with the same words). The count's name is the apiserver's
@@ -45,7 +47,7 @@ ALIGN_KINDS = (RESOURCE_QUOTA, CLUSTER_RESOURCE_QUOTA)
 # core resources whose ResourceQuota also accepts the bare name (quota/v1/evaluator/core)
 LEGACY_COUNTS = frozenset({"pods", "services", "replicationcontrollers", "resourcequotas",
                            "secrets", "configmaps", "persistentvolumeclaims"})
-_RESOURCE = re.compile(r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?")
+_RESOURCE = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
 _GROUP = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
 _NAME = re.compile(r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?")
 _GLOB_CHARS = frozenset("*?[")
@@ -105,6 +107,8 @@ def _literals(f: Fields, key: str, pattern: re.Pattern[str], what: str, *,
         if _GLOB_CHARS & set(item):
             f.fail(key, f'"{item}": globs are not supported here (each {what} is watched, so '
                         "name it)")
+        elif key == "resources" and (item.startswith("count/") or "." in item):
+            f.fail(key, _grouped_resource(item))
         elif "/" in item and key == "apiGroups":
             f.fail(key, f'"{item}": an API group has no version '
                         f'("{item.partition("/")[0]}", not "{item}")')
@@ -115,6 +119,19 @@ def _literals(f: Fields, key: str, pattern: re.Pattern[str], what: str, *,
         elif item not in good:
             good.append(item)
     return tuple(good)
+
+
+def _grouped_resource(item: str) -> str:
+    """What to write instead of ResourceQuota's spelling (``count/deployments.apps``,
+    ``deployments.apps``): resource names have no dots (a CRD's plural is a DNS label), so
+    such a name would be a core resource that no create ever is."""
+    bare = item.removeprefix("count/")
+    resource, _, group = bare.partition(".")
+    said = f'"{item}" is a quota\'s key: ' if bare != item else f'"{item}": '
+    if not group:
+        return f"{said}name the resource (resources: [{resource}])"
+    return (f"{said}name the resource without its group, and the group in apiGroups "
+            f"(resources: [{resource}], apiGroups: [{group}])")
 
 
 def parse_quota(node: Located, what: str, errors: list[PolicyError]) -> QuotaRule | None:

@@ -79,6 +79,18 @@ def test_full_entry_and_defaults() -> None:
      "watched, so name it)"),
     ("- resources: [pods/log]\n  max: 1",
      'q.yaml:1: spec.quotas[0].resources: "pods/log": subresources have no object count'),
+    # a group in the resource's name (as in ResourceQuota's count/deployments.apps) was taken
+    # for a core resource of that name: valid, watched for ever, never matching a create
+    ("- resources: [deployments.apps]\n  max: 1",
+     'q.yaml:1: spec.quotas[0].resources: "deployments.apps": name the resource without its '
+     'group, and the group in apiGroups (resources: [deployments], apiGroups: [apps])'),
+    ("- resources: [count/widgets.demo.opgate.dev]\n  max: 1",
+     'q.yaml:1: spec.quotas[0].resources: "count/widgets.demo.opgate.dev" is a quota\'s key: '
+     'name the resource without its group, and the group in apiGroups (resources: [widgets], '
+     'apiGroups: [demo.opgate.dev])'),
+    ("- resources: [count/configmaps]\n  max: 1",
+     'q.yaml:1: spec.quotas[0].resources: "count/configmaps" is a quota\'s key: name the '
+     'resource (resources: [configmaps])'),
     ("- resources: [ConfigMaps]\n  max: 1",
      'q.yaml:1: spec.quotas[0].resources: "ConfigMaps" is not a valid resource name'),
     ("- resources: [configmaps]\n  apiGroups: [\"apps*\"]\n  max: 1",
