@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import os
 import re
+import signal
 import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -34,7 +36,7 @@ pytestmark = pytest.mark.e2e
 BELOW, ABOVE, FREED = "quota-below", "quota-above", "quota-freed"
 DRY, CLUSTER, BARE = "quota-dry", "quota-crq", "quota-bare"
 SSA, SHARED = "quota-ssa", "quota-shared"
-QUANTITY = "quota-quantity"
+QUANTITY, COMPACT = "quota-quantity", "quota-compact"
 PODS, PODS_BOTH, PODS_COUNT = "quota-pods", "quota-pods-both", "quota-pods-count"
 PODS_STUCK = "quota-pods-stuck"
 CRQ_A, CRQ_B = "quota-crq-a", "quota-crq-b"
@@ -49,7 +51,7 @@ spec:
       max: 3
       alignWith: [ResourceQuota, ClusterResourceQuota]
     - resources: [secrets]
-      namespaces: [{FREED}]
+      namespaces: [{FREED}, {COMPACT}]
       max: 2
     - resources: [configmaps]
       namespaces: [{QUANTITY}]
@@ -134,7 +136,7 @@ def start_synced(opgate_factory: Callable[..., Opgate], token_file: Path, crq: s
 @pytest.fixture(scope="module")
 def token_file(cluster: LocalCluster, tmp_path_factory: pytest.TempPathFactory) -> Path:
     for namespace in (BELOW, ABOVE, FREED, DRY, BARE, SSA, SHARED, QUANTITY, PODS, PODS_BOTH,
-                      PODS_COUNT, PODS_STUCK):
+                      PODS_COUNT, PODS_STUCK, COMPACT):
         cluster.create_namespace(namespace)
     cluster.create_namespace(CLUSTER, labels={"team": "crq"})
     for namespace in (CRQ_A, CRQ_B):
@@ -403,6 +405,38 @@ def test_counts_recover_after_the_apiserver_comes_back(
                         server=gate.url).status == 201
     assert cluster.call("POST", freed, body={"metadata": {"name": "one-too-many"}},
                         server=gate.url).status == 403
+
+
+def test_counts_relist_exactly_after_the_watch_falls_behind_a_compaction(
+        cluster: LocalCluster, gate: Opgate) -> None:
+    """opgate is away (SIGSTOP) while the apiserver restarts after an etcd compaction and
+    objects change: its watch resumes from a resourceVersion etcd no longer has, gets 410 and
+    lists again. The count is what the apiserver holds, the deleted object not counted twice
+    nor the new ones missed: a create over the limit is refused, a delete frees its room."""
+    path = f"/api/v1/namespaces/{COMPACT}/secrets"
+    assert cluster.call("POST", path, body={"metadata": {"name": "keep"}}).status == 201
+    wait_for("the watch to count it", lambda: metric(
+        gate, "opgate_quota_usage", {"namespace": COMPACT, "resource": "secrets"}) == 1)
+    os.kill(gate.pid, signal.SIGSTOP)
+    try:
+        cluster.compact_etcd()
+        cluster.restart_apiserver()
+        assert cluster.call("DELETE", f"{path}/keep").status == 200
+        for name in ("new-0", "new-1"):
+            assert cluster.call("POST", path, body={"metadata": {"name": name}}).status == 201
+    finally:
+        os.kill(gate.pid, signal.SIGCONT)
+    over = {"metadata": {"name": "over"}}
+    wait_for("opgate to list again and refuse a third", lambda: cluster.call(
+        "POST", path + "?dryRun=All", body=over, server=gate.url).status == 403, timeout=60)
+    assert metric(gate, "opgate_quota_usage", {"namespace": COMPACT, "resource": "secrets"}) == 2
+    denied = cluster.call("POST", path, body=over, server=gate.url)
+    assert (denied.status, denied.json()["message"]) == (
+        403, quota_message("over", "e2e-quota", 2, 2, "secrets"))
+    assert cluster.call("DELETE", f"{path}/new-0").status == 200
+    wait_for("the watch to count the delete", lambda: metric(
+        gate, "opgate_quota_usage", {"namespace": COMPACT, "resource": "secrets"}) == 1)
+    assert cluster.call("POST", path, body=over, server=gate.url).status == 201
 
 
 def test_the_aiohttp_relay_core_reads_the_name_too(
