@@ -10,7 +10,8 @@ missing mitmproxy is an error at start-up (:func:`load_mitmproxy`), not at the f
 :class:`FlowFile` never blocks a call: ``write`` (on the event loop) appends the plain
 :class:`~proxy.middlewares.capture.CapturedCall` to a queue bounded by ``max_pending`` bytes of
 bodies; past it the call is dropped whole and counted in
-``opgate_capture_flows_total{result="dropped"}``. A writer thread turns each call into a flow
+``opgate_capture_flows_total{result="dropped"}`` (a call larger than the whole bound goes in
+when the queue is empty). A writer thread turns each call into a flow
 (redacting tokens: :mod:`proxy.engine.redact`), encodes it and appends it to the file, created
 0600 and rotated by size as the audit log is (``capture-2026-11-30T05-30-00.123.flows`` next to
 it; each file is a complete flow file on its own).
@@ -198,6 +199,7 @@ class FlowFile:
         self._mitm = load_mitmproxy()
         self.path = path
         self._upstream = upstream
+        self._max_pending = max_pending
         self._target = RotatingFile(path, max_bytes=max_bytes, max_backups=max_backups, now=now)
         self._written = telemetry.CAPTURE_FLOWS.labels("written")
         dropped = telemetry.CAPTURE_FLOWS.labels("dropped")
@@ -208,7 +210,9 @@ class FlowFile:
 
     def write(self, call: CapturedCall) -> None:
         size = OVERHEAD + len(call.request_body or b"") + len(call.response_body or b"")
-        self._writer.put(call, size)
+        # a flow larger than the whole queue (a rule keeps up to 64 MiB per body) counts as
+        # the whole queue: it goes in when nothing else waits, instead of never
+        self._writer.put(call, min(size, self._max_pending))
 
     def encode(self, call: CapturedCall) -> bytes:
         """One flow in the file format (``FlowWriter``: a tnetstring of its state)."""

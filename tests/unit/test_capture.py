@@ -466,6 +466,21 @@ def test_a_stalled_writer_drops_whole_flows_and_counts_them(
     assert len(flows_of(tmp_path / "c.flows")) == written
 
 
+def test_a_flow_larger_than_the_queue_is_written_when_nothing_else_waits(
+        tmp_path: Path) -> None:
+    # a rule may keep up to 64 MiB per body, twice the queue's 32 MiB: such a flow must not be
+    # dropped by an idle writer (here: a 64 KiB queue and a 100 KB body)
+    before = counted("dropped")
+    out = FlowFile(str(tmp_path / "c.flows"), upstream=UPSTREAM, max_pending=64 * 1024)
+    body = b"z" * 100_000
+    out.write(tapped_call(make_ctx("GET", "/api/v1/pods"), response=[body],
+                          limit="- {maxBodyBytes: 200000}\n"))
+    out.close()
+    assert counted("dropped") == before
+    (flow,) = flows_of(tmp_path / "c.flows")
+    assert flow.response.content == body
+
+
 def test_a_flow_that_fails_to_encode_is_counted_not_fatal(tmp_path: Path) -> None:
     before = counted("failed")
     out = FlowFile(str(tmp_path / "c.flows"), upstream=UPSTREAM)
