@@ -14,7 +14,8 @@ bodies; past it the call is dropped whole and counted in
 when the queue is empty). A writer thread turns each call into a flow
 (redacting tokens: :mod:`proxy.engine.redact`), encodes it and appends it to the file, created
 0600 and rotated by size as the audit log is (``capture-2026-11-30T05-30-00.123.flows`` next to
-it; each file is a complete flow file on its own).
+it; each file is a complete flow file on its own: one an earlier opgate left ending inside a
+flow, killed while writing it, is moved aside at start rather than appended to).
 
 What a flow holds: the request as the client sent it (method, path and query, headers, the body
 up to the rule's ``maxBodyBytes``), the response (the apiserver's status, headers and body up
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import io
 import logging
+import os
 import time
 import zlib
 from collections.abc import Callable, Sequence
@@ -48,6 +50,7 @@ log = logging.getLogger("opgate.capture")
 MAX_PENDING_BYTES = 32 * 1024 * 1024  # bodies of calls waiting for the writer thread, at most
 OVERHEAD = 2048  # what a call counts in the queue beyond its bodies
 _PATH_SAFE = "/:@!$&'()*+,;=-._~%"
+_LENGTH_DIGITS = 12  # a flow's tnetstring length has at most this many (mitmproxy's reader's)
 
 
 class MitmproxyMissing(RuntimeError):
@@ -190,6 +193,32 @@ def to_flow(call: CapturedCall, *, upstream: str, mitm: Any = None) -> Any:
     return flow
 
 
+def ends_with_a_whole_flow(path: str) -> bool:
+    """Whether the flow file ``path`` (absent or empty: yes) ends where a flow ends. Each flow
+    is a tnetstring, ``<length>:<payload>}``: the file is walked by those lengths, a few bytes
+    read per flow whatever its size. An opgate killed while writing one (OOM-killed) leaves
+    half of it, and mitmproxy stops reading at a broken flow: nothing appended after it could
+    be read."""
+    try:
+        f = open(path, "rb")
+    except OSError:
+        return True  # absent, or unreadable: opening it to write says what is wrong
+    with f:
+        size = os.fstat(f.fileno()).st_size
+        at = 0
+        while at < size:
+            f.seek(at)
+            length, colon, _ = f.read(_LENGTH_DIGITS + 1).partition(b":")
+            if not colon or not length.isdigit():
+                return False
+            end = at + len(length) + 1 + int(length)
+            f.seek(end)
+            if end >= size or f.read(1) != b"}":
+                return False
+            at = end + 1
+    return True
+
+
 class FlowFile:
     """Captured calls to a mitmproxy flow file (module docstring). ``write`` never blocks."""
 
@@ -200,7 +229,13 @@ class FlowFile:
         self.path = path
         self._upstream = upstream
         self._max_pending = max_pending
+        whole = ends_with_a_whole_flow(path)
         self._target = RotatingFile(path, max_bytes=max_bytes, max_backups=max_backups, now=now)
+        if not whole:  # its whole flows stay readable in the backup; new ones in a new file
+            self._target.rotate()
+            log.warning("the capture file %s ends inside a flow (an earlier opgate stopped "
+                        "while writing it): moved to %s, new flows go to a new file", path,
+                        self._target.backups()[-1])
         self._written = telemetry.CAPTURE_FLOWS.labels("written")
         dropped = telemetry.CAPTURE_FLOWS.labels("dropped")
         self._failed = telemetry.CAPTURE_FLOWS.labels("failed")

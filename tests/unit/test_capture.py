@@ -442,6 +442,32 @@ def test_the_file_is_0600_and_rotates_between_flows(tmp_path: Path) -> None:
     assert total < 8  # the oldest backups were removed
 
 
+@pytest.mark.parametrize("cut", [False, True], ids=["whole", "cut-short"])
+def test_a_file_an_earlier_run_left_is_appended_to_only_when_it_ends_with_a_whole_flow(
+        tmp_path: Path, cut: bool, caplog: pytest.LogCaptureFixture) -> None:
+    # an opgate killed while writing a flow (OOM-killed, SIGKILL) leaves half of it; the next
+    # run's flows appended after it would be unreadable: mitmproxy stops at the broken flow
+    path = tmp_path / "capture.flows"
+    call = tapped_call(make_ctx("GET", "/api/v1/pods"), response=[b"x" * 1000])
+    first = FlowFile(str(path), upstream=UPSTREAM)
+    whole = first.encode(call)
+    first.close()
+    path.write_bytes(whole * 2 + (whole[:len(whole) // 2] if cut else b""))
+    out = FlowFile(str(path), upstream=UPSTREAM)
+    out.write(call)
+    out.close()
+    backups = [p for p in tmp_path.iterdir() if p.name.startswith("capture-")]
+    if not cut:
+        assert len(flows_of(path)) == 3 and not backups
+        return
+    assert len(flows_of(path)) == 1  # this run's, in a file of its own
+    (backup,) = backups
+    with open(backup, "rb") as f:  # the earlier run's whole flows are still there
+        reader = mio.FlowReader(f).stream()
+        assert [next(reader).response.content for _ in range(2)] == [b"x" * 1000] * 2
+    assert "ends inside a flow" in caplog.text and backup.name in caplog.text
+
+
 def test_a_stalled_writer_drops_whole_flows_and_counts_them(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     gate = threading.Event()
