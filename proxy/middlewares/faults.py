@@ -27,7 +27,7 @@ import logging
 import math
 import random
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from proxy.engine import telemetry
@@ -176,8 +176,10 @@ class Faults:
         if not fault.code:
             return Delay(fault.delay)
         message = fault.message or f"opgate: injected fault {fault.name} (policy {policy})"
-        if fault.code == 429:
+        if fault.code == 429:  # the reason it was given, as for any other code
             status = too_many_requests(message, retry_after=fault.retry_after or 1.0)
+            if fault.reason:
+                status = replace(status, reason=fault.reason)
         else:  # a 403 with the details of the apiserver's own (client-go reads them alike)
             details = call_details(ctx.info) if fault.code == 403 else None
             headers: tuple[tuple[str, str], ...] = ()

@@ -105,6 +105,19 @@ def test_429_carries_an_integer_retry_after(tmp_path: Path) -> None:
     assert ("Retry-After", "3") in decision.status.headers
 
 
+@pytest.mark.parametrize(("code", "method"), [
+    (429, "GET"), (409, "POST"), (409, "PUT"), (500, "GET"), (403, "PUT"),
+])
+def test_a_reason_it_is_given_is_the_status_reason_whatever_the_code(
+        tmp_path: Path, code: int, method: str) -> None:
+    p = policies(tmp_path, f"  faults:\n    - respond: {{code: {code}, reason: Rehearsed}}\n")
+    path = "/apis/demo.opgate.dev/v1/namespaces/a/widgets" + ("" if method == "POST" else "/w")
+    decision = asyncio.run(settle(Faults().entry(ctx_for(p, method, path))))
+    assert isinstance(decision, Deny)
+    status = json.loads(decision.status.body())
+    assert (status["code"], status["reason"]) == (code, "Rehearsed")
+
+
 @pytest.mark.parametrize(("respond", "method", "retry_after", "details"), [
     ("{code: 503, retryAfter: 3s}", "GET", "3", {"retryAfterSeconds": 3}),
     ("{code: 504, retryAfter: 1500ms}", "GET", "2", {"retryAfterSeconds": 2}),
