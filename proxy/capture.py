@@ -21,7 +21,7 @@ What a flow holds: the request as the client sent it (method, path and query, he
 up to the rule's ``maxBodyBytes``), the response (the apiserver's status, headers and body up
 to the bound; a watch's events up to the bound) or opgate's own Status, timestamps, an error
 when the call broke, a one-line ``comment`` (mitmweb shows it) when opgate answered itself or a
-body was cut (a cut gzip response is kept decoded as far as it goes), and
+body was cut (a cut gzip response is kept decoded as far as it goes, 64 MiB at most), and
 ``metadata["opgate"]``: trace id, verb, decision, user, rule, sizes, what was truncated or left
 out.
 """
@@ -49,6 +49,7 @@ log = logging.getLogger("opgate.capture")
 
 MAX_PENDING_BYTES = 32 * 1024 * 1024  # bodies of calls waiting for the writer thread, at most
 OVERHEAD = 2048  # what a call counts in the queue beyond its bodies
+MAX_DECODED = 64 * 1024 * 1024  # a cut gzip response's decoded start, at most
 _PATH_SAFE = "/:@!$&'()*+,;=-._~%"
 _LENGTH_DIGITS = 12  # a flow's tnetstring length has at most this many (mitmproxy's reader's)
 
@@ -112,8 +113,10 @@ def _decode_cut(call: CapturedCall, headers: tuple[tuple[bytes, bytes], ...],
     encoding = [value for name, value in headers if name.lower() == b"content-encoding"]
     if [value.strip().lower() for value in encoding] != [b"gzip"]:
         return body, headers
-    try:  # at most 64 times what was kept: JSON compresses ~50:1, a bomb stops here
-        decoded = zlib.decompressobj(16 + zlib.MAX_WBITS).decompress(body, 64 * len(body))
+    try:  # at most 64 times what was kept (JSON compresses ~50:1, a bomb stops here) and
+        # MAX_DECODED: 64 times a rule's largest bound would be gigabytes held for one flow
+        decoded = zlib.decompressobj(16 + zlib.MAX_WBITS).decompress(
+            body, min(64 * len(body), MAX_DECODED))
     except zlib.error:
         return body, headers
     if not decoded:  # cut inside the gzip header: nothing to show either way

@@ -18,6 +18,7 @@ import pytest
 from mitmproxy import io as mio
 from multidict import CIMultiDict
 
+from proxy import capture as capture_file
 from proxy.app import section_parsers
 from proxy.capture import FlowFile, to_flow
 from proxy.engine import telemetry
@@ -309,6 +310,24 @@ def test_a_cut_gzip_response_is_decoded_as_far_as_it_goes(tmp_path: Path) -> Non
     assert tiny.response.headers["Content-Encoding"] == "gzip"
     assert tiny.response.raw_content == packed[:8]
     assert "response_decoded" not in tiny.metadata["opgate"]
+
+
+def test_a_cut_gzip_response_decodes_to_at_most_max_decoded_bytes(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """64 times what was kept is 4 GiB for a rule's largest bound (64 MiB): the writer thread
+    would hold gigabytes for one flow (an apiserver's gzip of a LIST decodes ~10:1). The
+    decoded start stops at ``MAX_DECODED`` (64 MiB; 256 KiB here)."""
+    monkeypatch.setattr(capture_file, "MAX_DECODED", 256 * 1024)
+    plain = json.dumps({"kind": "ConfigMapList", "items": [
+        {"metadata": {"name": f"c{i}"}, "data": {"k": "v" * 50}} for i in range(50_000)]}).encode()
+    packed = gzip.compress(plain, compresslevel=1)  # the apiserver's level
+    headers = [(b"Content-Type", b"application/json"), (b"Content-Encoding", b"gzip")]
+    (flow,) = write_and_read(tmp_path, tapped_call(
+        make_ctx("GET", "/api/v1/configmaps"), headers=headers, response=[packed],
+        limit="- {maxBodyBytes: 65536}\n"))  # 64 KiB kept: 4 MiB at 64:1
+    assert len(packed) > 65536 and len(plain) > 4 * 1024 * 1024
+    assert flow.response.content == plain[:256 * 1024]
+    assert "Content-Encoding" not in flow.response.headers
 
 
 def test_opgate_own_answer_is_the_response_with_the_decision(tmp_path: Path) -> None:
