@@ -315,9 +315,19 @@ def settle_step(members: dict[str, float], now: float, member: str, ttl: float |
 
 
 def redacted_url(url: str) -> str:
-    """A Redis URL without its password (``redis://user:***@host``), for logs and messages."""
-    scheme, sep, rest = url.partition("://")
+    """A Redis URL without its passwords (``redis://user:***@host``, ``?password=***``), for
+    logs and messages: redis-py also reads ``password`` from the query (its documented form
+    for ``unix://`` sockets) and Sentinel's from ``sentinel_password``."""
+    head, mark, query = url.partition("?")
+    if mark:
+        query = "&".join(_redacted_pair(pair) for pair in query.split("&"))
+    scheme, sep, rest = head.partition("://")
     userinfo, at, hostpart = rest.rpartition("@")
-    if not sep or not at or ":" not in userinfo:
-        return url
-    return f"{scheme}://{userinfo.partition(':')[0]}:***@{hostpart}"
+    if sep and at and ":" in userinfo:
+        head = f"{scheme}://{userinfo.partition(':')[0]}:***@{hostpart}"
+    return head + mark + query
+
+
+def _redacted_pair(pair: str) -> str:
+    name, eq, value = pair.partition("=")
+    return f"{name}=***" if eq and value and name.lower().endswith("password") else pair

@@ -445,6 +445,29 @@ def test_build_store_password_sources(tmp_path, monkeypatch) -> None:  # type: i
     assert "s3cret" not in str(store.health())
 
 
+@pytest.mark.parametrize(("url", "shown"), [
+    ("redis://:pw@h:6379/0", "redis://:***@h:6379/0"),
+    ("redis://opgate:pw@h/0", "redis://opgate:***@h/0"),
+    # redis-py's own form for a socket: the password in the query (so are sentinel's)
+    ("unix:///run/redis.sock?db=1&password=pw", "unix:///run/redis.sock?db=1&password=***"),
+    ("redis://h:6379/0?password=pw", "redis://h:6379/0?password=***"),
+    ("redis+sentinel://s1:26379/m?sentinel_password=pw",
+     "redis+sentinel://s1:26379/m?sentinel_password=***"),
+    ("rediss://h/0?ssl_ca_certs=/ca.crt", "rediss://h/0?ssl_ca_certs=/ca.crt"),
+])
+def test_redacted_url_hides_every_password_a_url_may_hold(url: str, shown: str) -> None:
+    """What /readyz and the start-up error line show of --redis-url: a password given in the
+    query, as redis-py's documented ``unix://`` form has it, was shown as typed."""
+    from proxy.stores.base import redacted_url
+
+    assert redacted_url(url) == shown
+
+
+def test_a_password_in_the_query_is_not_in_the_stores_health() -> None:
+    store = build_store(redis_url="unix:///run/redis.sock?db=1&password=s3cret")
+    assert "s3cret" not in str(store.health())
+
+
 def test_leasing_at_an_operators_rate_costs_about_two_refills_a_second() -> None:
     """50 calls/s on one key, far from its limit: the default window leases half a second of
     demand per refill, not one store call every few calls."""
