@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from urllib.parse import unquote, urlsplit
+from urllib.parse import parse_qs, unquote, urlsplit
 
 from proxy.stores.base import (
     BucketRequest,
@@ -58,7 +58,9 @@ def redis_url_problem(url: str) -> str | None:
         return (f"{redacted_url(url)!r}: the scheme must be one of "
                 f"{', '.join(s + '://' for s in REDIS_SCHEMES)}")
     if scheme == "unix":
-        return None if parts.path else f"{redacted_url(url)!r}: unix:// needs a socket path"
+        if not parts.path:
+            return f"{redacted_url(url)!r}: unix:// needs a socket path"
+        return _query_db_problem(url, parts.query)
     netloc = parts.netloc.rpartition("@")[2]
     if scheme.endswith("+sentinel"):
         nodes = [n for n in netloc.split(",") if n]
@@ -86,6 +88,15 @@ def redis_url_problem(url: str) -> str | None:
     db = parts.path.strip("/")
     if db and not scheme.endswith("+cluster") and not db.isdigit():
         return f"{redacted_url(url)!r}: the database {db!r} is not a number (…/0)"
+    return _query_db_problem(url, parts.query)
+
+
+def _query_db_problem(url: str, query: str) -> str | None:
+    """``?db=`` (redis-py's form for ``unix://``) that is not a number: redis-py refuses it
+    only when the client is built."""
+    for value in parse_qs(query).get("db", ()):
+        if not value.isdigit():
+            return f"{redacted_url(url)!r}: the database {value!r} in ?db= is not a number"
     return None
 
 
@@ -156,9 +167,13 @@ def build_store(
     secret = redis_password(password, password_file)  # a file that cannot be read: raises
     secret_file = None if password else (
         password_file or os.environ.get("OPGATE_REDIS_PASSWORD_FILE"))
-    shared = RedisStore.from_url(
-        redis_url, password=secret, password_file=secret_file, timeout=timeout, prefix=prefix,
-    )
+    try:  # redis-py reads the query's options (?db=, ?socket_timeout=) only here
+        shared = RedisStore.from_url(
+            redis_url, password=secret, password_file=secret_file, timeout=timeout,
+            prefix=prefix,
+        )
+    except ValueError as exc:
+        raise StoreConfigError(f"--redis-url {redacted_url(redis_url)!r}: {exc}") from None
     leased = LeasingStore(shared, replicas=replicas, lease_all=lease)
     return ResilientStore(leased, replicas=replicas, failures=breaker_failures,
                           reset_after=breaker_reset)

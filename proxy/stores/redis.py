@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import importlib.resources
 import logging
+import re
 import ssl
 from collections.abc import Sequence
 from pathlib import Path
@@ -147,9 +148,30 @@ def connect(url: str, *, password: str | None = None, password_file: str | None 
         # their handshakes would miss the timeout and trip the breaker
         pool = BlockingConnectionPool.from_url(url, max_connections=MAX_CONNECTIONS,
                                                timeout=None, **common)
+        _check_options(pool, scheme)
         return Redis.from_pool(pool), False
     raise ValueError(f"unsupported Redis URL scheme {parts.scheme!r} (redis, rediss, unix, "
                      "redis+cluster, rediss+cluster, redis+sentinel, rediss+sentinel)")
+
+
+_UNEXPECTED = re.compile(r"unexpected keyword argument '([^']*)'")
+
+
+def _check_options(pool: BlockingConnectionPool, scheme: str) -> None:
+    """Raise ``ValueError`` for a query option no connection takes (``?ssl_ca_cert=``, or
+    ``?ssl_ca_certs=`` on ``redis://``): redis-py passes unknown ones on as arguments, so every
+    connection would fail with a ``TypeError`` (Redis "unavailable" for as long as opgate
+    runs) instead of opgate refusing the flag at start. Building a connection does no I/O."""
+    try:
+        pool.connection_class(**pool.connection_kwargs)
+    except TypeError as exc:
+        found = _UNEXPECTED.search(str(exc))
+        if found is None:
+            raise ValueError(str(exc)) from None
+        name = found.group(1)
+        hint = " (a TLS option: it needs rediss://)" if name in _TLS_QUERY else ""
+        raise ValueError(f"the query option {name!r} is not one a {scheme}:// connection "
+                         f"takes{hint}") from None
 
 
 def _sentinel_master(url: str, common: dict[str, Any]) -> Redis:

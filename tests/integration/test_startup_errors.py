@@ -111,7 +111,14 @@ def test_redis_password_file_missing() -> None:
                       "/nonexistent"), "--redis-password-file", "/nonexistent")
 
 
-@pytest.mark.parametrize("url", ["http://x", "redis://127.0.0.1:notaport/0"])
+@pytest.mark.parametrize("url", [
+    "http://x", "redis://127.0.0.1:notaport/0",
+    # redis-py reads these from the query, and raised its ValueError out of `opgate serve`
+    "unix:///run/redis.sock?db=one", "redis://127.0.0.1:6379?db=1x",
+    "redis://127.0.0.1:6379/0?socket_timeout=soon",
+    # an unknown one failed every connection (Redis "unavailable" for as long as it ran)
+    "redis://127.0.0.1:6379/0?ssl_ca_cert=/etc/ca.crt",
+])
 def test_redis_url_that_is_not_one(url: str) -> None:
     _one_error(_serve("--redis-url", url), "--redis-url", url)
 
