@@ -429,19 +429,29 @@ async def probe(url: str, *, password: str | None = None,
 def describe_failure(exc: BaseException, *, timeout: float = PROBE_TIMEOUT) -> str:
     """What a failed Redis call means, as one phrase."""
     text = str(exc) or type(exc).__name__
-    if isinstance(exc, AuthenticationError) or any(
+    # what Redis answered while connecting (AUTH, SELECT) comes wrapped in redis-py's
+    # ConnectionError on a unix:// socket, and TLS errors on any connection
+    chain = _causes(exc)
+    if any(isinstance(e, AuthenticationError) for e in chain) or any(
             word in text for word in ("NOAUTH", "WRONGPASS", "invalid password",
                                       "Authentication required")):
         return (f"authentication failed ({text}): check the password (in --redis-url or "
                 "--redis-password-file)")
-    seen: BaseException | None = exc
-    while seen is not None:  # TLS errors come wrapped in redis-py's ConnectionError
-        if isinstance(seen, ssl.SSLError) or "SSL" in str(seen):
-            return (f"TLS failed ({text}): does the server speak TLS (rediss://) and is "
-                    "ssl_ca_certs its CA?")
-        seen = seen.__cause__ or seen.__context__
+    if any(isinstance(e, ssl.SSLError) or "SSL" in str(e) for e in chain):
+        return (f"TLS failed ({text}): does the server speak TLS (rediss://) and is "
+                "ssl_ca_certs its CA?")
     if isinstance(exc, TimeoutError):
         return f"unreachable: no answer within {timeout:g}s"
-    if isinstance(exc, ResponseError):
+    if any(isinstance(e, ResponseError) for e in chain):
         return f"answered with an error: {text}"
     return f"unreachable: {text}"
+
+
+def _causes(exc: BaseException) -> list[BaseException]:
+    """``exc`` and the exceptions it was raised from or while handling, outermost first."""
+    chain: list[BaseException] = []
+    seen: BaseException | None = exc
+    while seen is not None and seen not in chain:
+        chain.append(seen)
+        seen = seen.__cause__ or seen.__context__
+    return chain

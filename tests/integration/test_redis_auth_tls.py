@@ -61,6 +61,19 @@ def tls_redis(tmp_path: Path) -> Iterator[tuple[int, Path]]:
     assert not ping(port)
 
 
+@pytest.fixture
+def unix_password_redis(tmp_path: Path) -> Iterator[Path]:
+    sock = tmp_path / "redis.sock"
+    proc = _start(tmp_path, "--port", "0", "--unixsocket", str(sock), "--requirepass", PASSWORD)
+    try:
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and not sock.exists():
+            time.sleep(0.05)
+        yield sock
+    finally:
+        proc.stop()
+
+
 def _raw(port: int, data: bytes) -> bytes:
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:
@@ -209,3 +222,31 @@ def test_a_redis_back_with_another_password_says_so(
     assert health["breaker"] != "closed"
     assert "authentication failed" in str(health["last_error"]), health
     assert "authentication failed" in caplog.text, caplog.text
+
+
+@pytest.mark.parametrize(("query", "problem"), [
+    ("?password=wrong", "authentication failed"),
+    ("", "authentication failed"),
+    ("?db=99&password=" + PASSWORD, "answered with an error: DB index is out of range"),
+])
+def test_a_unix_socket_redis_that_refuses_says_why(
+        unix_password_redis: Path, query: str, problem: str) -> None:
+    """redis-py wraps what a Redis on a unix:// socket answers while connecting (AUTH, SELECT)
+    in a ConnectionError: the start-up line and /readyz said "unreachable", sending the user
+    to the socket path when the Secret or the ?db= was wrong."""
+    from proxy.stores.redis import probe
+
+    url = f"unix://{unix_password_redis}{query}"
+
+    async def main() -> tuple[str | None, str]:
+        store: Any = build_store(redis_url=url, timeout=1.0)
+        try:
+            for _ in range(3):  # failure: closed, until the circuit opens
+                await store.acquire([BucketRequest(key="k", rate=1.0, burst=1, fail_open=False)])
+            return await probe(url), str(store.health()["last_error"])
+        finally:
+            await store.close()
+
+    said, last_error = asyncio.run(main())
+    assert said is not None and said.startswith(problem), said
+    assert last_error.startswith(problem), last_error
