@@ -64,8 +64,9 @@ def _env_aware(kind: Callable[[str], Any]) -> Callable[[str], Any]:
                 raise
             detail = str(exc) if isinstance(exc, argparse.ArgumentTypeError) else (
                 f"not a valid {getattr(kind, '__name__', 'value')}")
+            shown = getattr(kind, "redact", str)(str(text))  # --redis-url: no password
             raise argparse.ArgumentTypeError(
-                f"environment variable {text.var}={str(text)!r}: {detail}") from None
+                f"environment variable {text.var}={shown!r}: {detail}") from None
 
     convert.__name__ = getattr(kind, "__name__", "value")
     return convert

@@ -107,6 +107,16 @@ def redis_url(text: str) -> str:
     return text
 
 
+def _redacted_url(text: str) -> str:
+    """How an error shows a bad ``OPGATE_REDIS_URL`` (often from a Secret): no password."""
+    from proxy.stores.base import redacted_url
+
+    return redacted_url(text)
+
+
+redis_url.redact = _redacted_url  # type: ignore[attr-defined]  # read by cli_env._env_aware
+
+
 def _choice(choices: tuple[str, ...]) -> Callable[[str], str]:
     """A flag's parser of one of ``choices``, in any case."""
     def parse(text: str) -> str:

@@ -113,6 +113,17 @@ def test_bad_environment_value_names_the_variable(
     assert f"environment variable {var}={value!r}" in line
 
 
+def test_a_bad_redis_url_from_the_environment_hides_its_password(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """The README's way to keep a Sentinel's password out of the pod's args is
+    OPGATE_REDIS_URL from a Secret: a typo in it printed the whole URL, password included."""
+    monkeypatch.setenv("OPGATE_REDIS_URL",
+                       "redis+sentinel://:hunter2@s1:26379?sentinel_password=hunter3")
+    line = _usage_error(["serve"], capsys)
+    assert "environment variable OPGATE_REDIS_URL=" in line
+    assert "hunter2" not in line and "hunter3" not in line, line
+
+
 def test_bad_boolean_environment_value_names_the_variable(
         monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setenv("OPGATE_UPSTREAM_INSECURE", "maybe")
