@@ -135,6 +135,8 @@ def connect(url: str, *, password: str | None = None, password_file: str | None 
     if password_file and parts.password is None:
         common["credential_provider"] = FilePassword(
             password_file, username=unquote(parts.username or ""), password=password)
+        # the provider gives the username too: redis-py refuses one from the URL beside it
+        url = _without_userinfo(url)
     elif password:
         common["password"] = password
     if scheme in ("redis+cluster", "rediss+cluster"):
@@ -152,6 +154,13 @@ def connect(url: str, *, password: str | None = None, password_file: str | None 
         return Redis.from_pool(pool), False
     raise ValueError(f"unsupported Redis URL scheme {parts.scheme!r} (redis, rediss, unix, "
                      "redis+cluster, rediss+cluster, redis+sentinel, rediss+sentinel)")
+
+
+def _without_userinfo(url: str) -> str:
+    """``url`` without its ``user@`` (``redis://opgate@h/0`` → ``redis://h/0``)."""
+    scheme, sep, rest = url.partition("://")
+    end = min(i for i in (rest.find("/"), rest.find("?"), len(rest)) if i >= 0)
+    return f"{scheme}{sep}{rest[:end].rpartition('@')[2]}{rest[end:]}"
 
 
 _UNEXPECTED = re.compile(r"unexpected keyword argument '([^']*)'")

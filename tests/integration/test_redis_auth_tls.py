@@ -116,6 +116,37 @@ def test_password_from_a_file(password_redis: int, tmp_path: Path) -> None:
     assert asyncio.run(main()) == [True, True, True, False]
 
 
+@pytest.mark.parametrize("where", ["tcp", "unix"])
+def test_an_acl_user_in_the_url_with_its_password_from_a_file(
+        password_redis: int, unix_password_redis: Path, tmp_path: Path, where: str) -> None:
+    """The chart's form with a Redis ACL user: ``redis://USER@HOST:PORT/DB`` and the password
+    in --redis-password-file. redis-py refused the URL's username next to the file's
+    credential provider on every connection: the store never reached Redis (the start-up
+    PING, with a plain password, did)."""
+    import redis
+
+    sock = unix_password_redis
+    for admin in (redis.Redis(port=password_redis, password=PASSWORD),
+                  redis.Redis(unix_socket_path=str(sock), password=PASSWORD)):
+        admin.acl_setuser("opgate", enabled=True, passwords=["+acl-pw"], keys=["opgate:*"],
+                          commands=["+@all"])
+        admin.close()
+    secret = tmp_path / "acl-password"
+    secret.write_text("acl-pw\n")
+    url = (f"redis://opgate@127.0.0.1:{password_redis}/0" if where == "tcp"
+           else f"unix://opgate@{sock}?db=0")
+
+    async def main() -> tuple[list[bool], Any]:
+        store: Any = build_store(redis_url=url, password_file=str(secret), timeout=1.0)
+        try:
+            return await _decide(store, "acl", 4), store.health()
+        finally:
+            await store.close()
+
+    decided, health = asyncio.run(main())
+    assert decided == [True, True, True, False], health
+
+
 def test_wrong_password_is_an_outage_not_a_crash(password_redis: int) -> None:
     async def main() -> str:
         store = build_store(redis_url=f"redis://:wrong@127.0.0.1:{password_redis}/0",
