@@ -218,7 +218,9 @@ def _sentinel_master(url: str, common: dict[str, Any]) -> Redis:
         sentinel_kwargs["password"] = options["sentinel_password"][0]
     if scheme.startswith("rediss"):
         kwargs["ssl"] = True
-        sentinel_kwargs["ssl"] = True
+        # the Sentinels speak TLS with the same CA (and client certificate) as the master
+        sentinel_kwargs.update({"ssl": True, **{k: v for k, v in common.items()
+                                                if k in _TLS_QUERY}})
     sentinel = Sentinel(nodes, sentinel_kwargs=sentinel_kwargs, **kwargs)  # type: ignore[no-untyped-call]
     master: Redis = sentinel.master_for(unquote(pieces[0]))
     return master

@@ -7,6 +7,7 @@ import asyncio
 import json
 import os
 import random
+import socket
 import subprocess
 import sys
 import time
@@ -189,6 +190,57 @@ def test_sentinel_url(server: RedisServer, tmp_path: Path) -> None:
     finally:
         proc.kill()
         proc.wait()
+
+
+def _accepts(port: int) -> bool:
+    """Whether a TLS-only server's port takes connections (it answers no plain PING)."""
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+        return True
+    except OSError:
+        return False
+
+
+def test_sentinel_over_tls_with_the_ca_named_in_the_url(tmp_path: Path) -> None:
+    """``rediss+sentinel://…?ssl_ca_certs=`` with a private CA, as a platform team's TLS
+    Sentinel has it: the CA reached the master's connections but not the Sentinels', whose
+    handshakes then failed (system CAs), so the store never found its master."""
+    from proxy.envtest import pki
+
+    files = pki.write_pki(tmp_path / "pki")
+    cert, key = pki.issue_serving_cert(tmp_path / "pki", name="redis")
+    tls = (f"tls-cert-file {cert}\ntls-key-file {key}\ntls-ca-cert-file {files.ca_cert}\n"
+           "tls-auth-clients no\n")
+    master_port, sentinel_port = free_port(), free_port()
+    (tmp_path / "master.conf").write_text(
+        f"port 0\ntls-port {master_port}\nbind 127.0.0.1\ndir {tmp_path}\nsave \"\"\n{tls}")
+    (tmp_path / "sentinel.conf").write_text(
+        f"port 0\ntls-port {sentinel_port}\nbind 127.0.0.1\ndir {tmp_path}\n{tls}"
+        f"tls-replication yes\nsentinel monitor opgate 127.0.0.1 {master_port} 1\n")
+    procs = [subprocess.Popen([REDIS_BINARY, str(tmp_path / "master.conf")],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL),
+             subprocess.Popen([REDIS_BINARY, str(tmp_path / "sentinel.conf"), "--sentinel"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
+    url = f"rediss+sentinel://127.0.0.1:{sentinel_port}/opgate/0?ssl_ca_certs={files.ca_cert}"
+    try:
+        deadline = time.monotonic() + 10
+        while not all(_accepts(port) for port in (master_port, sentinel_port)):
+            assert all(p.poll() is None for p in procs) and time.monotonic() < deadline
+            time.sleep(0.05)
+
+        async def go() -> Verdict:
+            store = RedisStore.from_url(url, timeout=1.0)
+            try:
+                return await store.acquire([BucketRequest(key="tls", rate=1, burst=2)])
+            finally:
+                await store.close()
+
+        verdict = run(go())
+        assert verdict.allowed and verdict.keys[0].remaining == 1
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
 
 
 def test_cluster_url() -> None:
