@@ -320,12 +320,14 @@ def redacted_url(url: str) -> str:
     for ``unix://`` sockets) and Sentinel's from ``sentinel_password``."""
     head, mark, query = url.partition("?")
     if mark:
-        query = "&".join(_redacted_pair(pair) for pair in query.split("&"))
-    scheme, sep, rest = head.partition("://")
+        url = head + mark + "&".join(_redacted_pair(pair) for pair in query.split("&"))
+    # then up to the last "@" (a password may hold a "?" or "@" not percent-encoded, and
+    # hiding a little too much is safe)
+    scheme, sep, rest = url.partition("://")
     userinfo, at, hostpart = rest.rpartition("@")
-    if sep and at and ":" in userinfo:
-        head = f"{scheme}://{userinfo.partition(':')[0]}:***@{hostpart}"
-    return head + mark + query
+    if not sep or not at or ":" not in userinfo:
+        return url
+    return f"{scheme}://{userinfo.partition(':')[0]}:***@{hostpart}"
 
 
 def _redacted_pair(pair: str) -> str:

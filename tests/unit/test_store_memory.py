@@ -454,6 +454,8 @@ def test_build_store_password_sources(tmp_path, monkeypatch) -> None:  # type: i
     ("redis+sentinel://s1:26379/m?sentinel_password=pw",
      "redis+sentinel://s1:26379/m?sentinel_password=***"),
     ("rediss://h/0?ssl_ca_certs=/ca.crt", "rediss://h/0?ssl_ca_certs=/ca.crt"),
+    ("redis://:p?ss@h/0", "redis://:***@h/0"),  # not percent-encoded: still hidden
+    ("redis://h/0?password=p@ss", "redis://h/0?password=***"),
 ])
 def test_redacted_url_hides_every_password_a_url_may_hold(url: str, shown: str) -> None:
     """What /readyz and the start-up error line show of --redis-url: a password given in the
