@@ -201,11 +201,10 @@ class Fields:
 
     def int(self, key: _Str, *, required: _Bool = False, default: _Int | None = None,
             minimum: _Int | None = None, maximum: _Int | None = None) -> _Int | None:
-        check = lambda v: isinstance(v, _Int) and not isinstance(v, _Bool)  # noqa: E731
-        item = self._typed(key, required, check, "an integer")
+        item = self._typed(key, required, _is_whole, "an integer")
         if item is None:
             return default
-        value = _Int(item.value)
+        value = _Int(item.value)  # a whole float (1e6, 10.0) is the integer it equals
         # YAML integers are int64 in Kubernetes; beyond, the arithmetic done with them per call
         # (floats) overflows
         minimum = _INT64_MIN if minimum is None else max(minimum, _INT64_MIN)
@@ -273,3 +272,11 @@ def _as_float(value: float) -> float:
 
 def _is_number(value: object) -> bool:
     return isinstance(value, (_Int, float)) and not isinstance(value, _Bool)
+
+
+def _is_whole(value: object) -> bool:
+    """An integer, or a float that equals one: Kubernetes' YAML goes through JSON, where
+    ``1e6`` and ``10.0`` are the integers they equal (kubectl takes ``replicas: 1e3``)."""
+    if isinstance(value, float):
+        return value.is_integer()
+    return isinstance(value, _Int) and not isinstance(value, _Bool)

@@ -126,6 +126,18 @@ def test_fields_errors(text: str, read: object, expected: str) -> None:
     assert [str(e) for e in errors] == [expected]
 
 
+@pytest.mark.parametrize(("scalar", "number"), [
+    ("1e6", 1_000_000), ("1E3", 1000), ("10.0", 10), ("-2.0", -2), ("2.5e1", 25),
+])
+def test_a_whole_number_written_as_a_float_is_an_integer(scalar: str, number: int) -> None:
+    """Kubernetes' YAML goes through JSON, where 1e6 and 10.0 are the integer they equal
+    (``replicas: 1e3`` is 1000 to kubectl): ``burst: 1e6``, as the README writes the bound,
+    was "expected an integer, got a number"."""
+    f, errors = fields(f"a: {scalar}\n")
+    value = f.int("a")
+    assert (value, type(value), errors) == (number, int, [])
+
+
 def test_fields_bad_value_returns_default() -> None:
     f, _ = fields("a: x\nb: 'x'\n")
     assert f.str("a", choices=("y",), default="y") == "y"
