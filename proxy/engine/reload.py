@@ -8,9 +8,11 @@ writes a new ``..<timestamp>`` directory and atomically renames a ``..data_tmp``
 Changes are grouped until ``debounce_ms`` pass without another one, so an editor's truncate-
 then-write is read whole; the reload then runs in a worker thread and swaps atomically.
 
-It also watches each policy path's parent (its nearest existing ancestor), and sets the watches
-up anew whenever a directory it watches, or should watch, goes, comes back or is replaced: a
-policy directory deleted and recreated is watched again as soon as it is back. Whether each
+It also watches each policy path's parent (its nearest existing ancestor), and the directory
+of each symlink on the way to a policy path (git-sync's ``current`` link, swapped by a rename
+there), and sets the watches up anew whenever a directory it watches, or should watch, goes,
+comes back or is replaced, or such a symlink is: a policy directory deleted and recreated is
+watched again as soon as it is back. Whether each
 path is a directory or a single file is remembered from when it was first seen.
 
 A slow safety poll compares the files' digest every ``poll_seconds`` (and once right after the
@@ -82,13 +84,18 @@ class _Targets:
         # each target's nearest existing ancestor too: it sees the target deleted, (re)created
         # or renamed into place, whatever happened to the directories in between
         watched.update(_nearest_dir(os.path.dirname(t)) for t in self.dirs | self.files)
+        # a symlink on the way to a target (git-sync's "current", a "current -> release-N"
+        # deploy) is swapped by a rename in its own directory, above every watch set so far
+        self.links = {a for t in self.dirs | self.files for a in _ancestors(t)
+                      if os.path.islink(a)}
+        watched.update(_nearest_dir(os.path.dirname(a)) for a in self.links)
         self.watched = sorted(watched)
         self.identity = tuple(_identity(d) for d in self.watched)
 
     def matters(self, _change: Change, path: str) -> bool:
         """Whether a change may alter the policy set (a reload then tells for sure)."""
         path = os.path.abspath(path)
-        if path in self.files or path in self.dirs:
+        if path in self.files or path in self.dirs or path in self.links:
             return True
         parent, name = os.path.split(path)
         if parent not in self.homes:
@@ -99,9 +106,21 @@ class _Targets:
 
     def rearm(self, change: Change, path: str) -> bool:
         """Whether a change means the watches must be set up anew: a policy directory or a
-        watched directory removed, replaced or created (a new one may reuse the old inode)."""
+        watched directory removed, replaced or created (a new one may reuse the old inode), or a
+        symlink on the way to a target replaced (the watches below it see the old tree)."""
         path = os.path.abspath(path)
-        return path in self.dirs or (path in self.watched and change.name != "modified")
+        return (path in self.dirs or path in self.links
+                or (path in self.watched and change.name != "modified"))
+
+
+def _ancestors(path: str) -> list[str]:
+    """``path``'s directories, from its parent up to (not including) the root."""
+    found = []
+    path = os.path.dirname(path)
+    while os.path.dirname(path) != path:
+        found.append(path)
+        path = os.path.dirname(path)
+    return found
 
 
 def _nearest_dir(path: str) -> str:

@@ -155,3 +155,39 @@ async def test_unrelated_writes_beside_a_recreated_directory(tmp_path: Path) -> 
         await until(named(store, "two"), within=RECREATED)
         make_configmap(mount, {"policy.yaml": policy_doc("three")}, "2026_11_30_01_02_00.3")
         await until(named(store, "three"), within=1.0)
+
+
+def _git_sync(root: Path, worktree: str, name: str) -> None:
+    """Do what git-sync (``--link current``) does: check out into a worktree of its own, then
+    swap the ``current`` symlink to it by renaming a new link over it (the old one stays)."""
+    policies = root / ".worktrees" / worktree / "policies"
+    policies.mkdir(parents=True)
+    (policies / "p.yaml").write_text(policy_doc(name))
+    (root / "current.tmp").symlink_to(f".worktrees/{worktree}")
+    (root / "current.tmp").replace(root / "current")
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("target", ["directory", "file"])
+async def test_a_symlink_swapped_above_the_policies_is_seen_within_a_second(
+        tmp_path: Path, target: str) -> None:
+    """--policies under a symlink that is swapped to another tree (git-sync's --link, a
+    ``current -> release-N`` deploy): the rename happens in a directory above every watched
+    one, so it was only noticed at the watch's next 1 s tick, and the poll ran one tick
+    later: 1-2 s, and the same again for each later swap."""
+    root = tmp_path / "git"
+    _git_sync(root, "aaa", "one")
+    policies = root / "current" / "policies"
+    store = PolicyStore([policies if target == "directory" else policies / "p.yaml"],
+                        parsers=PARSERS)
+    assert store.reload()
+    async with watching(store, armed=PAST_FIRST_POLL, poll_seconds=NO_POLL):
+        for worktree, name in (("bbb", "two"), ("ccc", "three"), ("ddd", "four")):
+            _git_sync(root, worktree, name)
+            await until(named(store, name), within=1.0)
+            await asyncio.sleep(0.2)
+        (policies / "p.yaml").write_text(policy_doc("five"))  # an edit in the tree in use
+        await until(named(store, "five"), within=1.0)
+        shutil.rmtree(root / ".worktrees" / "aaa")  # git-sync removing an old tree: no reload
+        await asyncio.sleep(0.3)
+        assert names(store) == ["five"] and not store.failing
