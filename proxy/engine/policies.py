@@ -257,7 +257,7 @@ def _string_map(fields: Fields, key: str) -> None:
         fields.fail(key, f"expected a mapping of strings, got {describe_type(node.value)}")
         return
     for name, item in node.value.items():
-        if not isinstance(item.value, str):
+        if not isinstance(item.value, str) and not item.reported:
             fields.errors.append(item.error(
                 f"{fields.path(key)}.{name}: expected a string, got {describe_type(item.value)}",
                 line=node.key_lines.get(name, item.line)))

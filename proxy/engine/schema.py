@@ -52,13 +52,16 @@ class Located:
 
     ``value`` is ``dict[str, Located]``, ``list[Located]`` or a scalar (treat both containers as
     read-only: aliased nodes are shared). ``line`` is 1-based. For a mapping, ``key_lines`` gives
-    the line of each key, which is where errors about that key point.
+    the line of each key, which is where errors about that key point. ``reported``: the YAML
+    could not be made a value (an unsupported tag, a recursive alias), its error is already
+    recorded, and ``value`` is ``None``: readers skip it rather than report it again as null.
     """
 
     value: Any
     file: str
     line: int
     key_lines: Mapping[str, int] = field(default_factory=dict, repr=False, compare=False)
+    reported: bool = field(default=False, repr=False, compare=False)
 
     def where(self) -> str:
         return f"{self.file}:{self.line}"
@@ -97,7 +100,7 @@ def describe_type(value: object) -> str:
 
 def sequence(node: Located, *, what: str, errors: list[PolicyError]) -> list[Located]:
     """The items of a list node (``[]`` for null); anything else is an error."""
-    if node.value is None:
+    if node.value is None:  # null, or already reported
         return []
     if not isinstance(node.value, list):
         errors.append(node.error(f"{what}: expected a list, got {describe_type(node.value)}"))
@@ -133,7 +136,7 @@ class Fields:
         self.ok = isinstance(node.value, dict)
         self._map: dict[_Str, Located] = node.value if self.ok else {}
         self._seen: set[_Str] = set()
-        if not self.ok:
+        if not self.ok and not node.reported:
             errors.append(node.error(
                 f"{what or 'document'}: expected a mapping, got {describe_type(node.value)}"))
 
@@ -153,7 +156,7 @@ class Fields:
         item = self._map.get(key)
         if item is not None and item.value is not None:
             return item
-        if required and self.ok:
+        if required and self.ok and not (item is not None and item.reported):
             where = f" in {self.what}" if self.what else ""
             self.errors.append(self.located.error(f'missing required field "{key}"{where}',
                                                line=self._line(key)))
@@ -240,7 +243,7 @@ class Fields:
         for index, entry in enumerate(item.value):
             if isinstance(entry.value, _Str):
                 out.append(entry.value)
-            else:
+            elif not entry.reported:
                 self.errors.append(entry.error(
                     f"{self.path(key)}[{index}]: expected a string, "
                     f"got {describe_type(entry.value)}"))

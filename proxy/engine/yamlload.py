@@ -67,7 +67,7 @@ class _Converter:
     def error(self, node: yaml.Node, message: str) -> Located:
         line = node.start_mark.line + 1
         self.errors.append(PolicyError(self.file, line, message))
-        return Located(None, self.file, line)
+        return Located(None, self.file, line, reported=True)
 
     def convert(self, node: yaml.Node) -> Located:
         key = id(node)

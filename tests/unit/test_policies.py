@@ -177,6 +177,26 @@ def test_broken_files_report_file_and_line(tmp_path: Path, text: str,
     assert errors_of(path) == [e.format(f=path) for e in expected]
 
 
+@pytest.mark.parametrize(("text", "expected"), [
+    (GOOD.replace("spec:", "spec: !!python/object:os.system"),
+     ["{f}:4: unsupported YAML tag tag:yaml.org,2002:python/object:os.system"]),
+    (GOOD.replace("0.1", "!!python/name:os.system"),
+     ["{f}:7: unsupported YAML tag tag:yaml.org,2002:python/name:os.system"]),
+    (GOOD.replace("    - probability", "    - !!set\n      probability"),
+     ["{f}:7: unsupported YAML tag tag:yaml.org,2002:set"]),
+    (GOOD.replace("{name: alpha}", "{name: alpha, labels: {team: !!set {}}}"),
+     ["{f}:3: unsupported YAML tag tag:yaml.org,2002:set"]),
+])
+def test_a_value_the_yaml_refused_is_reported_once(tmp_path: Path, text: str,
+                                                   expected: list[str]) -> None:
+    """A value refused while reading (an unsupported tag, a recursive alias) is that one
+    error: it was then also read as null, which added a false second one ('missing required
+    field "spec"', "spec.faults[0]: expected a mapping, got null")."""
+    path = tmp_path / "p.yaml"
+    path.write_text(text)
+    assert errors_of(path) == [e.format(f=path) for e in expected]
+
+
 def test_metadata_labels_and_annotations_as_kubernetes_objects_have(tmp_path: Path) -> None:
     """A Kubernetes-style document may carry labels and annotations (a team, a ticket, what
     kustomize or a template adds): they were "unknown field" errors that refused the set."""
