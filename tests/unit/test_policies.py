@@ -326,6 +326,19 @@ def test_a_file_far_too_large_is_not_read_whole(tmp_path: Path,
     assert errors_of(tmp_path) == [f"{tmp_path}/a.yaml: larger than 0 MiB: not a policy file"]
 
 
+def test_a_file_larger_than_a_configmap_holds_is_refused_unparsed(tmp_path: Path) -> None:
+    """Composing YAML costs about 125 times the file's size in memory and 3.5 s of CPU per MiB:
+    under the old 16 MiB limit a 4 MiB file dropped in the directory (a CRD bundle) took 16 s
+    and 500 MB, which the chart's 256Mi limit answers by killing the serving process. Nothing
+    a ConfigMap can hold (1 MiB) is refused."""
+    comments = b"# a comment line, 32 bytes long\n" * (2**20 // 32)
+    assert len(comments) == 2**20
+    (tmp_path / "a.yaml").write_bytes(comments)  # at the limit: read (and it holds no policy)
+    assert errors_of(tmp_path) == [f"{tmp_path}/a.yaml:1: no policy document in this file"]
+    (tmp_path / "a.yaml").write_bytes(comments + b"#")
+    assert errors_of(tmp_path) == [f"{tmp_path}/a.yaml: larger than 1 MiB: not a policy file"]
+
+
 def test_a_loader_crash_is_a_file_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                         caplog: pytest.LogCaptureFixture) -> None:
     path = tmp_path / "p.yaml"
