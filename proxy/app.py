@@ -32,7 +32,7 @@ from proxy.engine.chain import Chain
 from proxy.engine.check import check
 from proxy.engine.logfile import RotatingFile
 from proxy.engine.policies import PolicyStore
-from proxy.engine.reload import reload_now, watch_policies
+from proxy.engine.reload import reload_asked, watch_policies
 from proxy.engine.schema import SectionParser
 from proxy.middlewares import audit, capture, faults, identity, quota, ratelimit
 from proxy.middlewares.accesslog import AccessLog, AccessWriter
@@ -470,7 +470,7 @@ class _Signals:
             log.info("SIGHUP: no policy files to reload (--policies)")
             return
         log.info("SIGHUP: reloading the policy files")
-        task = self._loop.create_task(reload_now(self._store))
+        task = self._loop.create_task(reload_asked(self._store))
         self._reloads.add(task)
         task.add_done_callback(self._reloads.discard)
 

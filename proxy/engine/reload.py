@@ -145,6 +145,24 @@ async def reload_now(store: PolicyStore) -> None:
         log.exception("policy reload crashed; keeping the active set")
 
 
+async def reload_asked(store: PolicyStore) -> None:
+    """A reload someone asked for (SIGHUP), with its outcome logged when there was nothing
+    new to read, so the asker is not left guessing: the set that stays, and that the files
+    are still broken when they are (a change logs its own outcome in ``store.reload``)."""
+    before = store.seen_digest
+    await reload_now(store)
+    if store.seen_digest != before:
+        return
+    active = store.current.digest[:12] or "none"
+    if store.failing:
+        log.warning("SIGHUP: the policy files are unchanged and still fail to validate "
+                    "(/debug/policies has the errors); keeping the active set (sha256 %s)",
+                    active)
+    else:
+        log.info("SIGHUP: the policy files are unchanged; the active set stays (sha256 %s)",
+                 active)
+
+
 async def _poll(store: PolicyStore) -> None:
     try:
         changed = await asyncio.to_thread(store.changed)

@@ -253,6 +253,48 @@ async def test_sighup_reloads_the_policies_at_once(upstream: str, tmp_path: Path
     assert "Traceback" not in opgate.stderr()
 
 
+async def _until_logged(opgate: OpgateProcess, text: str, within: float) -> str:
+    """opgate's stderr once it holds ``text``; fails after ``within`` seconds."""
+    deadline = asyncio.get_running_loop().time() + within
+    while text not in (err := opgate.stderr()):
+        assert asyncio.get_running_loop().time() < deadline, err
+        await asyncio.sleep(0.05)
+    return err
+
+
+@pytest.mark.asyncio
+async def test_a_sighup_that_finds_nothing_new_says_what_stays(upstream: str,
+                                                               tmp_path: Path) -> None:
+    """A SIGHUP whose files are the ones last read logs the outcome: the set that stays, and
+    when those files are broken that they still are. It logged only 'reloading the policy
+    files', which reads as if a broken edit had been taken."""
+    policies, target = hidden_policy(tmp_path, "0")
+    opgate = OpgateProcess("--upstream", upstream, "--policies", str(policies),
+                           "--no-access-log", log_dir=tmp_path)
+    try:
+        await asyncio.to_thread(opgate.wait_ready)
+        async with aiohttp.ClientSession() as admin:
+            state = await _until_active(admin, opgate.admin_url, ["version-0"], within=5)
+            opgate.proc.send_signal(signal.SIGHUP)
+            digest = str(state["digest"])[:12]
+            await _until_logged(opgate, f"SIGHUP: the policy files are unchanged; the active "
+                                        f"set stays (sha256 {digest})", within=2)
+            target.write_text(INVALID[0])
+            state = await _active(admin, opgate.admin_url)
+            deadline = asyncio.get_running_loop().time() + 5
+            while not state["failing"]:
+                assert asyncio.get_running_loop().time() < deadline, state
+                await asyncio.sleep(0.05)
+                state = await _active(admin, opgate.admin_url)
+            opgate.proc.send_signal(signal.SIGHUP)
+            err = await _until_logged(opgate, "SIGHUP: the policy files are unchanged and "
+                                              "still fail to validate", within=2)
+        assert f"keeping the active set (sha256 {digest})" in err.rsplit("SIGHUP", 1)[1], err
+    finally:
+        code = opgate.stop()
+    assert code == 0, opgate.stderr()
+
+
 @pytest.mark.asyncio
 async def test_sighup_without_policies_changes_nothing(upstream: str, tmp_path: Path) -> None:
     opgate = OpgateProcess("--upstream", upstream, "--no-access-log", log_dir=tmp_path)
