@@ -2,14 +2,16 @@
 
 client-go (1.35) sends built-in objects (ConfigMaps, Secrets, Pods…) as
 ``application/vnd.kubernetes.protobuf`` by default, so the quota's object name and the
-``{instance}`` of a controlling ownerReference must be read from such bodies too. The body is
-``k8s\\x00`` and a ``runtime.Unknown`` (``raw`` = 2) whose ``raw`` is the object; every top-level
-object has its ``ObjectMeta`` at field 1 (``name`` 1, ``generateName`` 2, ``ownerReferences``
-13: ``kind`` 1, ``name`` 3, ``controller`` 6), as in k8s.io/apimachinery's ``generated.proto``.
-Only those messages are walked, each field skipped by its length; anything malformed gives
-``None`` (the caller goes on as for a body it cannot read). :func:`object_names` reads the two
-names from a JSON body as well, for the quota and the audit log alike, at any depth the apiserver
-decodes (:mod:`proxy.engine.jsonbody`).
+``{instance}`` of a controlling ownerReference must be read from such bodies too, and the
+audit's objectRef the apiserver completes from the object (its uid and resourceVersion). The
+body is ``k8s\\x00`` and a ``runtime.Unknown`` (``raw`` = 2) whose ``raw`` is the object; every
+top-level object has its ``ObjectMeta`` at field 1 (``name`` 1, ``generateName`` 2, ``uid`` 5,
+``resourceVersion`` 6, ``ownerReferences`` 13: ``kind`` 1, ``name`` 3, ``controller`` 6), as in
+k8s.io/apimachinery's ``generated.proto``. Only those messages are walked, each field skipped by
+its length; anything malformed gives ``None`` (the caller goes on as for a body it cannot read).
+:func:`object_names` and :func:`object_ref_fields` read the same fields from a JSON body as
+well, for the quota and the audit log alike, at any depth the apiserver decodes
+(:mod:`proxy.engine.jsonbody`).
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ class ProtoMeta:
     name: str
     generate_name: str
     controller: tuple[str, str] | None  # (kind, name) of the ownerReference with controller
+    uid: str = ""
+    resource_version: str = ""
 
 
 class _Malformed(ValueError):
@@ -113,7 +117,7 @@ def read_meta(body: bytes) -> ProtoMeta | None:
         meta = _field(raw, 1) if raw is not None else None
         if meta is None:
             return None
-        name = generate_name = ""
+        name = generate_name = uid = version = ""
         controller: tuple[str, str] | None = None
         for n, value in _fields(meta):
             if not isinstance(value, memoryview):
@@ -122,13 +126,42 @@ def read_meta(body: bytes) -> ProtoMeta | None:
                 name = _text(value)
             elif n == 2:
                 generate_name = _text(value)
+            elif n == 5:
+                uid = _text(value)
+            elif n == 6:
+                version = _text(value)
             elif n == 13 and controller is None:
                 kind, owner, is_controller = _owner(value)
                 if is_controller:
                     controller = (kind, owner)
-        return ProtoMeta(name, generate_name, controller)
+        return ProtoMeta(name, generate_name, controller, uid, version)
     except _Malformed:
         return None
+
+
+def _json_metadata(body: bytes) -> dict[str, object]:
+    """``metadata`` of a JSON object body (``{}`` when there is none or it cannot be read)."""
+    try:
+        found = loads(body).get("metadata")
+    except (ValueError, AttributeError):
+        return {}
+    return found if isinstance(found, dict) else {}
+
+
+def _text_of(meta: dict[str, object], key: str) -> str:
+    value = meta.get(key)
+    return value if isinstance(value, str) else ""
+
+
+def object_ref_fields(body: bytes) -> tuple[str, str, str]:
+    """``(name, uid, resourceVersion)`` of an object body, protobuf or JSON (each ``""`` when
+    absent or unreadable): what the apiserver's audit completes an objectRef with from the
+    object it decoded."""
+    if body.startswith(MAGIC):
+        meta = read_meta(body)
+        return (meta.name, meta.uid, meta.resource_version) if meta is not None else ("", "", "")
+    found = _json_metadata(body)
+    return _text_of(found, "name"), _text_of(found, "uid"), _text_of(found, "resourceVersion")
 
 
 def object_names(body: bytes) -> tuple[str, str]:
@@ -138,11 +171,5 @@ def object_names(body: bytes) -> tuple[str, str]:
     if body.startswith(MAGIC):
         meta = read_meta(body)
         return (meta.name, meta.generate_name) if meta is not None else ("", "")
-    try:
-        found = loads(body).get("metadata")
-    except (ValueError, AttributeError):
-        return "", ""
-    if not isinstance(found, dict):
-        return "", ""
-    name, prefix = found.get("name"), found.get("generateName")
-    return (name if isinstance(name, str) else ""), (prefix if isinstance(prefix, str) else "")
+    found = _json_metadata(body)
+    return _text_of(found, "name"), _text_of(found, "generateName")

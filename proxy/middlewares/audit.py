@@ -61,6 +61,7 @@ from proxy.engine.requestinfo import RequestInfo
 from proxy.middlewares.audit_event import (
     CLIENT_GONE,
     ENCODER,
+    OBJECT_VERBS,
     event,
     joined_line,
     object_ref,
@@ -214,7 +215,7 @@ class Audit:
         line = None
         if not (not code or ctx.answer is not None or ctx.error or not call.joinable
                 or (code >= 400 and ctx.decision != "allowed")
-                or (ctx.body and not info.name)
+                or (ctx.body and info.verb in OBJECT_VERBS)  # objectRef from the body
                 or forwarded
                 # Impersonate-User is only logged where impersonation is allowed
                 or (impersonated and (call.impersonation or ctx.allow_impersonation))):

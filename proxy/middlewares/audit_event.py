@@ -17,13 +17,13 @@ from urllib.parse import quote
 from proxy.engine.context import RequestContext
 from proxy.engine.impersonation import impersonation_of
 from proxy.engine.jsonbody import MAX_DEPTH, Encoder, TooDeep, loads
-from proxy.engine.protometa import object_names
+from proxy.engine.protometa import object_ref_fields
 from proxy.engine.redact import redact_object, redact_query
 from proxy.engine.requestinfo import RequestInfo
 from proxy.middlewares.audit_spec import Decision, at_least
 
-__all__ = ["CLIENT_GONE", "ENCODER", "event", "joined_line", "micro_time", "object_ref",
-           "request_uri", "source_ips"]
+__all__ = ["CLIENT_GONE", "ENCODER", "OBJECT_VERBS", "event", "joined_line", "micro_time",
+           "object_ref", "request_uri", "source_ips"]
 
 CLIENT_GONE = 499  # what the relay records for a call whose client left before any response
 _REASONS = {400: "BadRequest", 401: "Unauthorized", 403: "Forbidden", 404: "NotFound",
@@ -161,13 +161,25 @@ def _request_object(ctx: RequestContext, decision: Decision,
 
 
 
-def _body_name(ctx: RequestContext) -> str:
-    """A create's object name from its JSON or protobuf body (as the apiserver completes
-    objectRef; client-go sends built-in kinds as protobuf by default)."""
+_REF_ORDER = ("resource", "namespace", "name", "uid", "apiGroup", "apiVersion",
+              "resourceVersion", "subresource")  # objectRef's fields in its JSON order
+OBJECT_VERBS = frozenset({"create", "update"})  # their bodies are objects, the others' not
+
+
+def _completed_ref(ctx: RequestContext, ref: dict[str, str]) -> dict[str, str]:
+    """``ref`` completed from a create's or update's object body, JSON or protobuf (client-go
+    sends built-in kinds as protobuf by default), as the apiserver's LogRequestObject does
+    at any level: the name when the URL has none, the uid and resourceVersion (client-go's
+    Update and UpdateStatus send both)."""
     body = ctx.body
-    if not body or ctx.info.verb != "create":
-        return ""
-    return object_names(body)[0]
+    if not body or ctx.info.verb not in OBJECT_VERBS:
+        return ref
+    name, uid, version = object_ref_fields(body)
+    found = {"name": name, "uid": uid, "resourceVersion": version}
+    if not any(v and k not in ref for k, v in found.items()):
+        return ref
+    merged = {**found, **ref}
+    return {k: merged[k] for k in _REF_ORDER if merged.get(k)}
 
 
 def object_ref(info: RequestInfo) -> dict[str, str] | None:
@@ -224,13 +236,7 @@ def event(ctx: RequestContext, decision: Decision, stage: str, stamp: float, uri
     if agent:
         ev["userAgent"] = agent
     if ref is not None:
-        if not info.name and ctx.body:
-            name = _body_name(ctx)
-            if name:  # in objectRef's field order: after namespace
-                ref = {**{k: v for k, v in ref.items() if k in ("resource", "namespace")},
-                       "name": name,
-                       **{k: v for k, v in ref.items() if k not in ("resource", "namespace")}}
-        ev["objectRef"] = ref
+        ev["objectRef"] = _completed_ref(ctx, ref)
     if ctx.status_code and (stage == "ResponseComplete" or ctx.status_code != CLIENT_GONE):
         ev["responseStatus"] = _status(ctx)
     if (at_least(decision.level, "Request") and info.is_resource_request

@@ -27,7 +27,7 @@ import pytest
 from proxy.envtest.binaries import KubeBinaries
 from proxy.envtest.cluster import LocalCluster
 from tests.e2e.conftest import Opgate, start_opgate
-from tests.e2e.test_protobuf import PROTOBUF, configmap_protobuf
+from tests.e2e.test_protobuf import MAGIC, PROTOBUF, _field, configmap_protobuf
 
 pytestmark = pytest.mark.e2e
 
@@ -311,6 +311,35 @@ def test_each_event_is_the_apiservers_for_the_same_call(setup: Setup) -> None:
     assert {k for k in theirs if k[0].startswith("cmp-")} == want | {
         (i, "RequestReceived") for i in sent}
     for key in sorted(want):
+        a, b = normalize(ours[key], theirs[key])
+        assert_same(a, b, key)
+
+
+def test_an_update_is_logged_with_its_objects_uid_and_resource_version(setup: Setup) -> None:
+    """client-go's Update and UpdateStatus send the object they read, uid and resourceVersion
+    included (JSON, or protobuf for a built-in kind): the apiserver's objectRef has both, from
+    the body it decoded; so has opgate's."""
+    cluster = setup.cluster
+    cluster.call("POST", CM, body=configmap("upd")).ok()
+    cluster.call("POST", DEPLOY, body={**DEPLOYMENT, "metadata": {"name": "upd"}}).ok()
+    cm = cluster.call("GET", f"{CM}/upd").ok().json()
+    deploy = cluster.call("GET", f"{DEPLOY}/upd").ok().json()
+    json_update = {**cm, "data": {"k": "json"}}
+    status_update = {**deploy, "status": {"observedGeneration": 1}}
+    sent = [("upd-json", f"{CM}/upd", json_update, None),
+            ("upd-status", f"{DEPLOY}/upd/status", status_update, None)]
+    for audit_id, path, body, ctype in sent:
+        assert send(setup, audit_id, "PUT", path, body, ctype) == 200, audit_id
+    meta = cluster.call("GET", f"{CM}/upd").ok().json()["metadata"]
+    pb_meta = b"".join(_field(n, meta[k].encode()) for n, k in (
+        (1, "name"), (3, "namespace"), (5, "uid"), (6, "resourceVersion")))
+    pb_body = MAGIC + _field(1, _field(1, b"v1") + _field(2, b"ConfigMap")) + _field(
+        2, _field(1, pb_meta) + _field(2, _field(1, b"k") + _field(2, b"pb")))
+    assert send(setup, "upd-pb", "PUT", f"{CM}/upd", pb_body, PROTOBUF) == 200
+    want = {(i, "ResponseComplete") for i in ("upd-json", "upd-status", "upd-pb")}
+    ours, theirs = by_id(setup.opgate_log, want), by_id(setup.apiserver_log, want)
+    for key in sorted(want):
+        assert {"uid", "resourceVersion"} <= set(theirs[key]["objectRef"]), key
         a, b = normalize(ours[key], theirs[key])
         assert_same(a, b, key)
 

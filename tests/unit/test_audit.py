@@ -544,6 +544,54 @@ def test_request_level_records_the_request_object() -> None:
     assert len(out.lines) == 1
 
 
+# metadata.uid (5) and resourceVersion (6) of a ConfigMap's ObjectMeta, as client-go's update
+UPDATE_PB = b"k8s\x00" + bytes([0x12, 17, 0x0A, 15, 0x0A, 4]) + b"cm-1" + bytes(
+    [0x2A, 3]) + b"u-1" + bytes([0x32, 2]) + b"42"
+
+
+@pytest.mark.parametrize(("ctype", "body"), [
+    ("application/json", json.dumps({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {
+        "name": "cm-1", "uid": "u-1", "resourceVersion": "42"}}).encode()),
+    ("application/vnd.kubernetes.protobuf", UPDATE_PB),
+], ids=["json", "protobuf"])
+@pytest.mark.parametrize("level", ["Metadata", "Request"])
+def test_an_update_names_its_objects_uid_and_resource_version(ctype: str, body: bytes,
+                                                               level: str) -> None:
+    """client-go's Update and UpdateStatus send the object with its uid and resourceVersion:
+    the apiserver completes objectRef with both from the body it decoded (its
+    LogRequestObject, at Metadata too), so does opgate whenever it read the body."""
+    out = Lines()
+    pset = policies(f"    level: {level}\n")
+    for path in ("/api/v1/namespaces/a/configmaps/cm-1",
+                 "/apis/apps/v1/namespaces/a/deployments/cm-1/status"):
+        ctx = make_ctx("PUT", path, pset=pset, headers={"Content-Type": ctype}, body=body)
+        ctx.identity = SA
+        run_call(Audit(write=out), ctx, 200)
+    first, status = out.events
+    for ev in (first, status):
+        check_shape(ev)
+    assert first["objectRef"] == {"resource": "configmaps", "namespace": "a", "name": "cm-1",
+                                  "uid": "u-1", "apiVersion": "v1", "resourceVersion": "42"}
+    assert status["objectRef"] == {"resource": "deployments", "namespace": "a", "name": "cm-1",
+                                   "uid": "u-1", "apiGroup": "apps", "apiVersion": "v1",
+                                   "resourceVersion": "42", "subresource": "status"}
+
+
+def test_a_patch_or_delete_keeps_objectref_as_the_url_gives_it() -> None:
+    """The apiserver completes objectRef from an object body only (a create's, an update's): a
+    patch is logged as sent and DeleteOptions have no metadata."""
+    out = Lines()
+    pset = policies("    level: Request\n")
+    body = json.dumps({"metadata": {"uid": "u-1", "resourceVersion": "42"}}).encode()
+    for method, ctype in (("PATCH", "application/merge-patch+json"),
+                          ("DELETE", "application/json")):
+        ctx = make_ctx(method, "/api/v1/namespaces/a/configmaps/cm-1", pset=pset,
+                       headers={"Content-Type": ctype}, body=body)
+        run_call(Audit(write=out), ctx, 200)
+    assert [ev["objectRef"] for ev in out.events] == [
+        {"resource": "configmaps", "namespace": "a", "name": "cm-1", "apiVersion": "v1"}] * 2
+
+
 def test_non_json_bodies_are_left_out_with_a_note() -> None:
     out = Lines()
     pset = policies("    level: Request\n")

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from proxy.engine.protometa import ProtoMeta, is_protobuf, object_names, read_meta
+from proxy.engine.protometa import (
+    ProtoMeta,
+    is_protobuf,
+    object_names,
+    object_ref_fields,
+    read_meta,
+)
 
 # a ConfigMap as kube-apiserver v1.35.4 served it with Accept: application/vnd.kubernetes.protobuf
 # (created with generateName "gen-", labels, an ownerReference that is not the controller, then
@@ -30,8 +36,9 @@ NAMED_PB = b"k8s\x00" + bytes([0x12, 8, 0x0A, 6, 0x0A, 4]) + b"cm-1"
 
 
 def test_a_body_the_apiserver_encoded() -> None:
-    assert read_meta(CONFIGMAP_PB) == ProtoMeta(name="gen-xp2jf", generate_name="gen-",
-                                                controller=("Widget", "w1"))
+    assert read_meta(CONFIGMAP_PB) == ProtoMeta(
+        name="gen-xp2jf", generate_name="gen-", controller=("Widget", "w1"),
+        uid="60eaa7a1-e210-4b00-b658-f9c8b7573f40", resource_version="197")
 
 
 def test_a_name_only() -> None:
@@ -76,6 +83,20 @@ def test_content_types() -> None:
 ])
 def test_object_names_from_protobuf_or_json(body: bytes, names: tuple[str, str]) -> None:
     assert object_names(body) == names
+
+
+@pytest.mark.parametrize(("body", "fields"), [
+    (CONFIGMAP_PB, ("gen-xp2jf", "60eaa7a1-e210-4b00-b658-f9c8b7573f40", "197")),
+    (NAMED_PB, ("cm-1", "", "")),
+    (b'{"metadata": {"name": "cm-2", "uid": "u", "resourceVersion": "7"}}', ("cm-2", "u", "7")),
+    (b'{"metadata": {"uid": 5, "resourceVersion": ["7"]}}', ("", "", "")),
+    (b'{"kind": "DeleteOptions", "propagationPolicy": "Background"}', ("", "", "")),
+    (b"{not json", ("", "", "")),
+    (NAMED_PB[:-1], ("", "", "")),
+])
+def test_object_ref_fields_from_protobuf_or_json(body: bytes,
+                                                 fields: tuple[str, str, str]) -> None:
+    assert object_ref_fields(body) == fields
 
 
 def deep(depth: int) -> bytes:
