@@ -17,6 +17,16 @@ Only the supervisor merges and scrapes, and the two exclude each other (:data:`_
 file's removal would count the dead worker twice, and the next scrape less, a counter that went
 down. Imported only once ``PROMETHEUS_MULTIPROC_DIR`` is set (prometheus_client picks its value
 class at import).
+
+A full disk (an emptyDir with a ``sizeLimit``, a small tmpfs) must cost metrics, not processes.
+prometheus_client makes and grows its files with ``ftruncate``, which allocates nothing, and
+writes through their mmap: the first write to a page the file system then has no room for is a
+SIGBUS, which killed every worker, and the supervisor writing an archive. :class:`ReservedFile`
+reserves every block with ``posix_fallocate`` before the library maps or grows its file, so
+the refusal is an ``ENOSPC`` (an :class:`OSError`) instead: :func:`retire` keeps the dead file
+then, and a worker's files (:func:`install` makes the library use :class:`SpillingFile`) go on
+in memory (a ``memfd``), logged once: that worker's counts stop reaching the supervisor's
+``/metrics``, its calls go on.
 """
 
 from __future__ import annotations
@@ -24,18 +34,124 @@ from __future__ import annotations
 import contextlib
 import glob
 import logging
+import mmap
 import os
 import threading
 from collections.abc import Iterable
 
+import prometheus_client.values
 from prometheus_client.metrics_core import Metric
 from prometheus_client.mmap_dict import MmapedDict, mmap_key
 from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
 
 log = logging.getLogger("opgate.workers")
+_FIRST_SIZE = 1 << 16  # the size prometheus_client gives a new file (its _INITIAL_MMAP_SIZE)
+_spilled_once = False  # whether this process has said that its metrics went to memory
 
 ARCHIVED = ("counter", "histogram", "summary")  # the kinds whose samples add up
 _LOCK = threading.Lock()
+
+
+def _entry_size(key: str) -> int:
+    """The bytes one value takes in a file: its key's length, the key padded to 8, two
+    doubles (prometheus_client's layout)."""
+    encoded = len(key.encode("utf-8"))
+    return 4 + encoded + (8 - (encoded + 4) % 8) + 16
+
+
+class ReservedFile(MmapedDict):  # type: ignore[misc]
+    """prometheus_client's file with its blocks reserved before they are mapped: a full disk
+    refuses with an :class:`OSError` (``ENOSPC``), never a SIGBUS on a later write."""
+
+    def __init__(self, filename: str, read_mode: bool = False) -> None:
+        if not read_mode:
+            _reserve_first(filename)
+        super().__init__(filename, read_mode)
+
+    def _init_value(self, key: str) -> None:
+        capacity = self._capacity
+        while self._used + _entry_size(key) > capacity:
+            capacity *= 2
+        if capacity > self._capacity:  # the library grows it by ftruncate next: reserve first
+            self._grow(capacity)
+        super()._init_value(key)
+
+    def _grow(self, capacity: int) -> None:
+        os.posix_fallocate(self._f.fileno(), 0, capacity)
+
+
+def _reserve_first(filename: str) -> None:
+    """Give ``filename`` its first blocks, all of them allocated. A new one is made under
+    another name (not ``*.db``) and renamed once it has them: a scrape never reads an empty
+    file (that would fail it), nor is one left behind by a full disk."""
+    if os.path.exists(filename):
+        fd = os.open(filename, os.O_RDWR)
+        try:
+            os.posix_fallocate(fd, 0, max(os.fstat(fd).st_size, _FIRST_SIZE))
+        finally:
+            os.close(fd)
+        return
+    partial = filename + ".new"
+    fd = os.open(partial, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        os.posix_fallocate(fd, 0, _FIRST_SIZE)
+        os.replace(partial, filename)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(partial)
+        raise
+    finally:
+        os.close(fd)
+
+
+class SpillingFile(ReservedFile):
+    """A worker's file: when the disk refuses it blocks, its values go on in memory (a memfd,
+    which no file system limits) from then on, and this process says so once. What the file
+    held stays on the disk (whole entries only), counted by the supervisor's scrapes."""
+
+    def __init__(self, filename: str, read_mode: bool = False) -> None:
+        try:
+            super().__init__(filename, read_mode)
+        except OSError as exc:
+            _say_spilled(filename, exc)
+            fd = os.memfd_create("opgate-metrics")
+            try:  # the library opens a file by name: this process's own view of the memfd
+                MmapedDict.__init__(self, f"/proc/self/fd/{fd}")
+            finally:
+                os.close(fd)
+
+    def _grow(self, capacity: int) -> None:
+        try:
+            super()._grow(capacity)
+        except OSError as exc:
+            _say_spilled(self._fname, exc)
+            self._to_memory()
+
+    def _to_memory(self) -> None:
+        """Go on in a memfd holding what the file holds (the library then grows that)."""
+        fd = os.memfd_create("opgate-metrics")
+        moved = open(fd, "a+b")
+        moved.truncate(self._capacity)
+        memory = mmap.mmap(moved.fileno(), self._capacity)
+        memory[:self._used] = self._m[:self._used]
+        self._m.close()
+        self._f.close()
+        self._f, self._m = moved, memory
+
+
+def _say_spilled(filename: str, exc: OSError) -> None:
+    global _spilled_once
+    if not _spilled_once:
+        _spilled_once = True
+        log.warning("cannot write the metrics file %s (%s): this worker's metrics go on in "
+                    "memory from now on, and /metrics no longer counts its calls", filename,
+                    exc.strerror or exc)
+
+
+def install() -> None:
+    """Make prometheus_client's values use :class:`SpillingFile` (it looks its file class up
+    in ``prometheus_client.values`` when it opens one): before the first metric is made."""
+    prometheus_client.values.MmapedDict = SpillingFile  # type: ignore[attr-defined]
 
 
 def archive_path(path: str, kind: str) -> str:
@@ -78,7 +194,7 @@ def _fold(dead: str, archive: str) -> None:
 
 
 def _write(path: str, metrics: Iterable[Metric]) -> None:
-    out = MmapedDict(path)  # type: ignore[no-untyped-call]
+    out = ReservedFile(path)
     try:
         for metric in metrics:
             for sample in metric.samples:

@@ -57,6 +57,10 @@ disable_created_metrics()
 # read here the same way: in multiprocess mode the files must follow the updates promptly.
 _MULTIPROCESS = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR")
                      or os.environ.get("prometheus_multiproc_dir"))
+if _MULTIPROCESS:  # before the first metric opens a file: a full disk must not SIGBUS us
+    from proxy.engine.metricfiles import install
+
+    install()
 
 FLUSH_EVERY = 0.05  # seconds a worker's updates may wait before they reach the shared files
 _dirty: list[_Child] = []

@@ -19,14 +19,16 @@ class OpgateProcess:
     """An ``opgate serve`` child process with its API and admin URLs and its captured output."""
 
     def __init__(self, *args: str, log_dir: Path, env: dict[str, str] | None = None,
-                 session: bool = False) -> None:
+                 session: bool = False, wrapper: tuple[str, ...] = ()) -> None:
         self.port = free_port()
         self.admin_port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.admin_url = f"http://127.0.0.1:{self.admin_port}"
         self.stdout_path = log_dir / f"opgate-{self.port}.out"
         self.stderr_path = log_dir / f"opgate-{self.port}.err"
-        cmd = [sys.executable, "-m", "proxy", "serve", "--listen", f"127.0.0.1:{self.port}",
+        # wrapper: a command that execs the rest (e.g. into a namespace of its own)
+        cmd = [*wrapper, sys.executable, "-m", "proxy", "serve", "--listen",
+               f"127.0.0.1:{self.port}",
                "--admin-listen", f"127.0.0.1:{self.admin_port}", *args]
         self._out = self.stdout_path.open("wb")
         self._err = self.stderr_path.open("wb")

@@ -687,3 +687,46 @@ async def test_sigterm_while_the_workers_start_stops_them_and_says_so(
     assert "shutting down 2 workers while they start" in err, err
     assert not [pid for pid in workers if alive(pid)]
     assert "Traceback" not in err, err
+
+
+def on_a_small_tmpdir(tmpdir: Path, *, size_kb: int, free_kb: int) -> tuple[str, ...]:
+    """A wrapper (:class:`OpgateProcess`) that runs opgate with ``$TMPDIR`` on a tmpfs of
+    ``size_kb`` of which only ``free_kb`` are free (an emptyDir with a ``sizeLimit`` that the
+    audit log or a capture filled), mounted in a user and mount namespace of its own
+    (``unshare -rm``: no privilege needed where user namespaces are allowed)."""
+    taken = size_kb - free_kb
+    script = (f'mount -t tmpfs -o size={size_kb}k tmpfs {tmpdir} && '
+              f'dd if=/dev/zero of={tmpdir}/taken bs=1k count={taken} 2>/dev/null; '
+              'exec "$@"')
+    return ("unshare", "--user", "--map-root-user", "--mount", "sh", "-c", script, "sh")
+
+
+@pytest.mark.asyncio
+async def test_workers_serve_on_without_room_for_their_metric_files(
+        upstream: str, redis_server: RedisServer, policy_file: Path, tmp_path: Path) -> None:
+    """Room for the run directory (settings, sockets) but not for each worker's metric files:
+    the workers serve all the same, each says once that its metrics stay in memory (they
+    died of SIGBUS at their first metric, and opgate did not start)."""
+    tmpdir = tmp_path / "tmp"
+    tmpdir.mkdir()
+    proc = OpgateProcess("--upstream", upstream, "--redis-url", redis_server.url,
+                         "--redis-timeout", "2", "--policies", str(policy_file.parent),
+                         "--workers", "2", log_dir=tmp_path, env={"TMPDIR": str(tmpdir)},
+                         wrapper=on_a_small_tmpdir(tmpdir, size_kb=512, free_kb=8))
+    try:
+        await asyncio.to_thread(proc.wait_ready)
+        workers = children(proc.proc.pid)
+        assert len(workers) == 2
+        assert [r.status for r in await _calls(proc.url, 100)] == [200] * 100
+        status, _ = await _get(proc.admin_url + "/metrics")
+        assert status == 200
+        assert children(proc.proc.pid) == workers  # none died, none restarted
+    finally:
+        workers = children(proc.proc.pid)
+        proc.stop()
+        for pid in workers:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+    warned = [line for line in proc.stderr().splitlines() if "go on in memory" in line]
+    assert 1 <= len(warned) <= 2, proc.stderr()  # once per worker that ran out of room
+    assert "Traceback" not in proc.stderr()

@@ -91,3 +91,93 @@ def test_a_merge_that_cannot_be_written_leaves_the_file_counted(
     assert f"gauge_livesum_{pid}.db" not in files
     assert sum(v for k, v in _scrape(tmp_path).items()
                if k.startswith("opgate_requests_total")) == 5
+
+
+# A metrics directory on a small tmpfs of its own (an emptyDir with a sizeLimit, or medium
+# Memory, as the chart's /tmp may be), mounted in a user and mount namespace (`unshare -rm`:
+# no privilege needed where user namespaces are allowed) around one Python process, which
+# fills it as the test says first. On a full one, prometheus_client's files (grown by
+# ftruncate, sparse, then written through their mmap) made the kernel SIGBUS the process.
+FULL_DISK = """
+import logging, os, sys
+logging.basicConfig(stream=sys.stderr, level=logging.WARNING, format="%(name)s: %(message)s")
+os.environ["PROMETHEUS_MULTIPROC_DIR"] = sys.argv[1]
+{body}
+"""
+COUNT = """
+from proxy.engine import telemetry as t
+for i in range({n}):
+    t.REQUESTS.labels("get", "g%d.example.com" % i, "widgets", "200", "allowed").inc()
+    t.REQUEST_DURATION.labels("get").observe(0.003)
+    t.flush()
+print("alive", t.REQUESTS.labels("get", "g0.example.com", "widgets", "200", "allowed")
+      ._target._value.get())
+from proxy.engine.metricfiles import Collector  # as the supervisor reads every file there
+print(sum(1 for f in Collector(sys.argv[1]).collect() if f.name == "opgate_requests") <= 1)
+"""
+
+
+def _on_a_small_tmpfs(tmp_path: Path, body: str, *, size_kb: int,
+                      fill_kb: int = 0) -> subprocess.CompletedProcess[str]:
+    """Run ``body`` (Python) with its metrics directory (``sys.argv[1]``) on a ``size_kb``
+    tmpfs, ``fill_kb`` of it taken first by another file."""
+    mnt = tmp_path / "metrics"
+    mnt.mkdir()
+    fill = (f"dd if=/dev/zero of={mnt}/other bs=1k count={fill_kb} 2>/dev/null; "
+            if fill_kb else "")
+    shell = (f"mount -t tmpfs -o size={size_kb}k tmpfs {mnt} && {fill}"
+             f'exec "$0" -c "$1" {mnt}')
+    return subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", shell,
+                           sys.executable, FULL_DISK.format(body=body)],
+                          capture_output=True, text=True, timeout=120)
+
+
+def _survived(done: subprocess.CompletedProcess[str]) -> str:
+    assert done.returncode == 0, f"exit {done.returncode}: {done.stderr[-2000:]}"
+    return done.stdout
+
+
+@pytest.mark.parametrize(("size_kb", "fill_kb", "n"), [
+    (128, 128, 50),  # full before the first file: none can be mapped
+    (512, 0, 3000),  # room for the first files, not for their growth
+], ids=["full-from-the-start", "full-while-counting"])
+def test_a_full_metrics_directory_costs_metrics_not_the_worker(
+        tmp_path: Path, size_kb: int, fill_kb: int, n: int) -> None:
+    """A worker's metrics on a full disk: it goes on counting (in memory, where the supervisor
+    does not see it), says so once, and what it left there stays readable to a scrape."""
+    done = _on_a_small_tmpfs(tmp_path, COUNT.format(n=n), size_kb=size_kb, fill_kb=fill_kb)
+    assert _survived(done).split() == ["alive", "1.0", "True"]
+    warned = [line for line in done.stderr.splitlines() if "in memory" in line]
+    assert len(warned) == 1, done.stderr
+    assert "No space left on device" in warned[0]
+
+
+RETIRE_ON_A_FULL_DISK = """
+import subprocess
+worker = subprocess.run([sys.executable, "-c", {worker!r}], env=os.environ, check=True)
+pid = int(next(f for f in os.listdir(sys.argv[1]) if f.startswith("counter_"))[8:-3])
+from prometheus_client.multiprocess import mark_process_dead
+mark_process_dead(pid, sys.argv[1])  # (retire's first step: it frees their room)
+filler = os.path.join(sys.argv[1], "other")
+fd = os.open(filler, os.O_WRONLY | os.O_CREAT)
+try:  # the rest of the room taken
+    while os.write(fd, b"x" * 4096):
+        pass
+except OSError:
+    os.close(fd)
+from proxy.engine.metricfiles import retire
+retire(pid, sys.argv[1])
+print("alive", sorted(f for f in os.listdir(sys.argv[1]) if f.endswith(".db")) == [
+    f"counter_{{pid}}.db", f"histogram_{{pid}}.db"])
+"""
+
+
+def test_retiring_a_worker_on_a_full_disk_keeps_its_files_and_the_supervisor(
+        tmp_path: Path) -> None:
+    """The supervisor folds a dead worker's counts into the archive: on a full disk it keeps
+    the worker's files as they are, says so, and goes on (it died of SIGBUS writing the
+    archive's first page)."""
+    done = _on_a_small_tmpfs(tmp_path, RETIRE_ON_A_FULL_DISK.format(worker=WORKER.format(n=3)),
+                             size_kb=1024)
+    assert _survived(done).split() == ["alive", "True"]
+    assert "cannot merge" in done.stderr and "No space left on device" in done.stderr
