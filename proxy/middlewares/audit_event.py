@@ -32,6 +32,9 @@ _REASONS = {400: "BadRequest", 401: "Unauthorized", 403: "Forbidden", 404: "NotF
 _PATH_SAFE = "/:@!$&'()*+,;=-._~"
 _NEEDS_QUOTE = re.compile(r"[^A-Za-z0-9/:@!$&'()*+,;=\-._~]")
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
+_REF_ORDER = ("resource", "namespace", "name", "uid", "apiGroup", "apiVersion",
+              "resourceVersion", "subresource")  # objectRef's fields in its JSON order
+OBJECT_VERBS = frozenset({"create", "update"})  # their bodies are objects, the others' not
 ENCODER = Encoder(ensure_ascii=False, separators=(",", ":"))  # also a requestObject of any depth
 _DECISIONS = {d: ENCODER.encode(d) for d in (
     "allowed", "denied", "unauthorized", "throttled", "unavailable", "fault", "error", "quota")}
@@ -152,18 +155,16 @@ def _request_object(ctx: RequestContext, decision: Decision,
         return None
     info = ctx.info
     obj = redact_object(obj, info.api_group, info.resource, info.subresource)
-    if isinstance(obj, dict):
-        if decision.omit_managed_fields:
-            meta = obj.get("metadata")
-            if isinstance(meta, dict) and "managedFields" in meta:
-                obj["metadata"] = {k: v for k, v in meta.items() if k != "managedFields"}
+    # omitManagedFields drops them from an object (a create's, an update's), as the apiserver's
+    # LogRequestObject; a patch it logs as sent (LogRequestPatch), so one that clears them
+    # (managedFields: [{}]) shows it did
+    if decision.omit_managed_fields and isinstance(obj, dict) and info.verb in OBJECT_VERBS:
+        meta = obj.get("metadata")
+        if isinstance(meta, dict) and "managedFields" in meta:
+            obj["metadata"] = {k: v for k, v in meta.items() if k != "managedFields"}
     return obj
 
 
-
-_REF_ORDER = ("resource", "namespace", "name", "uid", "apiGroup", "apiVersion",
-              "resourceVersion", "subresource")  # objectRef's fields in its JSON order
-OBJECT_VERBS = frozenset({"create", "update"})  # their bodies are objects, the others' not
 
 
 def _completed_ref(ctx: RequestContext, ref: dict[str, str]) -> dict[str, str]:

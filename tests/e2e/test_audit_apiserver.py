@@ -51,6 +51,7 @@ RULES = f"""\
 APISERVER_POLICY = f"""\
 apiVersion: audit.k8s.io/v1
 kind: Policy
+omitManagedFields: true
 rules:
 {RULES}  - level: None
 """
@@ -70,6 +71,7 @@ spec:
       - {{name: all, verbs: ["*"], resources: ["*"]}}
   audit:
     level: None
+    omitManagedFields: true
     rules:
 {"".join("  " * 2 + line + chr(10) for line in RULES.splitlines())}"""
 
@@ -340,6 +342,31 @@ def test_an_update_is_logged_with_its_objects_uid_and_resource_version(setup: Se
     ours, theirs = by_id(setup.opgate_log, want), by_id(setup.apiserver_log, want)
     for key in sorted(want):
         assert {"uid", "resourceVersion"} <= set(theirs[key]["objectRef"]), key
+        a, b = normalize(ours[key], theirs[key])
+        assert_same(a, b, key)
+
+
+def test_managed_fields_are_omitted_from_objects_not_from_patches(setup: Setup) -> None:
+    """``omitManagedFields`` (both policies): the apiserver drops ``metadata.managedFields``
+    from the objects it logs (a create's, an update's) but logs a patch as it was sent, so a
+    patch that clears them (``managedFields: [{}]``, the documented way) shows it did."""
+    setup.cluster.call("POST", CM, body=configmap("mf")).ok()
+    cleared = {"metadata": {"managedFields": [{}]}}
+    sent = [("mf-merge", "PATCH", f"{CM}/mf", cleared, MERGE),
+            ("mf-strategic", "PATCH", f"{CM}/mf", cleared, STRATEGIC),
+            ("mf-create", "POST", CM, {**configmap("mf2"), "metadata": {
+                "name": "mf2", "managedFields": [{"manager": "m", "operation": "Update",
+                                                  "apiVersion": "v1"}]}}, None)]
+    for audit_id, method, path, body, ctype in sent:
+        assert send(setup, audit_id, method, path, body, ctype) in (200, 201), audit_id
+    want = {(audit_id, "ResponseComplete") for audit_id, *_ in sent}
+    ours, theirs = by_id(setup.opgate_log, want), by_id(setup.apiserver_log, want)
+    for patch in ("mf-merge", "mf-strategic"):  # logged as sent: the same, not a subset
+        key = (patch, "ResponseComplete")
+        assert ours[key]["requestObject"] == theirs[key]["requestObject"] == cleared
+    assert "managedFields" not in theirs[("mf-create", "ResponseComplete")]["requestObject"][
+        "metadata"]
+    for key in sorted(want):
         a, b = normalize(ours[key], theirs[key])
         assert_same(a, b, key)
 

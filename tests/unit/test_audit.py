@@ -592,6 +592,26 @@ def test_a_patch_or_delete_keeps_objectref_as_the_url_gives_it() -> None:
         {"resource": "configmaps", "namespace": "a", "name": "cm-1", "apiVersion": "v1"}] * 2
 
 
+@pytest.mark.parametrize(("method", "ctype", "kept"), [
+    ("PATCH", "application/merge-patch+json", True),
+    ("PATCH", "application/strategic-merge-patch+json", True),
+    ("PUT", "application/json", False),
+    ("POST", "application/json", False),
+])
+def test_omit_managed_fields_spares_a_patch(method: str, ctype: str, kept: bool) -> None:
+    """The apiserver drops managedFields from the objects it logs, and logs a patch as sent:
+    one that clears them (``managedFields: [{}]``) keeps them in requestObject."""
+    out = Lines()
+    pset = policies("    omitManagedFields: true\n    level: Request\n")
+    body = {"metadata": {"name": "cm-1", "managedFields": [{}]}}
+    path = "/api/v1/namespaces/a/configmaps" + ("" if method == "POST" else "/cm-1")
+    ctx = make_ctx(method, path, pset=pset, headers={"Content-Type": ctype},
+                   body=json.dumps(body).encode())
+    run_call(Audit(write=out), ctx, 200)
+    (ev,) = out.events
+    assert ev["requestObject"] == (body if kept else {"metadata": {"name": "cm-1"}})
+
+
 def test_non_json_bodies_are_left_out_with_a_note() -> None:
     out = Lines()
     pset = policies("    level: Request\n")
