@@ -23,7 +23,7 @@ from proxy.engine.requestinfo import RequestInfo
 from proxy.middlewares.audit_spec import Decision, at_least
 
 __all__ = ["CLIENT_GONE", "ENCODER", "OBJECT_VERBS", "event", "joined_line", "micro_time",
-           "object_ref", "request_uri", "source_ips"]
+           "object_ref", "request_uri", "source_ips", "user_agent"]
 
 CLIENT_GONE = 499  # what the relay records for a call whose client left before any response
 _REASONS = {400: "BadRequest", 401: "Unauthorized", 403: "Forbidden", 404: "NotFound",
@@ -32,6 +32,7 @@ _REASONS = {400: "BadRequest", 401: "Unauthorized", 403: "Forbidden", 404: "NotF
 _PATH_SAFE = "/:@!$&'()*+,;=-._~"
 _NEEDS_QUOTE = re.compile(r"[^A-Za-z0-9/:@!$&'()*+,;=\-._~]")
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
+MAX_USER_AGENT = 1024  # the apiserver's maxUserAgentLength
 _REF_ORDER = ("resource", "namespace", "name", "uid", "apiGroup", "apiVersion",
               "resourceVersion", "subresource")  # objectRef's fields in its JSON order
 OBJECT_VERBS = frozenset({"create", "update"})  # their bodies are objects, the others' not
@@ -95,6 +96,15 @@ def source_ips(ctx: RequestContext) -> list[str]:
     if remote is not None and (not found or found[-1] != remote):
         found.append(remote)
     return found
+
+
+def user_agent(agent: str) -> str:
+    """``userAgent`` as the apiserver logs it: at most its first 1,024 characters (bytes, for
+    the ASCII every client sends), then ``...TRUNCATED``, so no client makes each event as
+    large as its headers."""
+    if len(agent) > MAX_USER_AGENT:
+        return agent[:MAX_USER_AGENT] + "...TRUNCATED"
+    return agent
 
 
 def request_uri(path: str, query: str, *, escaped: bool = False) -> str:
@@ -235,7 +245,7 @@ def event(ctx: RequestContext, decision: Decision, stage: str, stamp: float, uri
         ev["sourceIPs"] = sources
     agent = ctx.headers.get("user-agent")
     if agent:
-        ev["userAgent"] = agent
+        ev["userAgent"] = user_agent(agent)
     if ref is not None:
         ev["objectRef"] = _completed_ref(ctx, ref)
     if ctx.status_code and (stage == "ResponseComplete" or ctx.status_code != CLIENT_GONE):

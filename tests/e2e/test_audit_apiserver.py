@@ -371,6 +371,23 @@ def test_managed_fields_are_omitted_from_objects_not_from_patches(setup: Setup) 
         assert_same(a, b, key)
 
 
+def test_a_long_user_agent_is_cut_as_the_apiserver_cuts_it(setup: Setup) -> None:
+    """The apiserver logs at most 1,024 bytes of a User-Agent, then ``...TRUNCATED``: a
+    client cannot make each event as large as its headers."""
+    agent = "audit-cmp/1.0 " + "x" * 2000
+    for audit_id in ("ua-long", "ua-1024"):
+        value = agent if audit_id == "ua-long" else agent[:1024]
+        assert send(setup, audit_id, "GET", f"{CM}?labelSelector=ua%3D{audit_id}",
+                    headers={"User-Agent": value}) == 200
+    want = {("ua-long", "ResponseComplete"), ("ua-1024", "ResponseComplete")}
+    ours, theirs = by_id(setup.opgate_log, want), by_id(setup.apiserver_log, want)
+    assert theirs[("ua-long", "ResponseComplete")]["userAgent"] == agent[:1024] + "...TRUNCATED"
+    assert theirs[("ua-1024", "ResponseComplete")]["userAgent"] == agent[:1024]
+    for key in sorted(want):
+        a, b = normalize(ours[key], theirs[key])
+        assert_same(a, b, key)
+
+
 @pytest.mark.parametrize(("method", "path", "rule", "denial", "details"), [
     ("GET", f"/api/v1/namespaces/{NS}/secrets", "no-secrets", "secrets is forbidden",
      {"kind": "secrets"}),

@@ -612,6 +612,20 @@ def test_omit_managed_fields_spares_a_patch(method: str, ctype: str, kept: bool)
     assert ev["requestObject"] == (body if kept else {"metadata": {"name": "cm-1"}})
 
 
+@pytest.mark.parametrize("wire", [False, True], ids=["aiohttp", "fast"])
+def test_a_long_user_agent_is_cut_as_the_apiserver_cuts_it(wire: bool) -> None:
+    """At most 1,024 characters, then ``...TRUNCATED`` (the apiserver's maxUserAgentLength),
+    in the joined lines as in the encoded ones (a second identical call takes the first)."""
+    out = Lines()
+    auditor = Audit(write=out)
+    agent = "ctl/1.0 " + "x" * 1500
+    for value in (agent, agent, agent[:1024]):
+        run_call(auditor, make_ctx("GET", "/api/v1/namespaces/a/configmaps/c",
+                                   headers={"User-Agent": value}, wire=wire))
+    assert [ev["userAgent"] for ev in out.events] == [
+        agent[:1024] + "...TRUNCATED", agent[:1024] + "...TRUNCATED", agent[:1024]]
+
+
 def test_non_json_bodies_are_left_out_with_a_note() -> None:
     out = Lines()
     pset = policies("    level: Request\n")
