@@ -25,8 +25,9 @@ SIGBUS, which killed every worker, and the supervisor writing an archive. :class
 reserves every block with ``posix_fallocate`` before the library maps or grows its file, so
 the refusal is an ``ENOSPC`` (an :class:`OSError`) instead: :func:`retire` keeps the dead file
 then, and a worker's files (:func:`install` makes the library use :class:`SpillingFile`) go on
-in memory (a ``memfd``), logged once: that worker's counts stop reaching the supervisor's
-``/metrics``, its calls go on.
+in memory, logged once: that worker's counts stop reaching the supervisor's
+``/metrics``, its calls go on. (``RLIMIT_FSIZE`` refuses the same way, with ``EFBIG``:
+Python ignores SIGXFSZ.)
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import glob
 import logging
 import mmap
 import os
+import struct
 import threading
 from collections.abc import Iterable
 
@@ -46,6 +48,7 @@ from prometheus_client.multiprocess import MultiProcessCollector, mark_process_d
 
 log = logging.getLogger("opgate.workers")
 _FIRST_SIZE = 1 << 16  # the size prometheus_client gives a new file (its _INITIAL_MMAP_SIZE)
+_USED = struct.Struct("i")  # a file's first 4 bytes: how many of them are used
 _spilled_once = False  # whether this process has said that its metrics went to memory
 
 ARCHIVED = ("counter", "histogram", "summary")  # the kinds whose samples add up
@@ -105,38 +108,37 @@ def _reserve_first(filename: str) -> None:
 
 
 class SpillingFile(ReservedFile):
-    """A worker's file: when the disk refuses it blocks, its values go on in memory (a memfd,
-    which no file system limits) from then on, and this process says so once. What the file
-    held stays on the disk (whole entries only), counted by the supervisor's scrapes."""
+    """A worker's file: when the disk refuses it blocks, its values go on in anonymous memory
+    (no file, so neither a file system nor ``RLIMIT_FSIZE`` limits it) from then on, and this
+    process says so once. What the file held stays on the disk (whole entries only), counted
+    by the supervisor's scrapes."""
+
+    _in_memory = False
 
     def __init__(self, filename: str, read_mode: bool = False) -> None:
         try:
             super().__init__(filename, read_mode)
         except OSError as exc:
             _say_spilled(filename, exc)
-            fd = os.memfd_create("opgate-metrics")
-            try:  # the library opens a file by name: this process's own view of the memfd
-                MmapedDict.__init__(self, f"/proc/self/fd/{fd}")
-            finally:
-                os.close(fd)
+            self._fname, self._f, self._positions = filename, None, {}
+            self._m, self._capacity, self._used = mmap.mmap(-1, _FIRST_SIZE), _FIRST_SIZE, 8
+            self._m[0:4] = _USED.pack(8)  # the library's header: the bytes used
+            self._in_memory = True
 
     def _grow(self, capacity: int) -> None:
-        try:
-            super()._grow(capacity)
-        except OSError as exc:
-            _say_spilled(self._fname, exc)
-            self._to_memory()
-
-    def _to_memory(self) -> None:
-        """Go on in a memfd holding what the file holds (the library then grows that)."""
-        fd = os.memfd_create("opgate-metrics")
-        moved = open(fd, "a+b")
-        moved.truncate(self._capacity)
-        memory = mmap.mmap(moved.fileno(), self._capacity)
+        if not self._in_memory:
+            try:
+                super()._grow(capacity)
+                return
+            except OSError as exc:
+                _say_spilled(self._fname, exc)
+        memory = mmap.mmap(-1, capacity)  # the library sees the room and grows nothing
         memory[:self._used] = self._m[:self._used]
-        self._m.close()
-        self._f.close()
-        self._f, self._m = moved, memory
+        if self._f is not None:  # (the library closes its map only with its file)
+            self._m.close()
+            self._f.close()
+            self._f = None
+        self._m, self._capacity, self._in_memory = memory, capacity, True
 
 
 def _say_spilled(filename: str, exc: OSError) -> None:

@@ -152,6 +152,19 @@ def test_a_full_metrics_directory_costs_metrics_not_the_worker(
     assert "No space left on device" in warned[0]
 
 
+def test_a_file_size_limit_costs_metrics_not_the_worker(tmp_path: Path) -> None:
+    """``RLIMIT_FSIZE`` (``ulimit -f``): growing a file past it is ``EFBIG`` (Python ignores
+    SIGXFSZ), which the library raised into the call that made a new series; the worker goes
+    on counting in memory, where no file size limit applies."""
+    limited = "import resource\nresource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))\n"
+    done = subprocess.run([sys.executable, "-c", FULL_DISK.format(
+        body=limited + COUNT.format(n=3000)), str(tmp_path)],
+        capture_output=True, text=True, timeout=120)
+    assert _survived(done).split() == ["alive", "1.0", "True"]
+    warned = [line for line in done.stderr.splitlines() if "in memory" in line]
+    assert len(warned) == 1 and "File too large" in warned[0], done.stderr
+
+
 RETIRE_ON_A_FULL_DISK = """
 import subprocess
 worker = subprocess.run([sys.executable, "-c", {worker!r}], env=os.environ, check=True)
