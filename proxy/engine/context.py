@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from proxy.engine.requestinfo import RequestInfo
-from proxy.engine.status import StatusError, warning_header
+from proxy.engine.status import StatusError, warning_headers
 
 if TYPE_CHECKING:
     from proxy.engine.policies import PolicySet
@@ -114,6 +114,7 @@ class RequestContext:
     # what middlewares ask of the relay
     drop_request_headers: set[str] = field(default_factory=set)  # lower-case names
     response_headers: list[tuple[str, str]] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)  # the texts of warn(), each once
     allow_impersonation: bool = False
     decision: str = "allowed"
     tap: BodyTap | None = None  # set by a middleware's entry hook; None: the relay passes nothing
@@ -150,5 +151,14 @@ class RequestContext:
         return (self.finished or time.monotonic()) - self.started
 
     def warn(self, text: str) -> None:
-        """Add a ``Warning: 299`` header (kubectl prints it) to whatever the client gets."""
-        self.response_headers.append(warning_header(text))
+        """Add a ``Warning: 299`` header (kubectl prints it) to whatever the client gets; a
+        text already warned is not sent again, and all stay within the apiserver's bounds
+        (:func:`~proxy.engine.status.warning_headers`), as its own warnings do."""
+        text = f"opgate: {text}"
+        if text in self.warnings:
+            return
+        self.warnings.append(text)
+        headers = self.response_headers
+        if len(self.warnings) > 1:  # the bounds apply to them all: the earlier ones again
+            headers[:] = [header for header in headers if header[0] != "Warning"]
+        headers += warning_headers(self.warnings)

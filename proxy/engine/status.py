@@ -143,10 +143,37 @@ def _retryable(code: int, message: str, reason: str, retry_after: float | None) 
 # and start one of the request's choosing) and anything beyond ASCII (the fast relay writes
 # latin-1, aiohttp UTF-8, client-go takes UTF-8 only)
 _UNSAFE = re.compile(r"[^\x20-\x7e]+")
+# the apiserver's warning recorder (k8s.io/apiserver, endpoints/filters/warning.go): once a
+# call's warning texts pass WARNINGS_RUNES runes, each is cut to its first WARNING_RUNES and
+# later ones are dropped once WARNINGS_RUNES are sent
+WARNINGS_RUNES = 4 * 1024
+WARNING_RUNES = 256
 
 
 def _escaped(found: re.Match[str]) -> str:
     return quote(found.group(), safe="", errors="surrogatepass")  # (JSON lets a claim hold one)
+
+
+def _printable(text: str) -> str:
+    """``text`` as kubectl prints it: characters other than printable ASCII percent-encoded."""
+    return text if text.isascii() and text.isprintable() else _UNSAFE.sub(_escaped, text)
+
+
+def _cut(text: str, length: int) -> str:
+    """The longest start of ``_printable(text)`` of at most ``length`` characters that ends
+    between two of ``text``'s characters (never inside a percent-encoding)."""
+    units = [_printable(c) for c in text[:length]]
+    kept = 0
+    for count, unit in enumerate(units):
+        kept += len(unit)
+        if kept > length:
+            return "".join(units[:count])
+    return "".join(units)
+
+
+def _header(printable: str) -> tuple[str, str]:
+    escaped = printable.replace("\\", "\\\\").replace('"', '\\"')
+    return ("Warning", f'299 - "{escaped}"')
 
 
 def warning_header(text: str) -> tuple[str, str]:
@@ -154,7 +181,25 @@ def warning_header(text: str) -> tuple[str, str]:
 
     The text may hold what a request sent (a percent-decoded path, a namespace, a token's user
     name): characters other than printable ASCII go percent-encoded (UTF-8), as in a URL."""
-    escaped = text.replace("\\", "\\\\").replace('"', '\\"')
-    if not (escaped.isascii() and escaped.isprintable()):
-        escaped = _UNSAFE.sub(_escaped, escaped)
-    return ("Warning", f'299 - "opgate: {escaped}"')
+    return _header(_printable(f"opgate: {text}"))
+
+
+def warning_headers(texts: list[str]) -> list[tuple[str, str]]:
+    """The ``Warning`` headers of a call that warned ``texts`` (each once, in order; with
+    their ``opgate: ``), within the apiserver's bounds (``WARNINGS_RUNES``), so a warning that
+    names a long path cannot make a header line a client refuses (aiohttp's: 8190 bytes). The
+    runes counted are those kubectl prints (:func:`warning_header`'s percent-encoding)."""
+    sent: list[str] = []
+    written, cutting = 0, False
+    for count, text in enumerate(texts):
+        if cutting and written >= WARNINGS_RUNES:
+            break
+        printable = _cut(text, WARNING_RUNES) if cutting else _printable(text)
+        if cutting or written + len(printable) <= WARNINGS_RUNES:
+            sent.append(printable)
+            written += len(printable)
+            continue
+        cutting = True  # the apiserver's replay: every text so far, cut
+        sent = [_cut(before, WARNING_RUNES) for before in texts[:count + 1]]
+        written = sum(map(len, sent))
+    return [_header(printable) for printable in sent]

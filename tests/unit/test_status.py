@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
 from proxy.engine import status
+from proxy.engine.context import RequestContext
+from proxy.engine.requestinfo import parse_request_info
 
 
 @pytest.mark.parametrize(
@@ -81,3 +84,72 @@ def test_warning_header_takes_lone_surrogates() -> None:
     # a token's claims are JSON, whose "\udcff" escapes decode to lone surrogates (no UTF-8)
     _, value = status.warning_header("user \udcff")
     assert value == '299 - "opgate: user %ED%B3%BF"'
+
+
+def _warn_texts(ctx: RequestContext) -> list[str]:
+    """The warn-texts of the call's ``Warning`` headers, unquoted as client-go does."""
+    texts = []
+    for name, value in ctx.response_headers:
+        if name == "Warning":
+            assert value.startswith('299 - "') and value.endswith('"'), value
+            texts.append(value[7:-1].replace('\\"', '"').replace("\\\\", "\\"))
+    return texts
+
+
+def _ctx() -> RequestContext:
+    return RequestContext(info=parse_request_info("GET", "/version", ""), method="GET",
+                          path="/version", query="", headers={},
+                          policies=None)  # type: ignore[arg-type]
+
+
+def test_a_warning_given_twice_is_sent_once() -> None:
+    # the apiserver's warning recorder drops a text it already sent (k8s.io/apiserver's
+    # filters/warning.go); client-go would print it twice
+    ctx = _ctx()
+    for text in ("a", "b", "a"):
+        ctx.warn(text)
+    assert _warn_texts(ctx) == ["opgate: a", "opgate: b"]
+
+
+def test_warnings_within_4096_characters_are_sent_whole() -> None:
+    ctx = _ctx()
+    texts = [f"{i} " + "x" * 1000 for i in range(4)]  # 4 x 1010 characters with "opgate: "
+    for text in texts:
+        ctx.warn(text)
+    assert _warn_texts(ctx) == [f"opgate: {text}" for text in texts]
+
+
+def test_warnings_past_4096_characters_are_cut_to_256_each_as_the_apiserver_cuts_them() -> None:
+    """A dryrun identity warning names the path: a long one made a header line an aiohttp
+    client (kopf: at most 8190 bytes a line) refused, failing the call a dryrun must not fail.
+    The apiserver's recorder: once the texts pass 4096 runes, each is cut to its first 256
+    (those before too) and, once 4096 are sent, later ones are dropped."""
+    ctx = _ctx()
+    long = 'would deny (dryrun): cannot get path "/version/' + "a" * 9000 + '"'
+    ctx.warn("short one")
+    ctx.warn(long)
+    ctx.warn("short two")
+    assert _warn_texts(ctx) == ["opgate: short one", f"opgate: {long}"[:256], "opgate: short two"]
+    assert all(len(value) < 300 for name, value in ctx.response_headers if name == "Warning")
+
+    many = _ctx()
+    for i in range(40):
+        many.warn(f"{i:02d} " + "y" * 300)
+    sent = _warn_texts(many)
+    assert sent == [f"opgate: {i:02d} " + "y" * 245 for i in range(len(sent))]
+    assert len(sent) == 16  # 16 x 256 = 4096: the 17th is dropped
+
+
+def test_a_cut_warning_never_ends_inside_an_escape() -> None:
+    # the text is cut as kubectl prints it (non-ASCII percent-encoded), never inside a
+    # percent-encoding, and quoted after the cut (a cut between a backslash and the quote it
+    # escapes would end the quoted string early)
+    for pad in range(8, 12):
+        ctx = _ctx()
+        ctx.warn("x" * 4000)
+        ctx.warn("z" * pad + '"\u20ac' * 200)
+        _, value = [h for h in ctx.response_headers if h[0] == "Warning"][1]
+        quoted = value[len('299 - "'):-1]
+        assert len(quoted.replace('\\"', '"')) <= 256  # as kubectl prints it
+        assert not re.search(r'(?<!\\)(\\\\)*"', quoted), quoted  # no quote left unescaped
+        assert not re.search(r"%.?$", quoted) and not quoted.endswith("\\"), quoted
