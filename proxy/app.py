@@ -72,6 +72,29 @@ def check_paths(paths: Sequence[str]) -> int:
     return 0
 
 
+# what a log message may not hold as it is: control characters but the tab (a CR or LF would
+# start a line of the request's choosing), and the other line breaks a reader may split at
+_ESCAPES = {i: f"\\x{i:02x}" for i in (*range(0x20), *range(0x7f, 0xa0)) if i != 0x09}
+_ESCAPES.update({0x0A: "\\n", 0x0D: "\\r", 0x2028: "\\u2028", 0x2029: "\\u2029"})
+
+
+class OneLineFormatter(logging.Formatter):
+    """Each message on one line: its messages quote what a request sent, percent-decoded (a
+    path with ``%0A``, a user name), whose control characters are escaped as Python writes
+    them, so a request cannot forge a line of opgate's log. A traceback after the message
+    keeps its own lines."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        message = record.message
+        if message.isprintable():
+            return super().formatMessage(record)
+        record.message = message.translate(_ESCAPES)
+        try:
+            return super().formatMessage(record)
+        finally:
+            record.message = message
+
+
 def configure_logging(settings: Settings, *, tag: str = "") -> None:
     """Log to stderr; the access log (one JSON line per call) to stdout.
 
@@ -82,7 +105,7 @@ def configure_logging(settings: Settings, *, tag: str = "") -> None:
     handler = logging.StreamHandler(sys.stderr)
     where = f" [{tag}]" if tag else ""
     handler.setFormatter(
-        logging.Formatter(f"%(asctime)s %(levelname)s %(name)s{where}: %(message)s"))
+        OneLineFormatter(f"%(asctime)s %(levelname)s %(name)s{where}: %(message)s"))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level)

@@ -337,3 +337,32 @@ def test_serve_warns_once_at_start_about_an_unknown_variable() -> None:
     finally:
         proc.terminate()
         proc.communicate(timeout=30)
+
+
+def test_a_request_cannot_forge_lines_of_opgates_log(capsys: pytest.CaptureFixture[str]) -> None:
+    """Lines quote what a request sent, percent-decoded (a path with ``%0A``, a user name):
+    its line breaks and other control characters are escaped, so they cannot start a line of
+    their own; a traceback after a message keeps its lines."""
+    from proxy.app import configure_logging
+    from proxy.settings import LogSettings
+
+    root = logging.getLogger()
+    handlers, root_level = root.handlers[:], root.level
+    try:
+        configure_logging(Settings(log=LogSettings()))
+        log = logging.getLogger("opgate.faults")
+        log.info("fault fired (%s %s)", "DELETE",
+                 "/x\n2026-12-02 02:18:16,862 ERROR forged\r\x1b[2K\u2028\x85end\tok")
+        try:
+            raise ValueError("boom")
+        except ValueError:
+            log.exception("failed on %s", "/y\nforged")
+    finally:
+        root.handlers[:] = handlers
+        root.setLevel(root_level)
+    first, second, *traceback = capsys.readouterr().err.splitlines()
+    assert first.endswith("INFO opgate.faults: fault fired (DELETE /x\\n2026-12-02 02:18:16,862 "
+                          "ERROR forged\\r\\x1b[2K\\u2028\\x85end\tok)"), first
+    assert second.endswith("ERROR opgate.faults: failed on /y\\nforged"), second
+    assert traceback[0] == "Traceback (most recent call last):"
+    assert traceback[-1] == "ValueError: boom"
