@@ -2,7 +2,8 @@
 
 Fields: time, trace id, verb, group/resource, namespace/name, code, decision, duration, bytes in
 and out, the custom-resource instance the controller named (``Opgate-Instance``), and the user
-when a middleware verified one. Never a token nor any other header value.
+when a middleware verified one. Never a token nor any other header value. Each line is one line
+to any reader: JSON escapes CR and LF, and ``_esc`` the other line breaks.
 
 This runs on every call, so it is built for the hot path: the line is assembled from strings
 escaped by the C JSON encoder (no dict, no ``json.dumps``), the fields that depend only on the
@@ -26,7 +27,19 @@ from proxy.engine.requestinfo import RequestInfo
 
 log = logging.getLogger("opgate.access")
 
-_esc = json.encoder.encode_basestring  # the C encoder: quotes and escapes one string
+_encode = json.encoder.encode_basestring  # the C encoder: quotes and escapes one string
+# line breaks JSON leaves as they are, where a reader that splits lines as Python does
+# (str.splitlines) would start a line of the request's choosing; Go's encoding/json (the
+# apiserver's audit log) escapes U+2028 and U+2029 too
+_BREAKS = {0x85: "\\u0085", 0x2028: "\\u2028", 0x2029: "\\u2029"}
+
+
+def _esc(text: str) -> str:
+    """``text`` as a JSON string (``_encode``) with ``_BREAKS`` escaped: an ASCII one (most)
+    costs one more flag test."""
+    quoted = _encode(text)
+    return quoted if quoted.isascii() else quoted.translate(_BREAKS)
+
 FLUSH_SECONDS = 0.05
 SPARSE_SECONDS = 0.005  # a line after this long without one is not held (AccessWriter)
 FLUSH_BYTES = 64 * 1024

@@ -24,9 +24,9 @@ from proxy.relay.fast.wire import WireHeaders
 
 PATHS = ["/api/v1/namespaces/a/configmaps/x", "/apis/apps/v1/deployments",
          "/api/v1/namespaces/b/pods/p/log", "/healthz", '/api/v1/namespaces/a/configmaps/we"ird',
-         "/apis/g.example/v1/namespaces/n/things/ünï\ncode", "/version", "/api/v1/nodes/n1",
+         "/apis/g.example/v1/namespaces/n/things/ünï\ncode\u2028", "/version", "/api/v1/nodes/n1",
          "/apis/apps/v1/namespaces/a/deployments/d/scale"]
-USERS = ["alice", "system:serviceaccount:a:b", 'q"u\\o', "ünï", "tab\there"]
+USERS = ["alice", "system:serviceaccount:a:b", 'q"u\\o', "ünï", "tab\there", "nel\x85"]
 
 
 def reference(ctx: RequestContext) -> str:
@@ -53,7 +53,9 @@ def reference(ctx: RequestContext) -> str:
         doc["user"] = ctx.identity.user
     if ctx.error:
         doc["error"] = ctx.error
-    return json.dumps(doc, ensure_ascii=False, separators=(",", ":"))
+    # with the line breaks JSON leaves raw escaped (U+2028, U+2029, NEL)
+    return json.dumps(doc, ensure_ascii=False, separators=(",", ":")).translate(
+        {0x85: "\\u0085", 0x2028: "\\u2028", 0x2029: "\\u2029"})
 
 
 def random_ctx(rnd: random.Random) -> RequestContext:

@@ -108,6 +108,27 @@ def test_access_log_escapes_like_json(name: str) -> None:
     assert line["name"] == name
 
 
+@pytest.mark.parametrize("field", ["name", "user", "instance", "error"])
+def test_no_access_log_value_can_break_its_line(field: str) -> None:
+    """What a request sent (a percent-decoded name, a user name, the instance header) may hold
+    a line break JSON leaves as it is (U+2028, U+2029, NEL): a reader splitting lines as Python
+    does (``str.splitlines``) read a line of the request's choosing there. They are escaped,
+    as Go's encoding/json (the apiserver's audit log) escapes U+2028 and U+2029."""
+    forged = 'x\u2028{"time":"2026-01-01T00:00:00.000Z","verb":"delete","name":"y\u2029z\x85'
+    name = forged if field == "name" else "cfg"
+    ctx = make_ctx("GET", f"/api/v1/namespaces/a/configmaps/{name}")
+    ctx.status_code = 200
+    if field == "user":
+        ctx.identity = Identity(user=forged)
+    if field == "instance":
+        ctx.headers = {"opgate-instance": forged}
+    if field == "error":
+        ctx.error = forged
+    line = AccessLog().line(ctx)
+    assert len(line.splitlines()) == 1, line
+    assert json.loads(line)[field] == forged
+
+
 def test_writer_batches_and_flushes() -> None:
     """Lines that come close together are held for one write up to FLUSH_SECONDS after the
     first; a line after a quiet spell goes out at the end of the loop's turn, with the other
