@@ -222,8 +222,9 @@ def open_audit_log(settings: Settings, *, tag: str = "") -> tuple[
     stream = QueuedStream(RotatingFile(
         path, max_bytes=settings.log.audit_log_maxsize * 1024 * 1024,
         max_backups=settings.log.audit_log_maxbackup))
-    # each batch wakes the writer thread: batched by time however quiet it is (AccessWriter)
-    return AccessWriter(stream, prompt=False), stream
+    # each batch wakes the writer thread: batched by time however quiet it is, and whole
+    # (a worker's own file: AccessWriter)
+    return AccessWriter(stream, prompt=False, shared=False), stream
 
 
 def open_capture(settings: Settings, upstream_url: str, *, tag: str = "") -> Any:

@@ -18,8 +18,9 @@ from __future__ import annotations
 import asyncio
 import json.encoder
 import logging
+import select
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import IO
 
 from proxy.engine.context import RequestContext
@@ -43,6 +44,7 @@ def _esc(text: str) -> str:
 FLUSH_SECONDS = 0.05
 SPARSE_SECONDS = 0.005  # a line after this long without one is not held (AccessWriter)
 FLUSH_BYTES = 64 * 1024
+PIPE_BUF = select.PIPE_BUF  # the longest write to a pipe the kernel never interleaves (4096)
 MEMO_SIZE = 4096  # calls (RequestInfo) whose escaped fields are remembered
 # the end of the timestamp, per millisecond, and the text up to the trace id's value
 _MILLIS = tuple(f'.{ms:03d}Z","trace":"' for ms in range(1000))
@@ -70,13 +72,21 @@ class AccessWriter:
     call, which costs more than the write it saves. A stream whose every write wakes a thread
     (the audit log's :class:`~proxy.middlewares.audit_stream.QueuedStream`) is better batched
     by time however quiet it is: ``prompt=False``. All is written at :meth:`close`.
+
+    A batch goes out in writes of whole lines of at most ``PIPE_BUF`` bytes each (a longer line
+    alone): the workers of ``--workers N`` share stdout, a pipe in a container, and the kernel
+    lets another process's write into a longer write once the pipe is full, cutting a line in
+    two. A stream no other process writes (the audit log's file) takes a batch whole:
+    ``shared=False``.
     """
 
     def __init__(
-        self, stream: IO[str], *, prompt: bool = True,
+        self, stream: IO[str], *, prompt: bool = True, shared: bool = True,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._prompt = prompt
+        self._shared = shared
+        self._encoding = getattr(stream, "encoding", None) or "utf-8"
         self._stream = stream
         self._clock = clock
         self._lines: list[str] = []
@@ -107,14 +117,30 @@ class AccessWriter:
             self._timer = None
         if not self._lines:
             return
-        data = "".join(self._lines)
-        self._lines.clear()
+        lines, self._lines = self._lines, []
         self._size = 0
         try:
-            self._stream.write(data)
-            self._stream.flush()
+            for data in self._pieces(lines) if self._shared else ("".join(lines),):
+                self._stream.write(data)
+                self._stream.flush()
         except (OSError, ValueError):  # stdout closed: the call itself must not fail
             pass
+
+    def _pieces(self, lines: list[str]) -> Iterator[str]:
+        """``lines`` joined into pieces of at most ``PIPE_BUF`` bytes as the stream encodes
+        them (an ASCII line, most, is as long as its text), a longer line a piece alone."""
+        piece: list[str] = []
+        size = 0
+        for line in lines:
+            length = len(line) if line.isascii() else len(
+                line.encode(self._encoding, "backslashreplace"))
+            if size + length > PIPE_BUF and piece:
+                yield "".join(piece)
+                piece, size = [], 0
+            piece.append(line)
+            size += length
+        if piece:
+            yield "".join(piece)
 
     def close(self) -> None:
         self.flush()

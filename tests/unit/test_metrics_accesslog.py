@@ -222,6 +222,43 @@ def test_a_batch_of_flush_bytes_goes_out_at_once() -> None:
     assert out.getvalue().endswith(big + "next\n")
 
 
+def test_each_write_is_whole_lines_of_at_most_pipe_buf_bytes() -> None:
+    """``--workers N`` share one stdout, a pipe in a container: the kernel keeps a write of at
+    most PIPE_BUF (4096) bytes whole, but lets another process's write into a longer one when
+    the pipe is full, so two workers' 64 KiB batches cut each other's lines in two (seen with
+    two writers and a slow reader). Every write is whole lines within PIPE_BUF bytes (as
+    encoded); a longer line goes alone."""
+    import select
+
+    from proxy.middlewares.accesslog import AccessWriter
+
+    class Pipe:
+        encoding = "utf-8"
+
+        def __init__(self) -> None:
+            self.writes: list[str] = []
+
+        def write(self, data: str) -> None:
+            self.writes.append(data)
+
+        def flush(self) -> None:
+            pass
+
+    lines = [f'{{"trace":"{i}","name":"{"y" * (i % 300)}"}}\n' for i in range(400)]
+    lines[7] = '{"name":"' + "\u00e9" * 3000 + '"}\n'  # 3 KB of characters, 6 KB as UTF-8
+    lines[9] = '{"path":"/' + "z" * 9000 + '"}\n'
+    out = Pipe()
+    writer = AccessWriter(out)  # no running loop: each line is written at once, so batch it
+    writer._lines, writer._size = list(lines), sum(map(len, lines))
+    writer.flush()
+    assert "".join(out.writes) == "".join(lines)
+    for data in out.writes:
+        assert data.endswith("\n")
+        if data not in (lines[7], lines[9]):
+            assert len(data.encode()) <= select.PIPE_BUF, len(data.encode())
+    assert len(out.writes) <= 2 + 2 * sum(map(len, lines)) // select.PIPE_BUF  # still batched
+
+
 def test_duration_ms_is_str_of_round() -> None:
     import random
 
