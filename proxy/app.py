@@ -31,6 +31,7 @@ from proxy.engine import telemetry
 from proxy.engine.chain import Chain
 from proxy.engine.check import check
 from proxy.engine.logfile import RotatingFile
+from proxy.engine.logformat import KEEP_LINES, OneLineFormatter
 from proxy.engine.policies import PolicyStore
 from proxy.engine.reload import reload_asked, watch_policies
 from proxy.engine.schema import SectionParser
@@ -70,29 +71,6 @@ def check_paths(paths: Sequence[str]) -> int:
         return 1
     print(f"opgate: {', '.join(paths)}: valid")
     return 0
-
-
-# what a log message may not hold as it is: control characters but the tab (a CR or LF would
-# start a line of the request's choosing), and the other line breaks a reader may split at
-_ESCAPES = {i: f"\\x{i:02x}" for i in (*range(0x20), *range(0x7f, 0xa0)) if i != 0x09}
-_ESCAPES.update({0x0A: "\\n", 0x0D: "\\r", 0x2028: "\\u2028", 0x2029: "\\u2029"})
-
-
-class OneLineFormatter(logging.Formatter):
-    """Each message on one line: its messages quote what a request sent, percent-decoded (a
-    path with ``%0A``, a user name), whose control characters are escaped as Python writes
-    them, so a request cannot forge a line of opgate's log. A traceback after the message
-    keeps its own lines."""
-
-    def formatMessage(self, record: logging.LogRecord) -> str:
-        message = record.message
-        if message.isprintable():
-            return super().formatMessage(record)
-        record.message = message.translate(_ESCAPES)
-        try:
-            return super().formatMessage(record)
-        finally:
-            record.message = message
 
 
 def configure_logging(settings: Settings, *, tag: str = "") -> None:
@@ -215,16 +193,15 @@ def open_audit_log(settings: Settings, *, tag: str = "") -> tuple[
     if not path:
         return None
     if path == "-":
-        return AccessWriter(sys.stdout), None
+        return AccessWriter(sys.stdout, shared=bool(tag)), None  # workers share stdout
     if tag:
         stem, ext = os.path.splitext(path)
         path = f"{stem}.{tag.replace(' ', '')}{ext}"
     stream = QueuedStream(RotatingFile(
         path, max_bytes=settings.log.audit_log_maxsize * 1024 * 1024,
         max_backups=settings.log.audit_log_maxbackup))
-    # each batch wakes the writer thread: batched by time however quiet it is, and whole
-    # (a worker's own file: AccessWriter)
-    return AccessWriter(stream, prompt=False, shared=False), stream
+    # each batch wakes the writer thread: batched by time however quiet it is (AccessWriter)
+    return AccessWriter(stream, prompt=False), stream
 
 
 def open_capture(settings: Settings, upstream_url: str, *, tag: str = "") -> Any:
@@ -267,7 +244,7 @@ async def _serve(settings: Settings, *, reuse_port: bool, parent_fd: int | None,
     store = PolicyStore(settings.policies.paths, parsers=section_parsers())
     if settings.policies.paths and not store.reload():
         log.error("policies not loaded; fix them (`opgate check`) and start again:\n%s",
-                  store.last_error)
+                  store.last_error, extra=KEEP_LINES)
         return 1
 
     try:
@@ -282,7 +259,9 @@ async def _serve(settings: Settings, *, reuse_port: bool, parent_fd: int | None,
         return 2
     # the CR instances' own qps (instanceAnnotation), watched with opgate's upstream credentials
     informers = InformerPool(upstream, connect_timeout=up.connect_timeout)
-    access_writer = AccessWriter(sys.stdout) if settings.log.access_log else None
+    # the workers of --workers N share stdout: AccessWriter keeps their lines whole
+    access_writer = (AccessWriter(sys.stdout, shared=bool(tag)) if settings.log.access_log
+                     else None)
     after = [Metrics(), AccessLog(writer=access_writer)] if access_writer else [Metrics()]
     auditor = audit.Audit(write=audit_log[0].write) if audit_log else None
     if auditor is None and store.current.section(audit.SECTION):

@@ -31,6 +31,7 @@ from types import MappingProxyType
 from typing import Any, Generic, TypeVar
 
 from proxy.engine import telemetry
+from proxy.engine.logformat import KEEP_LINES
 from proxy.engine.schema import Fields, Located, PolicyError, SectionParser, describe_type
 from proxy.engine.yamlload import parse_yaml_documents, read_error
 
@@ -392,7 +393,8 @@ class PolicyStore:
                 self.last_error_at = time.time()
                 telemetry.POLICY_RELOADS.labels(result="error").inc()
                 log.error("policy reload failed, keeping the active set (%s): %d error(s)\n%s",
-                          self.current.digest[:12] or "none", len(failure.errors), failure)
+                          self.current.digest[:12] or "none", len(failure.errors), failure,
+                          extra=KEEP_LINES)
                 return False
             self.current = new  # the atomic swap: requests that already hold the old set keep it
             self.loaded = True

@@ -73,15 +73,15 @@ class AccessWriter:
     (the audit log's :class:`~proxy.middlewares.audit_stream.QueuedStream`) is better batched
     by time however quiet it is: ``prompt=False``. All is written at :meth:`close`.
 
-    A batch goes out in writes of whole lines of at most ``PIPE_BUF`` bytes each (a longer line
-    alone): the workers of ``--workers N`` share stdout, a pipe in a container, and the kernel
-    lets another process's write into a longer write once the pipe is full, cutting a line in
-    two. A stream no other process writes (the audit log's file) takes a batch whole:
-    ``shared=False``.
+    A stream other processes write too (``shared``: the stdout of the workers of ``--workers N``,
+    a pipe in a container) gets a batch in writes of whole lines of at most ``PIPE_BUF`` bytes
+    each (a longer line alone): once the pipe is full the kernel lets another process's write
+    into a longer write, cutting a line in two. A stream of one process's own takes a batch in
+    one write.
     """
 
     def __init__(
-        self, stream: IO[str], *, prompt: bool = True, shared: bool = True,
+        self, stream: IO[str], *, prompt: bool = True, shared: bool = False,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._prompt = prompt

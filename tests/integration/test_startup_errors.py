@@ -306,3 +306,18 @@ def test_redis_that_answers_is_not_reported(password_redis: int, tmp_path: Path)
         assert store.startswith("[+]") and "degraded" not in store, store
     finally:
         assert opgate.stop() == 0
+
+
+def test_policy_errors_at_start_are_one_per_line(tmp_path: Path) -> None:
+    """Policies that do not load stop opgate with every error on a line of its own, as
+    ``file:line: message`` (as ``opgate check`` prints them): the escaping that keeps a
+    request from forging a log line leaves these lines, which come from the policy files."""
+    policy = tmp_path / "broken.yaml"
+    policy.write_text("apiVersion: opgate.dev/v1alpha1\nkind: Policy\nmetadata: {name: b}\n"
+                      "spec:\n  mode: sometimes\n  colour: red\n")
+    done = _serve("--policies", str(policy))
+    assert done.returncode != 0, done.stderr
+    lines = [line.strip() for line in done.stderr.splitlines()]
+    assert any(line.startswith(f"{policy}:5:") and "mode" in line for line in lines), done.stderr
+    assert any(line.startswith(f"{policy}:6:") and "colour" in line for line in lines), \
+        done.stderr

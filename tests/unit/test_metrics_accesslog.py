@@ -248,7 +248,8 @@ def test_each_write_is_whole_lines_of_at_most_pipe_buf_bytes() -> None:
     lines[7] = '{"name":"' + "\u00e9" * 3000 + '"}\n'  # 3 KB of characters, 6 KB as UTF-8
     lines[9] = '{"path":"/' + "z" * 9000 + '"}\n'
     out = Pipe()
-    writer = AccessWriter(out)  # no running loop: each line is written at once, so batch it
+    writer = AccessWriter(out, shared=True)  # no running loop: each line is written at once,
+    # so batch it
     writer._lines, writer._size = list(lines), sum(map(len, lines))
     writer.flush()
     assert "".join(out.writes) == "".join(lines)
@@ -257,6 +258,11 @@ def test_each_write_is_whole_lines_of_at_most_pipe_buf_bytes() -> None:
         if data not in (lines[7], lines[9]):
             assert len(data.encode()) <= select.PIPE_BUF, len(data.encode())
     assert len(out.writes) <= 2 + 2 * sum(map(len, lines)) // select.PIPE_BUF  # still batched
+    alone = Pipe()  # a stream of this process alone (no --workers): a batch in one write
+    writer = AccessWriter(alone)
+    writer._lines, writer._size = list(lines), sum(map(len, lines))
+    writer.flush()
+    assert alone.writes == ["".join(lines)]
 
 
 def test_duration_ms_is_str_of_round() -> None:
