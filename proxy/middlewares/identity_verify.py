@@ -79,6 +79,9 @@ class Busy(Exception):
     """``REVIEWS_IN_FLIGHT`` TokenReviews stayed in flight for ``REVIEW_WAIT``: ask again."""
 
 
+# the cluster's issuer as a policy set that lists none judges its tokens (TokenVerifier.verify)
+_CLUSTER = Issuer(kind=KUBERNETES)
+
 # PyJWT checks the signature, iss and that exp is there; _check_times the times
 _DECODE = {"verify_aud": False, "verify_exp": False, "verify_nbf": False, "verify_iat": False,
            "require": ["exp", "iss"]}
@@ -128,8 +131,10 @@ class TokenVerifier:
     async def verify(self, token: str, *, oidc: Mapping[str, Issuer],
                      kubernetes: Issuer | None) -> Verified:
         """The verdict on ``token``, by the first declaration of each issuer (``oidc`` by URL,
-        ``kubernetes`` when a policy lists it); raises :class:`Invalid` for a token that a
-        signature or a claim refuses, :class:`Busy`, or the authenticator's exception."""
+        ``kubernetes`` when a policy lists it: a service-account token is the cluster issuer's
+        even when none does, so that a policy's verdict never depends on the others); raises
+        :class:`Invalid` for a token that a signature or a claim refuses, :class:`Busy`, or the
+        authenticator's exception."""
         if token.count(".") < 2:  # not a JWT (PyJWT would say "Not enough segments")
             return await self._review(token, {})
         import jwt
@@ -147,8 +152,9 @@ class TokenVerifier:
                     issuer = kubernetes
             if issuer is not None:
                 return await self._verify_jwt(token, header or {}, claims, issuer, iss)
-            if kubernetes is not None:
-                return await self._other_issuer(token, claims, iss, kubernetes)
+            # with no policy listing it, still a service-account token is the cluster's issuer's
+            # (which those policies then refuse), not an opaque token every policy accepts
+            return await self._other_issuer(token, claims, iss, kubernetes or _CLUSTER)
         return await self._review(token, claims)
 
     async def _other_issuer(self, token: str, claims: Mapping[str, Any], iss: str,

@@ -257,6 +257,33 @@ def test_a_token_of_a_second_issuer_is_held_to_the_listed_audiences(
             gate.stop()
 
 
+OIDC_ONLY_POLICY = """\
+apiVersion: opgate.dev/v1alpha1
+kind: Policy
+metadata: {name: humans-only}
+spec:
+  identity:
+    issuers: [{oidc: {issuer: "https://idp.example.com", audiences: [kubernetes]}}]
+    allow: [{group: "system:authenticated"}]
+    rules: [{verbs: ["*"], resources: ["*"]}]
+"""
+
+
+def test_a_policy_of_oidc_issuers_only_refuses_service_account_tokens(
+        cluster: LocalCluster, opgate_factory: Callable[..., Opgate], setup: Setup) -> None:
+    """``issuers`` says whose tokens a policy accepts: one listing only an OIDC provider
+    refuses a ServiceAccount's TokenRequest token (the apiserver takes it: a 401 of opgate's
+    naming the issuer), as it does when another policy lists ``kubernetes``; the static admin
+    token, opaque, stays the apiserver's to judge."""
+    gate = opgate_factory(policies={"humans.yaml": OIDC_ONLY_POLICY},
+                          extra_args=["--token-file", setup.token_file])
+    assert cluster.call("GET", CM, token=setup.allowed).status == 200  # the reference
+    through = cluster.call("GET", CM, server=gate.url, token=setup.allowed)
+    assert through.status == 401, through.body
+    assert 'issuer is not one of policy "humans-only"' in status(through)["message"]
+    assert cluster.call("GET", CM, server=gate.url).status == 200  # the admin's opaque token
+
+
 IMPERSONATION_POLICY = """\
 apiVersion: opgate.dev/v1alpha1
 kind: Policy

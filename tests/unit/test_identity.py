@@ -811,8 +811,8 @@ def test_every_service_account_issuer_is_held_to_the_listed_audiences(
 
 
 def test_a_second_issuers_token_needs_the_kubernetes_issuer_listed(tmp_path: Path) -> None:
-    """As a token of the discovered issuer: a policy that lists only an OIDC issuer refuses it
-    when another policy makes it a service-account token (lists ``kubernetes``)."""
+    """As a token of the discovered issuer: a policy that lists only an OIDC issuer refuses it,
+    here beside a policy that lists ``kubernetes`` first."""
     auth = FakeAuth()
     policies = policy_set(tmp_path, policy(), OIDC_POLICY)
     for iss in (ISSUER, OLD_ISSUER):
@@ -820,6 +820,26 @@ def test_a_second_issuers_token_needs_the_kubernetes_issuer_listed(tmp_path: Pat
         auth.reviews[token] = (SA, (ISSUER,))
         decision = run(IdentityCheck(authenticator=auth), ctx_for(policies, "GET", CM, token))
         assert decision is not None and body(decision)["code"] == 401
+        assert 'issuer is not one of policy "oidc"' in body(decision)["message"], iss
+
+
+@pytest.mark.parametrize("others", [(), ("kubernetes",)], ids=["alone", "beside-kubernetes"])
+def test_an_oidc_only_policy_refuses_a_service_account_token(tmp_path: Path,
+                                                             others: tuple[str, ...]) -> None:
+    """A policy that lists only an OIDC issuer refuses the cluster's service-account tokens
+    whether or not another policy lists ``kubernetes``: the apiserver still judges the token
+    (one TokenReview), and when it takes it for the ServiceAccount its claims name it is a
+    ``kubernetes`` token. Alone, such a policy let it through as an opaque token's verdict, so
+    whether an operator's token passed a policy depended on the other policies' issuers."""
+    auth = FakeAuth()
+    docs = (OIDC_POLICY, *(policy() for _ in others))
+    policies = policy_set(tmp_path, *docs)
+    for iss in (ISSUER, OLD_ISSUER):
+        token = sa_token(iss=iss)
+        auth.reviews[token] = (SA, (ISSUER,))
+        ctx = ctx_for(policies, "GET", CM, token)
+        decision = run(IdentityCheck(authenticator=auth), ctx)
+        assert decision is not None and body(decision)["code"] == 401, iss
         assert 'issuer is not one of policy "oidc"' in body(decision)["message"], iss
 
 
