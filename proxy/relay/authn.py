@@ -11,7 +11,9 @@ credentials (like :mod:`proxy.relay.informer`), never the caller's token:
   discovery at ``<issuer>/.well-known/openid-configuration`` → ``jwks_uri`` (system CAs). A key
   set is kept for ``jwks_ttl`` seconds (then refreshed; the old keys stay if that fails) and
   fetched again at once, at most every ``retry_seconds``, when a token names an unknown ``kid``
-  (a call with an unknown ``kid`` while a fetch is under way waits for it).
+  (a call with an unknown ``kid`` while a fetch is under way waits for it). No key to verify
+  with while the latest fetch failed (an OIDC provider unreachable since opgate started, or
+  during a rotation) raises :class:`AuthnUnavailable`: a 503, not a 401 for a good token.
 - ``token_review(token)``: ``POST /apis/authentication.k8s.io/v1/tokenreviews``: the apiserver
   decides. ``access_review(attrs)``: a ``SubjectAccessReview``.
 
@@ -64,6 +66,7 @@ class _KeySet:
     unnamed: tuple[jwt.PyJWK, ...] = ()
     fetched: float = -1e9  # monotonic time of the last successful fetch
     attempted: float = -1e9
+    failed: str = ""  # why the last attempt failed ("" once one succeeds)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
 
@@ -127,9 +130,15 @@ class UpstreamAuthenticator:
                 if time.monotonic() - ks.attempted >= self.retry_seconds:  # not just done
                     await self._refresh(issuer, ks)
         if kid is None:
-            return (*ks.keys.values(), *ks.unnamed)
-        found = ks.keys.get(kid)
-        return (found,) if found is not None else ks.unnamed
+            keys = (*ks.keys.values(), *ks.unnamed)
+        else:
+            found = ks.keys.get(kid)
+            keys = (found,) if found is not None else ks.unnamed
+        if not keys and ks.failed and issuer != self._cluster_issuer:
+            # the issuer could not be asked: that says nothing of the token (the cluster's
+            # tokens go to a TokenReview instead, see identity_verify)
+            raise AuthnUnavailable(f"no keys of issuer {issuer} to verify with: {ks.failed}")
+        return keys
 
     async def token_review(self, token: str) -> tuple[Identity, tuple[str, ...]] | None:
         body = {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenReview",
@@ -190,8 +199,10 @@ class UpstreamAuthenticator:
         except AuthnUnavailable as exc:
             log.warning("cannot refresh the keys of issuer %s (%s); keeping %d known keys",
                         issuer, exc, len(ks.keys) + len(ks.unnamed))
+            ks.failed = str(exc)
             return
         ks.keys, ks.unnamed, ks.fetched = keys, tuple(unnamed), time.monotonic()
+        ks.failed = ""
         log.info("keys of issuer %s: %d", issuer, len(keys) + len(unnamed))
 
     def _upstream(self) -> UpstreamClient:

@@ -51,6 +51,11 @@ class FakeIdp:
 
         class Handler(http.server.BaseHTTPRequestHandler):
             def do_GET(self) -> None:
+                if idp.down:  # starting, or behind a load balancer with no backend yet
+                    self.send_response(503)
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
                 docs = {"/.well-known/openid-configuration": idp.discovery(),
                         "/jwks": {"keys": [{**json.loads(jwt.algorithms.RSAAlgorithm.to_jwk(
                             KEY.public_key())), "kid": "idp1", "alg": "RS256", "use": "sig"}]}}
@@ -65,6 +70,7 @@ class FakeIdp:
             def log_message(self, *args: Any) -> None:
                 pass
 
+        self.down = False
         self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         context.load_cert_chain(str(cert), str(key))
@@ -189,3 +195,41 @@ def test_time_claims_are_read_as_the_apiserver_reads_them(
     assert direct in (201, 401)
     through = review(oidc_cluster, token, server=gate.url)
     assert through.status == direct, through.body
+
+
+def test_a_provider_not_answering_yet_is_a_503_not_a_401(
+        oidc_cluster: LocalCluster, idp: tuple[FakeIdp, Path], tmp_path: Path) -> None:
+    """A provider that does not answer its discovery when opgate starts (down, or a mesh not
+    ready yet), while the apiserver, which fetched its keys before, takes its tokens: opgate
+    cannot verify them, which says nothing about them, so the answer is a 503 with
+    Retry-After (client-go waits and retries), not a 401 calling a good token bad; once the
+    provider answers (opgate asks again 10 s later), the same token passes."""
+    fake, ca = idp
+    accepted_by_the_apiserver(oidc_cluster, fake)  # the apiserver has the keys: the reference
+    token_file = tmp_path / "opgate-token"
+    token_file.write_text(oidc_cluster.admin_token)
+    token_file.chmod(0o600)
+    fake.down = True
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("SSL_CERT_FILE", str(ca))
+            started = start_opgate(oidc_cluster, tmp_path / "opgate",
+                                   policies={"oidc.yaml": POLICY.format(issuer=fake.issuer)},
+                                   extra_args=["--token-file", str(token_file)])
+        try:
+            token = fake.token()
+            assert review(oidc_cluster, token).status == 201
+            through = review(oidc_cluster, token, server=started.url)
+            assert through.status == 503, through.body
+            assert through.headers.get("Retry-After") == "1"
+            assert json.loads(through.body)["reason"] == "ServiceUnavailable"
+            fake.down = False
+            deadline = time.monotonic() + 30
+            while (through := review(oidc_cluster, token, server=started.url)).status == 503:
+                assert time.monotonic() < deadline, through.body
+                time.sleep(0.5)
+            assert through.status == 201, through.body
+        finally:
+            started.stop()
+    finally:
+        fake.down = False

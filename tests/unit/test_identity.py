@@ -615,6 +615,55 @@ def test_an_oidc_issuer_is_matched_as_written(tmp_path: Path) -> None:
                                     uid="", source="oidc")
 
 
+@pytest.mark.parametrize("failure", ["closed", "open"])
+def test_an_oidc_issuer_whose_keys_cannot_be_fetched_yet_is_unavailable_not_401(
+        tmp_path: Path, failure: str) -> None:
+    """An OIDC provider unreachable since opgate started (its discovery or JWKS fails: the
+    IdP down, egress not ready yet): opgate cannot verify its tokens, which says nothing about
+    them, so the answer is the 503 with ``Retry-After`` of an apiserver that cannot be asked
+    (``failure: open`` lets the call on), not a 401 sending the caller to a good token. Once
+    the keys come, the same token passes."""
+    from proxy.relay.authn import AuthnUnavailable
+
+    auth = UpstreamAuthenticator(UpstreamConfig(url="https://127.0.0.1:1"), retry_seconds=60)
+    up = False
+
+    async def fetch(where: str, *, upstream: bool, accept: str) -> dict[str, Any]:
+        assert not upstream
+        if not up:
+            raise AuthnUnavailable(f"GET {where}: connection refused")
+        if where.endswith("openid-configuration"):
+            return {"issuer": IDP, "jwks_uri": "https://idp.example.com/jwks"}
+        return {"keys": [jwk(RSA_KEY.public_key(), "k1", "RS256")]}
+
+    auth._fetch = fetch  # type: ignore[method-assign]
+    text = OIDC_POLICY.replace("spec:\n", f"spec:\n  failure: {failure}\n", 1)
+    check, policies = IdentityCheck(authenticator=auth), policy_set(tmp_path, text)
+    token = oidc_token()
+    decision = run(check, ctx_for(policies, "GET", CM, token))
+    if failure == "open":
+        assert decision is None
+    else:
+        assert decision is not None and decision.decision == "unavailable"
+        got = body(decision)
+        assert (got["code"], got["reason"]) == (503, "ServiceUnavailable"), got
+        assert dict(decision.status.headers)["Retry-After"] == "1"
+        assert token not in got["message"]
+    up = True
+    auth._keysets[IDP].attempted -= 61  # opgate's next attempt, retry_seconds later
+    ctx = ctx_for(policies, "GET", CM, token)
+    assert run(check, ctx) is None and ctx.identity is not None
+    assert ctx.identity.user == f"{IDP}#alice"
+    up = False  # down again while the provider rotates: a token of its new key
+    auth._keysets[IDP].attempted -= 61
+    rotated = jwt.encode(jwt.decode(token, options={"verify_signature": False}), OTHER_KEY,
+                         algorithm="RS256", headers={"kid": "k2"})
+    decision = run(check, ctx_for(policies, "GET", CM, rotated))
+    assert (decision is None) if failure == "open" else (
+        decision is not None and body(decision)["code"] == 503)
+    assert run(check, ctx_for(policies, "GET", CM, token)) is None  # the known key's still pass
+
+
 @pytest.mark.parametrize("aud", [{"kubernetes": 1}, 5, ["kubernetes", 5]])
 def test_an_aud_claim_of_another_type_is_401(tmp_path: Path, aud: Any) -> None:
     """``aud`` is a string or a list of strings (the apiserver refuses anything else); an object
