@@ -43,6 +43,15 @@ def list_or_watch(query: str) -> tuple[str, str]:
     return ("watch" if watching else "list"), (name if decoded else "")
 
 
+def raw_selectors(query: str) -> tuple[str, str]:
+    """The ``fieldSelector`` and ``labelSelector`` (``""`` for none) the apiserver's RequestInfo
+    holds for a list, watch or deletecollection, which its authorizers see (a
+    SubjectAccessReview's ``rawSelector``): each key's first value, as sent, however the rest
+    of the ListOptions decodes."""
+    options = _first_values(query) if query else {}
+    return options.get("fieldSelector", ""), options.get("labelSelector", "")
+
+
 def _first_values(query: str) -> dict[str, str]:
     """First value of each list-option key, with Go's ``url.ParseQuery`` rules.
 

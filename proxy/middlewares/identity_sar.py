@@ -2,8 +2,10 @@
 
 Asked once per call whichever policies ask (the caller's ``done`` list), for the user the
 apiserver authorizes (the impersonated one where the policy set lets ``Impersonate-*``
-through), and cached ``SAR_TTL`` seconds by everything the review says, so an allow for one
-user, uid, version or object is never another's.
+through), with the call's attributes as the apiserver's authorizers see them (a list's, a
+watch's or a deletecollection's field and label selectors too: the Node authorizer lets a node
+list only its own pods, by ``spec.nodeName``), and cached ``SAR_TTL`` seconds by everything the
+review says, so an allow for one user, uid, version, object or selector is never another's.
 """
 
 from __future__ import annotations
@@ -15,11 +17,13 @@ from typing import Any
 from proxy.engine.context import Identity, RequestContext, user_extra
 from proxy.engine.impersonation import impersonation_of
 from proxy.engine.requestinfo import RequestInfo
+from proxy.engine.selectors import raw_selectors
 from proxy.middlewares.identity_verify import Authenticator
 
 __all__ = ["SAR_TTL", "AccessReviews", "action"]
 
 SAR_TTL = 10.0
+SELECTOR_VERBS = frozenset({"list", "watch", "deletecollection"})
 
 
 def _authorized_user(ctx: RequestContext, caller: Identity) -> Identity:
@@ -32,6 +36,19 @@ def _authorized_user(ctx: RequestContext, caller: Identity) -> Identity:
     extra = user_extra((key, values) for key, values in user.get("extra", {}).items())
     return Identity(user["username"], tuple(user["groups"]), user.get("uid", ""),
                     source="impersonated", extra=extra)
+
+
+def _selectors(info: RequestInfo, query: str) -> tuple[str, str]:
+    """The field and label selectors the apiserver's authorizers see (``""`` for none): those
+    of a list, watch or deletecollection, except by the deprecated ``/watch/`` path, for which
+    the apiserver gives none."""
+    if not info.is_resource_request or info.verb not in SELECTOR_VERBS or not query:
+        return "", ""
+    segments = info.path.strip("/").split("/")
+    version_at = 1 if info.api_prefix == "api" else 2
+    if len(segments) > version_at + 1 and segments[version_at + 1] == "watch":
+        return "", ""
+    return raw_selectors(query)
 
 
 def action(info: RequestInfo, verb: str) -> str:
@@ -73,10 +90,12 @@ class AccessReviews:
     async def _access_review(self, ctx: RequestContext, identity: Identity) -> tuple[bool, str]:
         """May ``identity`` (the user the apiserver authorizes) make the call? Cached."""
         info, verb = ctx.info, ctx.info.policy_verb
+        fields, labels = _selectors(info, ctx.query)
         # everything the review below says (an allow for one is never another's)
         key = (identity.user, identity.uid, identity.groups, identity.extra, verb,
                info.api_group, info.api_version, info.resource, info.subresource,
-               info.namespace, info.name, "" if info.is_resource_request else info.path)
+               info.namespace, info.name, "" if info.is_resource_request else info.path,
+               fields, labels)
         now = time.monotonic()
         hit = self._sar.get(key)
         if hit is not None and hit[2] > now:
@@ -91,6 +110,9 @@ class AccessReviews:
                 "namespace": info.namespace, "verb": verb, "group": info.api_group,
                 "version": info.api_version, "resource": info.resource,
                 "subresource": info.subresource, "name": info.name}
+            for field, raw in (("fieldSelector", fields), ("labelSelector", labels)):
+                if raw:  # (an empty one is refused: the apiserver's authorizers see none)
+                    attrs["resourceAttributes"][field] = {"rawSelector": raw}
         else:
             attrs["nonResourceAttributes"] = {"path": info.path, "verb": verb}
         allowed, reason = await self.auth.access_review(attrs)

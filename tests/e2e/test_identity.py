@@ -334,6 +334,46 @@ def test_a_subject_access_review_asks_about_the_impersonated_user(
                               f'"system:serviceaccount:{NS}:impersonator") cannot list'), message
 
 
+NODE_POLICY = """\
+apiVersion: opgate.dev/v1alpha1
+kind: Policy
+metadata: {{name: node-e2e}}
+spec:
+  allowImpersonation: true
+  identity:
+    issuers: [{{kubernetes: {{}}}}]
+    allow: [{{serviceAccount: {ns}/node-agent}}]
+    rules: [{{verbs: [list, watch], resources: [pods]}}]
+    subjectAccessReview: true
+"""
+
+
+def test_a_subject_access_review_carries_the_field_selector_the_node_authorizer_reads(
+        cluster: LocalCluster, opgate_factory: Callable[..., Opgate], setup: Setup) -> None:
+    """The apiserver's Node authorizer lets a node list the pods bound to it and no others: it
+    decides by the list's ``fieldSelector=spec.nodeName=<node>``. Calls made as a node (here
+    impersonated) are served by opgate as by the apiserver, with the selector, and refused by
+    both without it; opgate's review lacked the selector, so it refused both."""
+    cluster.create_service_account_with_rbac(NS, "node-agent", [
+        {"apiGroups": [""], "resources": ["users"], "verbs": ["impersonate"],
+         "resourceNames": ["system:node:n1"]},
+        {"apiGroups": [""], "resources": ["groups"], "verbs": ["impersonate"],
+         "resourceNames": ["system:nodes"]}], cluster_wide=True)
+    token = cluster.token_request(NS, "node-agent")
+    gate = opgate_factory(policies={"node.yaml": NODE_POLICY.format(ns=NS)},
+                          extra_args=["--token-file", setup.token_file])
+    as_node = {"Impersonate-User": "system:node:n1", "Impersonate-Group": "system:nodes"}
+    for query, code in (("?fieldSelector=spec.nodeName%3Dn1", 200),
+                        ("?fieldSelector=spec.nodeName%3Dn1&watch=1&timeoutSeconds=1", 200),
+                        ("", 403), ("?fieldSelector=spec.nodeName%3Dn2", 403)):
+        path = "/api/v1/pods" + query
+        assert cluster.call("GET", path, token=token, headers=as_node).status == code  # the ref.
+        through = cluster.call("GET", path, server=gate.url, token=token, headers=as_node)
+        assert through.status == code, (query, through.body)
+    assert "can only list/watch pods with spec.nodeName field selector" in (
+        status(through)["message"])
+
+
 PATHS_POLICY = """\
 apiVersion: opgate.dev/v1alpha1
 kind: Policy

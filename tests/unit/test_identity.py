@@ -400,6 +400,41 @@ def test_subject_access_review_denies_and_is_cached(tmp_path: Path) -> None:
     assert run(check, ctx) is None
 
 
+@pytest.mark.parametrize(("method", "path", "query", "selectors"), [
+    ("GET", "/api/v1/pods", "fieldSelector=spec.nodeName%3Dn1&labelSelector=app+in+(a,b)",
+     {"fieldSelector": {"rawSelector": "spec.nodeName=n1"},
+      "labelSelector": {"rawSelector": "app in (a,b)"}}),
+    ("GET", "/api/v1/pods", "watch=1&fieldSelector=spec.nodeName%3Dn2",
+     {"fieldSelector": {"rawSelector": "spec.nodeName=n2"}}),
+    ("DELETE", "/api/v1/namespaces/team-a/pods", "labelSelector=x%3Dy",
+     {"labelSelector": {"rawSelector": "x=y"}}),
+    ("GET", "/api/v1/pods", "fieldSelector=&labelSelector=", {}),  # empty: none, as there
+    ("GET", "/api/v1/namespaces/team-a/pods/p", "fieldSelector=spec.nodeName%3Dn1", {}),  # get
+    ("GET", "/api/v1/watch/pods", "fieldSelector=spec.nodeName%3Dn1", {}),  # verb in the path
+])
+def test_a_subject_access_review_carries_the_calls_selectors(
+        tmp_path: Path, method: str, path: str, query: str,
+        selectors: dict[str, Any]) -> None:
+    """As the apiserver's authorizers see a list, watch or deletecollection: with its field and
+    label selectors as sent (the Node authorizer lets a node list only its own pods, by
+    ``spec.nodeName``; a webhook may decide on them), so a review without them refused a call
+    the apiserver serves; each selector is its own question (cached apart)."""
+    auth = FakeAuth()
+    text = policy(sar=True).replace("    rules:\n", "    rules:\n      - {verbs: [deletecollection]"
+                                    ", resources: [pods]}\n", 1)
+    check, policies = IdentityCheck(authenticator=auth), policy_set(tmp_path, text)
+    for _ in range(2):
+        assert run(check, ctx_for(policies, method, path, sa_token(), query)) is None
+    asked = [{k: v for k, v in a["resourceAttributes"].items() if k.endswith("Selector")}
+             for a in auth.sar_attrs]
+    assert asked == [selectors]  # the second call: the cached answer
+    if selectors:  # another selector is another question (a second value of one is ignored)
+        run(check, ctx_for(policies, method, path, sa_token(), f"labelSelector=z&{query}"))
+        run(check, ctx_for(policies, method, path, sa_token(), f"{query}&labelSelector=z"))
+        assert len(auth.sar_attrs) == 2
+        assert auth.sar_attrs[1]["resourceAttributes"]["labelSelector"] == {"rawSelector": "z"}
+
+
 def test_a_subject_access_review_names_the_users_extra(tmp_path: Path) -> None:
     """A pod-bound token's extra (credential id, pod) goes to the SubjectAccessReview, as the
     apiserver's authorizers see it; another pod of the same ServiceAccount is asked anew."""
