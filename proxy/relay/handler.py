@@ -155,13 +155,14 @@ class Relay:
                 "Transfer-Encoding", "chunked").strip().lower() != "chunked":
             return (await send_status(request, errors.unsupported_coding(), close=True))[0]
         host = request.headers.get("Host")
+        refused: StatusError | None = None  # the Host guard's 403, recorded as a denial
         if host:
             raw_host = host.encode("utf-8", "surrogateescape")
             if errors.malformed_host(raw_host):
                 return (await send_status(request, errors.bad_host(1), close=True))[0]
             guard = self.host_guard
             if guard is not None and not guard.accepts(raw_host):  # (DNS rebinding)
-                return (await send_status(request, guard.refusal(raw_host), close=True))[0]
+                refused = guard.refusal(raw_host)
         raw = request.raw_path
         bad: str | None = None  # a request target the apiserver would refuse: 400 from here
         if not raw.startswith("/"):
@@ -195,7 +196,11 @@ class Relay:
         if escaped:  # the records keep the path as sent
             ctx.raw_path = sent
         transport = request.transport
-        if bad is None and ctx.info.is_long_running and transport is not None:
+        if refused is not None:  # answered and recorded, nothing decided nor relayed
+            ctx.decision = "denied"
+            resp = await self._after.track(
+                ctx, self._answer(request, ctx, refused, close=True))
+        elif bad is None and ctx.info.is_long_running and transport is not None:
             self._long_running[transport] = None
             try:
                 resp = await self._after.track(ctx, self._serve(request, ctx))

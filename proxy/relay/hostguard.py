@@ -7,7 +7,9 @@ reaches opgate's loopback port, with ``Host: evil.example:8001``, and the page r
 as its own origin's. So, as ``kubectl proxy --accept-hosts`` does (with the same default), a
 call whose ``Host`` name (without its port) matches none of ``--accept-hosts`` is refused
 ``403`` and nothing is relayed. A request without ``Host`` (HTTP/1.0: no browser sends one) and
-a Unix-socket listener (no browser reaches one) are not checked.
+a Unix-socket listener (no browser reaches one) are not checked. The refusal is one of opgate's
+own answers, recorded as the others are (a ``denied`` call in the metrics, the access and the
+audit logs, with its ``Audit-Id``), so an attempt shows; no entry hook runs for it.
 
 A controller sends the same ``Host`` value on every call, so each distinct value is matched
 once and remembered (up to ``MEMO`` of them): a call costs one dict lookup.

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from proxy.engine.context import RequestContext
 from proxy.relay.hostguard import DEFAULT_ACCEPT_HOSTS, HostGuard, parse_accept_hosts
 from tests.integration.fakes import AiohttpUpstream, ok_handler, running_proxy
 from tests.integration.opgate_proc import OpgateProcess
@@ -102,3 +103,45 @@ async def test_opgate_serve_refuses_other_hosts_by_default(
         assert opgate.stop() == 0
     assert (local.split(b" ")[1], evil.split(b" ")[1]) == answers, (local[:200], evil[:200])
     assert len(upstream.seen) == answers.count(b"200")
+
+
+class Recording:
+    """A middleware: what its entry hook saw and what its exit hook (metrics, audit and the
+    access log are exit hooks) recorded of each call."""
+
+    name = "recording"
+    fail_open = False
+    needs_body = False
+
+    def __init__(self) -> None:
+        self.entered: list[str] = []
+        self.exits: list[tuple[str, str, int, str]] = []
+        self.exited = asyncio.Event()
+
+    async def entry(self, ctx: RequestContext) -> None:
+        self.entered.append(ctx.path)
+
+    async def exit(self, ctx: RequestContext) -> None:
+        self.exits.append((ctx.method, ctx.path, ctx.status_code, ctx.decision))
+        self.exited.set()
+
+
+@pytest.mark.asyncio
+@pytest.mark.usefixtures("each_relay")
+async def test_a_refused_host_is_recorded_as_opgate_s_own_denial(
+        upstream: AiohttpUpstream) -> None:
+    """The README: opgate records the calls it answers itself (metrics, the access and the
+    audit logs); a DNS-rebinding attempt is one a platform team wants to see. No entry hook
+    runs (nothing is decided for such a call), the exit hooks see a 403 denial, and the answer
+    names it by its Audit-Id as opgate's other answers do."""
+    recording = Recording()
+    async with running_proxy(upstream.url, host_guard=GUARD,
+                             middlewares=(recording,)) as proxy:
+        raw = await call(proxy.url, b"evil.example:8001")
+        await asyncio.wait_for(recording.exited.wait(), 5)  # (after the answer went out)
+    head = raw.partition(b"\r\n\r\n")[0].lower()
+    assert head.startswith(b"http/1.1 403"), raw[:300]
+    assert b"\r\naudit-id: " in head, raw[:300]
+    assert recording.entered == []
+    assert recording.exits == [("GET", "/api/v1/namespaces/a/secrets", 403, "denied")]
+    assert upstream.seen == []

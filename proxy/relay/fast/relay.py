@@ -169,6 +169,9 @@ class FastRelay:
             # serving the call, in this coroutine (a coroutine of its own cost ~1.5k
             # instructions per call): the body if a hook asked, the chain's entry, the relay
             try:
+                if req.refused is not None:  # the Host guard's (DNS rebinding): a denial
+                    ctx.decision = "denied"
+                    raise errors.Answer(req.refused, close=True)
                 if bad is not None:
                     raise errors.Answer(bad_request(f"opgate: {bad}"))
                 if req.has_body and self._wants_body is not None and self._wants_body(ctx):

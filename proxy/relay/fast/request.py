@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Protocol
 from proxy.relay.fast.wire import Headers
 
 if TYPE_CHECKING:
+    from proxy.engine.status import StatusError
     from proxy.relay.fast.server import ClientConnection
 
 __all__ = ["BODY_HIGH_WATER", "Flow", "FlowForwarding", "Request"]
@@ -62,6 +63,7 @@ class Request:
         "keep_alive",
         "long_running",
         "method",
+        "refused",
         "tap",
         "task",
         "upgrade",
@@ -78,6 +80,7 @@ class Request:
         self.upgrade = False
         self.long_running = False  # set by the relay: shutdown does not wait for these
         self.expect_continue = False
+        self.refused: StatusError | None = None  # the Host guard's 403: answered, recorded
         self.chunked = False
         self.connection = False  # a Connection header came: its tokens name hop-by-hop headers
         self.has_body = False

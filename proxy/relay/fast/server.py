@@ -283,7 +283,7 @@ class ClientConnection(FlowForwarding, asyncio.Protocol):
             raise _Refused(_MANY_HOSTS if hosts else _NO_HOST)  # (Go's net/http: a 400 each)
         guard = self._server.host_guard if self._server is not None else None
         if guard is not None and hosts and not guard.accepts(host):  # (DNS rebinding)
-            raise _Refused(_refusal(guard.refusal(host), "Forbidden"))
+            req.refused = guard.refusal(host)  # answered by the relay: recorded as a denial
         self._parsing = req
         if self._current is None:
             self._start(req)
