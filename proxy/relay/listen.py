@@ -17,6 +17,7 @@ import contextlib
 import errno
 import logging
 import os
+import resource
 import socket
 import ssl
 from collections.abc import Awaitable, Callable
@@ -33,13 +34,25 @@ if TYPE_CHECKING:
 
     from proxy.relay.handler import Relay
 
-__all__ = ["Listener", "TLSFilesError", "listen_failure", "parse_listen", "serve_api",
-           "server_tls_context"]
+__all__ = ["Listener", "TLSFilesError", "listen_failure", "parse_listen",
+           "raise_open_files_limit", "serve_api", "server_tls_context"]
 
 log = logging.getLogger("opgate.listen")
 
 TLS_RELOAD_INTERVAL = 5.0
 AIOHTTP_LEFTOVER = 1.0  # seconds aiohttp's shutdown gives the calls still running after the grace
+
+
+def raise_open_files_limit() -> None:
+    """Raise the soft ``RLIMIT_NOFILE`` to the hard limit, as Go's runtime does at start (so
+    the apiserver and ``kubectl proxy`` have it): each call in flight holds two descriptors
+    (client, upstream), a watch holds them for good, and the soft limit a container may be
+    given (1024, systemd's default, with a hard one of 524288) ended the calls past ~500 at
+    once with ``503 Too many open files``. A limit that cannot be raised stays as it is."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
 def parse_listen(listen: str) -> tuple[str, int] | str:
@@ -187,6 +200,7 @@ async def serve_api(
     checked: no browser reaches one)."""
     where = parse_listen(listen)
     guard = None if isinstance(where, str) else host_guard
+    raise_open_files_limit()
     if bool(tls_cert) != bool(tls_key):
         raise ValueError("TLS needs both a certificate and a key file")
     ctx = server_tls_context(tls_cert, tls_key) if tls_cert and tls_key else None

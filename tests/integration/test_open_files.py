@@ -1,0 +1,66 @@
+"""The API listener with few file descriptors to spare: a real ``opgate serve`` started with a
+low soft ``RLIMIT_NOFILE`` (``prlimit``), as a container runtime may leave it, and hundreds of
+clients at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from tests.integration.fakes import AiohttpUpstream, ok_handler
+from tests.integration.opgate_proc import OpgateProcess
+
+CLIENTS = 400
+
+
+@pytest.fixture
+async def upstream() -> AsyncIterator[AiohttpUpstream]:
+    up = await AiohttpUpstream(ok_handler).start()
+    yield up
+    await up.close()
+
+
+async def statuses(port: int, clients: int) -> dict[bytes, int]:
+    """Open ``clients`` connections first, then make one GET on each, all at once: how many
+    got each status line (or the error that ended the call)."""
+    connections = [await asyncio.open_connection("127.0.0.1", port) for _ in range(clients)]
+
+    async def get(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bytes:
+        writer.write(b"GET /api/v1/namespaces HTTP/1.1\r\nHost: localhost\r\n"
+                     b"Connection: close\r\n\r\n")
+        try:
+            answer = await asyncio.wait_for(reader.read(-1), 10)
+        except (OSError, TimeoutError) as exc:
+            return type(exc).__name__.encode()
+        finally:
+            writer.close()
+        return answer.split(b"\r\n", 1)[0] or b"closed unanswered"
+
+    counts: dict[bytes, int] = {}
+    for line in await asyncio.gather(*(get(*c) for c in connections)):
+        counts[line] = counts.get(line, 0) + 1
+    return counts
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("relay", ["fast", "aiohttp"])
+async def test_the_soft_open_files_limit_is_raised_to_the_hard_one(
+        upstream: AiohttpUpstream, tmp_path: Path, relay: str) -> None:
+    """Go's runtime raises its soft limit to the hard one at start, so the apiserver and
+    kubectl proxy serve as many connections as the hard limit allows: with a soft 256 (1024 is
+    what a container gets from a runtime that leaves systemd's default, soft 1024, hard
+    524288) each call past ~120 at once (a client and an upstream descriptor each) got 503
+    'Too many open files', or was closed unanswered."""
+    opgate = OpgateProcess("--upstream", upstream.url, "--relay", relay, "--no-access-log",
+                           log_dir=tmp_path, wrapper=("prlimit", "--nofile=256:4096", "--"))
+    try:
+        await asyncio.to_thread(opgate.wait_ready)
+        got = await statuses(opgate.port, CLIENTS)
+    finally:
+        assert opgate.stop() == 0
+    assert got == {b"HTTP/1.1 200 OK": CLIENTS}, (got, opgate.stderr()[-2000:])
+
