@@ -21,8 +21,9 @@ import resource
 import socket
 import ssl
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from proxy.engine.limitlog import log_limited
 from proxy.relay.endpoint import MAX_HEADER_LINE
 from proxy.relay.fast import FastRelay
 from proxy.relay.fast import server as fast_server
@@ -35,11 +36,12 @@ if TYPE_CHECKING:
     from proxy.relay.handler import Relay
 
 __all__ = ["Listener", "TLSFilesError", "listen_failure", "parse_listen",
-           "raise_open_files_limit", "serve_api", "server_tls_context"]
+           "quiet_accept_failures", "raise_open_files_limit", "serve_api", "server_tls_context"]
 
 log = logging.getLogger("opgate.listen")
 
 TLS_RELOAD_INTERVAL = 5.0
+_ACCEPT_FAILED = "socket.accept() out of system resource"  # (asyncio's message)
 AIOHTTP_LEFTOVER = 1.0  # seconds aiohttp's shutdown gives the calls still running after the grace
 
 
@@ -53,6 +55,37 @@ def raise_open_files_limit() -> None:
     if soft != hard:
         with contextlib.suppress(ValueError, OSError):
             resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+def quiet_accept_failures(loop: asyncio.AbstractEventLoop) -> None:
+    """Log a listener's refused ``accept()`` (out of descriptors or memory) as one warning per
+    ``LOG_EVERY`` seconds. asyncio's own loop reports each to the exception handler, with its
+    traceback, for every connection waiting in the backlog and again every second (its accept
+    loop goes on after the failure): over a thousand ERROR lines a second while the limit is
+    reached. The connections wait in the backlog meanwhile (uvloop, the default, closes them
+    unanswered and reports nothing: the upstream's failures say it)."""
+    previous = loop.get_exception_handler()
+    if not isinstance(previous, _AcceptFailures):
+        loop.set_exception_handler(_AcceptFailures(previous))
+
+
+class _AcceptFailures:
+    """The loop's exception handler: accept failures logged by kind, the rest passed on."""
+
+    def __init__(self, previous: Callable[[asyncio.AbstractEventLoop, dict[str, Any]], object]
+                 | None) -> None:
+        self._previous = previous
+
+    def __call__(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        exc = context.get("exception")
+        if context.get("message") == _ACCEPT_FAILED and isinstance(exc, OSError):
+            soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+            log_limited(log, "accept", "cannot accept connections (%s; open files limit %d): "
+                        "they wait", exc.strerror, soft)
+        elif self._previous is not None:
+            self._previous(loop, context)
+        else:
+            loop.default_exception_handler(context)
 
 
 def parse_listen(listen: str) -> tuple[str, int] | str:
@@ -201,6 +234,7 @@ async def serve_api(
     where = parse_listen(listen)
     guard = None if isinstance(where, str) else host_guard
     raise_open_files_limit()
+    quiet_accept_failures(asyncio.get_running_loop())
     if bool(tls_cert) != bool(tls_key):
         raise ValueError("TLS needs both a certificate and a key file")
     ctx = server_tls_context(tls_cert, tls_key) if tls_cert and tls_key else None

@@ -64,3 +64,32 @@ async def test_the_soft_open_files_limit_is_raised_to_the_hard_one(
         assert opgate.stop() == 0
     assert got == {b"HTTP/1.1 200 OK": CLIENTS}, (got, opgate.stderr()[-2000:])
 
+
+@pytest.mark.asyncio
+async def test_accepts_failing_for_want_of_descriptors_are_logged_once(
+        upstream: AiohttpUpstream, tmp_path: Path) -> None:
+    """With --loop asyncio, a listener out of descriptors (a hard limit as low as the soft one)
+    logged asyncio's 'socket.accept() out of system resource' with its traceback for every
+    connection waiting in the backlog, again every second: over a thousand ERROR lines a
+    second. It is one WARNING line per 5 s now; the connections wait in the backlog and are
+    served once the clients before them leave."""
+    opgate = OpgateProcess("--upstream", upstream.url, "--loop", "asyncio", "--no-access-log",
+                           log_dir=tmp_path, wrapper=("prlimit", "--nofile=128:128", "--"))
+    try:
+        await asyncio.to_thread(opgate.wait_ready)
+        held = [await asyncio.open_connection("127.0.0.1", opgate.port) for _ in range(200)]
+        log = opgate.stderr_path
+        deadline = asyncio.get_running_loop().time() + 10
+        while "Too many open files" not in log.read_text():  # the first refused accept
+            assert asyncio.get_running_loop().time() < deadline, log.read_text()[-2000:]
+            await asyncio.sleep(0.05)  # (another process's log: nothing to await but it)
+        for _, writer in held:
+            writer.close()
+        after = await statuses(opgate.port, 20)  # served again
+        failures = log.read_text()
+    finally:
+        assert opgate.stop() == 0
+    assert after == {b"HTTP/1.1 200 OK": 20}, (after, failures[-2000:])
+    lines = [line for line in failures.splitlines() if "accept" in line]
+    assert len(lines) == 1, failures[-3000:]
+    assert "WARNING" in lines[0] and "Too many open files" in lines[0], lines
