@@ -12,6 +12,7 @@ from yarl import URL
 
 from proxy.relay.endpoint import MAX_HEADER_LINE, Endpoint, TokenSource, make_ssl_context
 from proxy.relay.errors import describe
+from proxy.relay.fast.upstream import MAX_HEAD as MAX_RESPONSE_HEAD
 
 __all__ = [
     "MAX_HEADER_LINE",
@@ -21,6 +22,12 @@ __all__ = [
     "make_ssl_context",
     "probe",
 ]
+
+# A response head as the fast core takes it, up to 1 MiB: aiohttp bounds each field and their
+# count, not their sum, so a field may be that long and a head that many fields of 64 bytes.
+# (Its defaults, 8190 bytes and 128 fields, made a call the apiserver had answered a 503: a
+# Warning header per warning, a proxied backend's head, which Go's client takes to 10 MB.)
+MAX_RESPONSE_FIELDS = MAX_RESPONSE_HEAD // 64
 
 # Headers aiohttp would otherwise add on its own; the client's own values (if any) still pass.
 SKIP_AUTO_HEADERS = ("Accept", "Accept-Encoding", "User-Agent", "Content-Type")
@@ -45,7 +52,8 @@ def make_session(
         timeout=aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout or None),
         read_bufsize=read_bufsize,
         max_line_size=MAX_HEADER_LINE,
-        max_field_size=MAX_HEADER_LINE,
+        max_field_size=MAX_RESPONSE_HEAD,
+        max_headers=MAX_RESPONSE_FIELDS,
         trust_env=False,
         requote_redirect_url=False,
     )
