@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -26,7 +27,7 @@ import pytest
 import yaml
 
 from proxy.envtest.cluster import LocalCluster
-from proxy.envtest.procs import Proc, tail
+from proxy.envtest.procs import Proc, free_port, tail
 from tests.e2e.conftest import Opgate
 
 pytestmark = pytest.mark.e2e
@@ -373,3 +374,56 @@ def test_operator_with_the_helm_charts_kubeconfig(
                == ("create", "configmaps", 201)) == len(specs), "no calls through opgate"
     assert not [c for c in calls if int(c.get("code") or 0) in (401, 403)], \
         "a call was refused: opgate did not add the pod's token"
+
+
+def _run_it_lines(start: str) -> list[list[str]]:
+    """The command lines of the example README's "Run it" that start with ``start`` (comments
+    and a trailing ``&`` left out)."""
+    text = (EXAMPLE / "README.md").read_text(encoding="utf-8")
+    block = text.split("## Run it", 1)[1].split("```sh\n", 1)[1].split("```", 1)[0]
+    return [shlex.split(line.split("#", 1)[0].strip().removesuffix("&"))
+            for line in block.splitlines() if line.startswith(start)]
+
+
+def test_the_example_readmes_run_it_steps_reconcile(
+    cluster: LocalCluster, operator_token: str, tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """examples/reconciler/README.md's "Run it", as written: opgate started with its
+    ``opgate serve`` line (the kubeconfig the ``kubectl apply`` lines used is the one at hand,
+    and ``<apiserver>`` and ``ca.crt`` stand for the cluster's), the operator with each of its
+    lines, a Widget in the namespace it watches. Its ConfigMap must appear: the line without
+    opgate's own identity answered every call 503 (no TokenReview without credentials), and
+    the line for a namespace the demo policy lets it write nowhere else got 403s only."""
+    workdir = tmp_path_factory.mktemp("op-readme")
+    [serve] = _run_it_lines("opgate serve")
+    operators = _run_it_lines("python -m examples.reconciler")
+    assert serve[:2] == ["opgate", "serve"] and operators
+    host = cluster.url.removeprefix("https://")
+    port, admin_port = free_port(), free_port()
+    argv = [sys.executable, "-m", "proxy", *(
+        arg.replace("<apiserver>", host).replace("ca.crt", cluster.ca_file) for arg in serve[1:]),
+        "--listen", f"127.0.0.1:{port}", "--admin-listen", f"127.0.0.1:{admin_port}"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KUBERNETES_", "OPGATE_"))}
+    env.update(KUBECONFIG=cluster.kubeconfig_path, HOME=str(workdir),
+               PYTHONPATH=os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p))
+    gate = Opgate(port=port, admin_port=admin_port, policies_dir=REPO / "policies" / "demo",
+                  log=workdir / "opgate.log", tls=False,
+                  proc=Proc("opgate", argv, log=workdir / "opgate.log", env=env, cwd=REPO))
+    gate.proc.start()
+    try:
+        kubeconfig = cluster.write_kubeconfig(workdir / "operator.kubeconfig", server=gate.url,
+                                              token=operator_token)
+        for i, line in enumerate(operators):
+            args = line[line.index("--kubeconfig") + 2:]  # the README's own kubeconfig aside
+            namespace = args[args.index("-n") + 1] if "-n" in args else "opgate-demo"
+            cluster.create_namespace(namespace)
+            run = Env(cluster=cluster, gate=gate, kubeconfig=kubeconfig, workdir=workdir)
+            with running_operator(run, *args) as operator:
+                specs = {f"readme-{i}": {"color": "blue", "data": {"size": "3"}}}
+                create_widgets(cluster, namespace, specs)
+                wait_for(lambda s=specs, n=namespace: problems(cluster, s, n),
+                         what=shlex.join(line), env=run, proc=operator)
+                delete_all_and_wait(cluster, namespace, specs, env=run, proc=operator)
+                stop_cleanly(operator)
+    finally:
+        gate.proc.stop()
