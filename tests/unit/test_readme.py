@@ -1,10 +1,10 @@
 """What the README and the example policies claim, checked against the code.
 
-The ``opgate serve`` flag table's defaults are the parser's; every policy the README shows and
-every file under ``policies/`` passes ``opgate check``; every policy field the README's examples
-use appears in some file under ``policies/``, so a reader finds it in a complete example; the
-metrics the README lists are the ones ``/metrics`` serves, with their labels (what a dashboard
-or an alert is written against).
+The ``opgate serve`` flag table has a row for every flag, with the parser's defaults; every
+policy the README shows and every file under ``policies/`` passes ``opgate check``; every policy
+field the README's examples use appears in some file under ``policies/``, so a reader finds it
+in a complete example; the metrics the README lists are the ones ``/metrics`` serves, with
+their labels (what a dashboard or an alert is written against).
 """
 
 from __future__ import annotations
@@ -88,6 +88,16 @@ def test_the_flag_table_has_the_parsers_flags_and_defaults(
             assert (action.type or str)(documented) == parsed[action.dest], flag
             checked += 1
     assert checked >= 13
+
+
+def test_every_serve_flag_has_a_row_in_the_flag_table() -> None:
+    """The table is where a reader looks a flag up: one that only ``--help`` names (the Redis
+    timeout and replicas that the failure modes hang on, the log level) is one they never
+    learn of."""
+    tabled = {flag for flags, _ in _flag_rows() for flag in flags}
+    served = {opt for a in _serve_parser()._actions for opt in a.option_strings
+              if opt.startswith("--") and opt != "--help"}
+    assert served - tabled == set()
 
 
 def test_the_readme_policies_are_valid(tmp_path: Path) -> None:
