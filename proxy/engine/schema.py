@@ -185,6 +185,9 @@ class Fields:
         item = self._typed(key, required, lambda v: isinstance(v, _Str), "a string")
         if item is None:
             return default
+        if required and item.value == "":  # Kubernetes' "Required value": "" is no name either
+            self.fail(key, "must not be empty")
+            return default
         allowed = tuple(choices) if choices is not None else None
         if allowed is not None and item.value not in allowed:
             self.fail(key, f'must be one of {", ".join(allowed)} (got "{item.value}")')

@@ -152,6 +152,9 @@ BROKEN = [
      GOOD.replace("name: alpha", "name: Alpha_1"),
      ['{f}:3: metadata.name: "Alpha_1" is not a valid name (lower-case letters, digits, '
       "'-' and '.', starting and ending with a letter or digit)"]),
+    ("empty name",  # taken: denials, /metrics and the Redis keys named policy ""
+     GOOD.replace("name: alpha", 'name: ""'),
+     ["{f}:3: metadata.name: must not be empty"]),
     ("missing envelope",
      "metadata: {}\n",
      ['{f}:1: missing required field "apiVersion"', '{f}:1: missing required field "kind"',

@@ -110,6 +110,8 @@ def test_full_rule_and_defaults() -> None:
     ("{name: a, qps: 1, match: {verbs: []}}",
      'verbs: is empty, which matches nothing (leave "verbs" out to match anything)'),
     ("{name: a, qps: 1, match: {resources: []}}", "resources: is empty"),
+    # a required name left empty was taken: 429s said rate limit "" of the policy
+    ("{name: '', qps: 1}", "spec.rateLimits[0].name: must not be empty"),
 ])
 def test_invalid_rules_are_reported_with_position(body: str, message: str) -> None:
     rules, errors = parse(f"- {body}\n")
