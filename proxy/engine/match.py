@@ -4,7 +4,8 @@ A match is written in the apiserver's vocabulary and tested against the call's R
 ``policy_verb``, API group, ``resource[/subresource]`` with RBAC's rules, namespace, and the
 verified user. Every list accepts ``*`` and shell-style globs (``team-*``). Resource entries
 follow RBAC: ``pods`` is the resource without subresource, ``pods/log`` one subresource,
-``pods/*`` every subresource, ``*/scale`` a subresource of anything and ``*`` everything.
+``pods/*`` every subresource, ``*/scale`` a subresource of anything and ``*`` everything; in
+a glob, ``*`` never takes a ``/`` (``pod*`` is no ``pods/exec``), as in a shell's.
 Compiled once per policy load; matching does no allocation beyond an f-string.
 """
 
@@ -28,23 +29,45 @@ VERBS = ("get", "list", "watch", "create", "update", "patch", "delete", "deletec
 
 @dataclass(frozen=True, slots=True)
 class Patterns:
-    """A list of literal names and globs; empty or containing ``*`` matches anything."""
+    """A list of literal names and globs; empty or containing ``*`` matches anything.
+
+    With ``segments`` (resources: ``pods/log``) a glob's ``*`` and ``?`` stay within one
+    ``/``-separated part, as a shell's do in a path: ``pod*`` is ``pods`` or ``podtemplates``,
+    never ``pods/exec`` (``pods`` is the resource without subresource), and ``*/scale`` is a
+    subresource of anything. A glob then only meets values with as many ``/`` as it has, so
+    one regex per count keeps ``*`` from taking a ``/`` (``by_depth``)."""
 
     any: bool = True
     literals: frozenset[str] = frozenset()
     regex: re.Pattern[str] | None = None
+    by_depth: tuple[re.Pattern[str] | None, ...] = ()
 
     @classmethod
-    def of(cls, items: tuple[str, ...]) -> Patterns:
+    def of(cls, items: tuple[str, ...], *, segments: bool = False) -> Patterns:
         if not items or "*" in items:
             return cls()
         globs = [i for i in items if _GLOB_CHARS & set(i)]
-        regex = re.compile("|".join(fnmatch.translate(g) for g in globs)) if globs else None
-        return cls(any=False, literals=frozenset(i for i in items if i not in globs), regex=regex)
+        literals = frozenset(i for i in items if i not in globs)
+        if segments and globs:
+            depths = [[g for g in globs if g.count("/") == n]
+                      for n in range(max(g.count("/") for g in globs) + 1)]
+            return cls(any=False, literals=literals, by_depth=tuple(
+                _compile(same) if same else None for same in depths))
+        return cls(any=False, literals=literals, regex=_compile(globs) if globs else None)
 
     def matches(self, value: str) -> bool:
-        return self.any or value in self.literals or (
-            self.regex is not None and self.regex.match(value) is not None)
+        if self.any or value in self.literals:
+            return True
+        if self.by_depth:
+            depth = value.count("/")
+            regex = self.by_depth[depth] if depth < len(self.by_depth) else None
+        else:
+            regex = self.regex
+        return regex is not None and regex.match(value) is not None
+
+
+def _compile(globs: list[str]) -> re.Pattern[str]:
+    return re.compile("|".join(fnmatch.translate(g) for g in globs))
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,5 +144,6 @@ def parse_match(node: Located | None, what: str, errors: list[PolicyError]) -> M
     named.update(verbs)
     named = {n for n in named if not _GLOB_CHARS & set(n)}
     return Match(verbs=Patterns.of(verbs), groups=Patterns.of(groups),
-                 resources=Patterns.of(resources), namespaces=Patterns.of(namespaces),
-                 users=Patterns.of(users), named=frozenset(named))
+                 resources=Patterns.of(resources, segments=True),
+                 namespaces=Patterns.of(namespaces), users=Patterns.of(users),
+                 named=frozenset(named))

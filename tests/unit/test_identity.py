@@ -237,6 +237,25 @@ def test_rules_first_match_wins(tmp_path: Path, method: str, path: str,
         assert f'rule "{verdict}" (' in got["message"] and "p0.yaml:14)" in got["message"]
 
 
+POD_GLOB_POLICY = policy().replace(
+    "      - {verbs: [get, list, watch], resources: [\"*\"]}\n",
+    "      - {name: pods, verbs: [get, create], resources: [\"pod*\"]}\n")
+
+
+@pytest.mark.parametrize(("method", "path", "allowed"), [
+    ("POST", "/api/v1/namespaces/team-a/pods", True),
+    ("GET", "/api/v1/namespaces/team-a/podtemplates/t", True),
+    # exec is a create of pods/exec: "pod*" let it in, where RBAC's "pods" does not
+    ("POST", "/api/v1/namespaces/team-a/pods/p/exec", False),
+    ("GET", "/api/v1/namespaces/team-a/pods/p/log", False),
+])
+def test_a_resource_glob_stays_out_of_subresources(tmp_path: Path, method: str, path: str,
+                                                   allowed: bool) -> None:
+    ctx = ctx_for(policy_set(tmp_path, POD_GLOB_POLICY), method, path, sa_token())
+    decision = run(IdentityCheck(authenticator=FakeAuth()), ctx)
+    assert (decision is None) is allowed
+
+
 PATHS_POLICY = policy().replace(
     "      - {verbs: [get, list, watch], resources: [\"*\"]}\n",
     "      - {name: health, verbs: [get], nonResourceURLs: [/healthz, \"/readyz/*\", /version]}\n"

@@ -182,6 +182,9 @@ MATCH = """
     ("GET", "/apis/apps/v1/namespaces/team-a/deployments/d/scale", "", "alice", True),
     ("GET", "/apis/apps/v1/namespaces/team-a/deployments/d", "", "alice", False),
     ("GET", "/api/v1/namespaces/team-a/configmaps/c", "", "alice", True),  # glob
+    # a glob's "*" stays within the resource, as a shell's within a path segment: "config*"
+    # matched configmaps/status (so "pod*" pods/exec), where "configmaps" itself does not
+    ("GET", "/api/v1/namespaces/team-a/configmaps/c/status", "", "alice", False),
     ("GET", "/apis/batch/v1/namespaces/team-a/jobs/j", "", "alice", False),  # group
     ("PUT", "/api/v1/namespaces/team-a/pods/p", "", "alice", False),  # verb
     ("GET", "/healthz", "", "alice", False),  # non-resource: rule restricts resources
