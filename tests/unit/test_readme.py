@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -141,3 +142,19 @@ def test_the_readme_lists_the_served_metrics_with_their_labels() -> None:
     served = _served_metrics()
     assert len(served) >= 20
     assert shown == served
+
+
+def test_the_layout_names_every_top_level_part_and_package() -> None:
+    """A reader finds each part of the tree in the Layout block: what git tracks at the top
+    (``scripts/``, which ``make test`` runs, was in none of it) and each package of ``proxy``."""
+    layout = README.split("## Layout", 1)[1].split("```", 2)[1]
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True,
+                             check=True).stdout.split()
+    tops = {path.split("/", 1)[0] + ("/" if "/" in path else "") for path in tracked}
+    parts = {top for top in tops if not top.startswith(".") or top == ".ci/"}
+    packages = {f"{p.parent.name}/" for p in (ROOT / "proxy").glob("*/__init__.py")}
+    assert len(parts) >= 10 and len(packages) >= 5
+    missing = {part for part in parts | packages
+               if not re.search(rf"(^|[\s·])({re.escape(part)}|{re.escape(part.rstrip('/'))})"
+                                rf"($|[\s/·])", layout, re.M)}
+    assert missing == set()
