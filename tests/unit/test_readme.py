@@ -24,6 +24,8 @@ from proxy.app import section_parsers
 from proxy.cli_parser import build_parser
 from proxy.engine import telemetry
 from proxy.engine.check import check
+from proxy.middlewares.ratelimit_spec import RESULTS
+from proxy.stores.breaker import BACKENDS
 
 ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text(encoding="utf-8")
@@ -136,7 +138,7 @@ def _served_metrics() -> dict[str, set[str]]:
 
 
 def test_the_readme_lists_the_served_metrics_with_their_labels() -> None:
-    listed = README.split("Metrics (`opgate_` prefix): ", 1)[1].split("\nLabels never", 1)[0]
+    listed = _metric_list()
     shown = {name: set(filter(None, labels.split(",")))
              for name, labels in re.findall(r"`([a-z]+_[a-z_]+)(?:\{([a-z_,]*)\})?`", listed)}
     served = _served_metrics()
@@ -158,3 +160,20 @@ def test_the_layout_names_every_top_level_part_and_package() -> None:
                if not re.search(rf"(^|[\s·])({re.escape(part)}|{re.escape(part.rstrip('/'))})"
                                 rf"($|[\s/·])", layout, re.M)}
     assert missing == set()
+
+
+def _metric_list() -> str:
+    return README.split("Metrics (`opgate_` prefix): ", 1)[1].split("\nLabels never", 1)[0]
+
+
+@pytest.mark.parametrize(("metric", "values"), [
+    ("ratelimit_decisions_total", RESULTS),
+    ("ratelimit_backend", BACKENDS),
+    ("policy_reloads_total", ("success", "error", "unchanged")),
+])
+def test_the_readme_lists_a_metrics_label_values(metric: str, values: tuple[str, ...]) -> None:
+    """What an alert on a bounded label is written against: ``result="denied"`` or
+    ``"unavailable"`` of the rate limits was nowhere but in the code."""
+    text = _metric_list().split(f"`{metric}{{", 1)[1]
+    described = re.split(r", `[a-z]+_[a-z_]+(?:\{[a-z_,]*\})?`", text, maxsplit=1)[0]
+    assert {v for v in values if f"`{v}`" not in described} == set()
