@@ -27,6 +27,18 @@ VERBS = ("get", "list", "watch", "create", "update", "patch", "delete", "deletec
          "proxy", "head", "post", "put", "options", "connect", "trace")
 
 
+# What an API group (a DNS subdomain) and a namespace (a DNS label) can hold, globs aside: an
+# entry with another character matches no call. "groups" being apiGroups' alias, a user group
+# ("system:masters") written there was taken, and an identity deny rule so written denied none.
+_NAME_CHARS = {"groups": re.compile(r"[-a-z0-9.*?\[\]!]*"),
+               "apiGroups": re.compile(r"[-a-z0-9.*?\[\]!]*"),
+               "namespaces": re.compile(r"[-a-z0-9*?\[\]!]*")}
+_GROUP_KIND = ('an API group is a DNS name such as "apps" or "demo.opgate.dev" (a user group '
+               'is an identity allow entry\'s "group:")')
+_NAME_KINDS = {"groups": _GROUP_KIND, "apiGroups": _GROUP_KIND,
+               "namespaces": "a namespace is a DNS label (lower-case letters, digits and '-')"}
+
+
 @dataclass(frozen=True, slots=True)
 class Patterns:
     """A list of literal names and globs; empty or containing ``*`` matches anything.
@@ -123,6 +135,8 @@ def _patterns(f: Fields, key: str, errors: list[PolicyError]) -> tuple[str, ...]
         elif key in ("groups", "apiGroups") and "/" in item:
             fail(index, f'"{item}" never matches: an API group has no version '
                  f'("{item.partition("/")[0]}", not "{item}")')
+        elif key in _NAME_CHARS and not _NAME_CHARS[key].fullmatch(item):
+            fail(index, f'"{item}" never matches: {_NAME_KINDS[key]}')
     return items
 
 

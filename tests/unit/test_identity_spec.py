@@ -141,6 +141,11 @@ def test_issuers_default_to_the_cluster(tmp_path: Path) -> None:
      'ident.yaml:9: spec.identity.rules[0].verbs: "list" never matches a non-resource URL'),
     ("  identity:\n    allow: [{group: x}]\n    rules: [{nonResourceURLs: '/healthz'}]\n",
      "spec.identity.rules[0].nonResourceURLs: expected a list of strings"),
+    # a rule's groups are API groups (apiGroups' alias): this deny rule denied nobody
+    ("  identity:\n    allow: [{group: x}]\n    rules:\n      - {effect: deny, verbs: [delete], "
+     "groups: ['dex:interns']}\n      - {verbs: ['*']}\n",
+     'ident.yaml:8: spec.identity.rules[0].groups: "dex:interns" never matches: an API group '
+     "is a DNS name"),
 ])
 def test_errors_say_where(tmp_path: Path, body: str, expected: str) -> None:
     errors = errors_of(tmp_path, body)

@@ -110,6 +110,12 @@ def test_full_rule_and_defaults() -> None:
     ("{name: a, qps: 1, match: {verbs: []}}",
      'verbs: is empty, which matches nothing (leave "verbs" out to match anything)'),
     ("{name: a, qps: 1, match: {resources: []}}", "resources: is empty"),
+    # a user group written where the API group goes (groups is apiGroups' alias) matched no
+    # call without a word: an identity deny rule so written denied nothing
+    ("{name: a, qps: 1, match: {groups: ['system:masters']}}",
+     '"system:masters" never matches: an API group is a DNS name'),
+    ("{name: a, qps: 1, match: {namespaces: [team_a]}}",
+     '"team_a" never matches: a namespace is a DNS label'),
     # a required name left empty was taken: 429s said rate limit "" of the policy
     ("{name: '', qps: 1}", "spec.rateLimits[0].name: must not be empty"),
 ])
