@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from proxy.engine.requestinfo import RequestInfo
 from proxy.engine.schema import Fields, Located, PolicyError
 
-__all__ = ["Match", "Patterns", "parse_match"]
+__all__ = ["NAMESPACE_NAME", "Match", "Patterns", "never_a_namespace", "parse_match"]
 
 _GLOB_CHARS = frozenset("*?[")
 # The verbs a call can have (requestinfo): the apiserver's for resources, the lower-case HTTP
@@ -35,8 +35,8 @@ _NAME_CHARS = {"groups": re.compile(r"[-a-z0-9.*?\[\]!]*"),
                "namespaces": re.compile(r"[-a-z0-9*?\[\]!]*")}
 _GROUP_KIND = ('an API group is a DNS name such as "apps" or "demo.opgate.dev" (a user group '
                'is an identity allow entry\'s "group:")')
-_NAME_KINDS = {"groups": _GROUP_KIND, "apiGroups": _GROUP_KIND,
-               "namespaces": "a namespace is a DNS label (lower-case letters, digits and '-')"}
+NAMESPACE_NAME = "a namespace is a DNS label (lower-case letters, digits and '-')"
+_NAME_KINDS = {"groups": _GROUP_KIND, "apiGroups": _GROUP_KIND, "namespaces": NAMESPACE_NAME}
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,6 +138,11 @@ def _patterns(f: Fields, key: str, errors: list[PolicyError]) -> tuple[str, ...]
         elif key in _NAME_CHARS and not _NAME_CHARS[key].fullmatch(item):
             fail(index, f'"{item}" never matches: {_NAME_KINDS[key]}')
     return items
+
+
+def never_a_namespace(item: str) -> bool:
+    """Whether a namespace entry (globs allowed) has a character no namespace has."""
+    return not _NAME_CHARS["namespaces"].fullmatch(item)
 
 
 def parse_match(node: Located | None, what: str, errors: list[PolicyError]) -> Match:

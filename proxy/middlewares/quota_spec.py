@@ -33,7 +33,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from proxy.engine.match import Patterns
+from proxy.engine.match import NAMESPACE_NAME, Patterns, never_a_namespace
 from proxy.engine.schema import Fields, Located, PolicyError, sequence
 
 __all__ = ["ALIGN_KINDS", "CLUSTER_RESOURCE_QUOTA", "LEGACY_COUNTS", "RESOURCE_QUOTA", "SECTION",
@@ -155,6 +155,8 @@ def parse_quota(node: Located, what: str, errors: list[PolicyError]) -> QuotaRul
             f.fail("namespaces", f'"{item}" is not a valid glob (unclosed "[")')
         elif item != item.lower():
             f.fail("namespaces", f'"{item}" never matches: namespaces are lower-case')
+        elif never_a_namespace(item):
+            f.fail("namespaces", f'"{item}" never matches: {NAMESPACE_NAME}')
     maximum = f.int("max", minimum=0)
     align = f.str_list("alignWith")
     for kind in align:

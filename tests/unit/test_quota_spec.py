@@ -111,6 +111,9 @@ def test_full_entry_and_defaults() -> None:
      "every namespace)"),
     ("- resources: [configmaps]\n  namespaces: [Team-A]\n  max: 1",
      'q.yaml:2: spec.quotas[0].namespaces: "Team-A" never matches: namespaces are lower-case'),
+    ("- resources: [configmaps]\n  namespaces: [team_a]\n  max: 1",  # counted nowhere
+     'q.yaml:2: spec.quotas[0].namespaces: "team_a" never matches: a namespace is a DNS label '
+     "(lower-case letters, digits and '-')"),
     ("- resources: [configmaps]\n  max: 1\n  alignWith: [LimitRange]",
      'q.yaml:3: spec.quotas[0].alignWith: "LimitRange" is not one of ResourceQuota, '
      "ClusterResourceQuota"),
