@@ -25,6 +25,7 @@ from proxy.cli_parser import build_parser
 from proxy.engine import telemetry
 from proxy.engine.check import check
 from proxy.middlewares.ratelimit_spec import RESULTS
+from proxy.stores import REDIS_SCHEMES
 from proxy.stores.breaker import BACKENDS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -101,6 +102,13 @@ def test_every_serve_flag_has_a_row_in_the_flag_table() -> None:
     served = {opt for a in _serve_parser()._actions for opt in a.option_strings
               if opt.startswith("--") and opt != "--help"}
     assert served - tabled == set()
+
+
+def test_the_redis_url_row_names_every_scheme_opgate_takes() -> None:
+    """``rediss+sentinel://`` (a Sentinel on TLS) and ``rediss+cluster://`` were taken but
+    named nowhere a user reads."""
+    [row] = [line for line in README.splitlines() if line.startswith("| `--redis-url` |")]
+    assert [s for s in REDIS_SCHEMES if f"`{s}://`" not in row] == []
 
 
 def test_the_readme_policies_are_valid(tmp_path: Path) -> None:
