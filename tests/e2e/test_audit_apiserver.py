@@ -25,8 +25,9 @@ from typing import Any
 import pytest
 
 from proxy.envtest.binaries import KubeBinaries
-from proxy.envtest.cluster import LocalCluster
+from proxy.envtest.cluster import DEFAULT_ISSUER, LocalCluster
 from tests.e2e.conftest import Opgate, start_opgate
+from tests.e2e.test_identity_websocket import reviews
 from tests.e2e.test_protobuf import MAGIC, PROTOBUF, _field, configmap_protobuf
 
 pytestmark = pytest.mark.e2e
@@ -34,6 +35,9 @@ pytestmark = pytest.mark.e2e
 NS = "audit-cmp"
 SA_NAME = "compared"
 USER = f"system:serviceaccount:{NS}:{SA_NAME}"
+# an audience the apiserver accepts (--api-audiences) and opgate does not know: it asks (a
+# TokenReview) about a service-account token of it
+REVIEWED_AUDIENCE = "audit-cmp.example.com"
 MICRO = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}Z")
 # the same levels on both sides: the apiserver's Policy and opgate's spec.audit
 RULES = f"""\
@@ -84,7 +88,8 @@ class Setup:
     opgate_log: Path
     token: str
     bound: dict[str, str]  # tokens bound to objects, by what they are bound to (BOUND)
-    reviewing: Opgate  # an opgate that accepts no issuer's keys: the apiserver vouches for all
+    reviewing: Opgate  # a second opgate, its own audit log for the tokens below
+    reviewed: dict[str, str]  # tokens of REVIEWED_AUDIENCE: plain, pod-on-node
     reviewed_log: Path
 
 
@@ -96,7 +101,8 @@ def setup(kube_binaries: KubeBinaries,
     policy.write_text(APISERVER_POLICY)
     apiserver_log = base / "apiserver-audit.log"
     cluster = LocalCluster(binaries=kube_binaries, extra_apiserver_args=(
-        f"--audit-log-path={apiserver_log}", f"--audit-policy-file={policy}"))
+        f"--audit-log-path={apiserver_log}", f"--audit-policy-file={policy}",
+        f"--api-audiences={DEFAULT_ISSUER},{REVIEWED_AUDIENCE}"))
     try:
         cluster.start()
     except RuntimeError as exc:
@@ -122,12 +128,12 @@ def setup(kube_binaries: KubeBinaries,
         reviewed_log = base / "reviewed-audit.log"
         reviewing = start_opgate(
             cluster, base / "reviewing",
-            policies={"audit.yaml": OPGATE_POLICY.replace("issuers: [{kubernetes: {}}]",
-                                                          "issuers: []")},
+            policies={"audit.yaml": OPGATE_POLICY},
             extra_args=["--token-file", str(token_file), "--audit-log", str(reviewed_log)])
         yield Setup(cluster=cluster, gate=gate, apiserver_log=apiserver_log,
                     opgate_log=opgate_log, token=cluster.token_request(NS, SA_NAME),
-                    bound=bound_tokens(cluster), reviewing=reviewing, reviewed_log=reviewed_log)
+                    bound=bound_tokens(cluster), reviewing=reviewing,
+                    reviewed=reviewed_tokens(cluster), reviewed_log=reviewed_log)
     finally:
         for started in (gate, reviewing):
             if started is not None:
@@ -165,6 +171,15 @@ def bound_tokens(cluster: LocalCluster) -> dict[str, str]:
                                                                 "name": "bound-to"}}
     return {what: cluster.token_request(NS, SA_NAME, bound_to={"apiVersion": "v1", **ref})
             for what, ref in refs.items()}
+
+
+def reviewed_tokens(cluster: LocalCluster) -> dict[str, str]:
+    """Tokens of the compared ServiceAccount for :data:`REVIEWED_AUDIENCE` only, one of them
+    bound to the pod on the node (made by :func:`bound_tokens`)."""
+    pod = {"apiVersion": "v1", "kind": "Pod", "name": "pod-on-node"}
+    return {bound: cluster.token_request(NS, SA_NAME, audiences=[REVIEWED_AUDIENCE],
+                                         bound_to=pod if bound == "pod-on-node" else None)
+            for bound in ("plain", "pod-on-node")}
 
 
 def read_events(path: Path) -> list[dict[str, Any]]:
@@ -514,11 +529,12 @@ def test_a_call_without_an_audit_id_has_one_name_in_both_logs(setup: Setup) -> N
 @pytest.mark.parametrize("bound", ["plain", "pod-on-node"])
 def test_user_extra_of_a_token_the_apiserver_vouched_for_is_its_own(setup: Setup,
                                                                      bound: str) -> None:
-    """An opgate that verifies no token itself (``issuers: []``) asks the apiserver (a
-    TokenReview): ``user.extra`` is its ``status.user.extra``, the same as the apiserver
-    logs for the call."""
+    """A service-account token of an audience opgate does not know, which the apiserver's
+    ``--api-audiences`` holds, is the apiserver's to judge (a TokenReview): ``user.extra`` is
+    its ``status.user.extra``, the same as the apiserver logs for the call."""
     audit_id = f"reviewed-{bound}"
-    token = setup.token if bound == "plain" else setup.bound[bound]
+    token = setup.reviewed[bound]
+    before = reviews(setup.reviewing)["authenticated"]
     resp = setup.cluster.call("GET", f"{CM}?labelSelector=reviewed%3D{bound}", token=token,
                               server=setup.reviewing.url,
                               headers={"Audit-ID": audit_id, "User-Agent": "audit-cmp/1.0"})
@@ -526,6 +542,7 @@ def test_user_extra_of_a_token_the_apiserver_vouched_for_is_its_own(setup: Setup
     key = (audit_id, "ResponseComplete")
     ours = by_id(setup.reviewed_log, {key})[key]
     theirs = by_id(setup.apiserver_log, {key})[key]
+    assert reviews(setup.reviewing)["authenticated"] == before + 1  # the apiserver vouched
     assert len(theirs["user"]["extra"]) == 1 + len(BOUND.get(bound, ()))
     a, b = normalize(ours, theirs)
     assert_same(a, b)
