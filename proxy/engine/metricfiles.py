@@ -10,7 +10,8 @@ process's in-flight calls and open watches are none: ``mark_process_dead``) and 
 counters and histograms into one ``<kind>_archive.db`` per kind, which the sums read as any
 other file: its counts stay (a counter never goes down), and the directory holds the live
 workers' files and one archive per kind. (Gauges of another mode than ``live*`` would keep
-their files: opgate has none.)
+their files: opgate has none.) A series a worker removed (a quota's namespace gone) is set to
+:data:`REMOVED` in its file, which :class:`Collector` leaves out.
 
 Only the supervisor merges and scrapes, and the two exclude each other (:data:`_LOCK`;
 :class:`Collector` reads under it): a scrape between the archive's replacement and the dead
@@ -52,6 +53,9 @@ _USED = struct.Struct("i")  # a file's first 4 bytes: how many of them are used
 _spilled_once = False  # whether this process has said that its metrics went to memory
 
 ARCHIVED = ("counter", "histogram", "summary")  # the kinds whose samples add up
+# a live gauge's value for "no series": a worker cannot remove one from its file, so it sets
+# this (no opgate gauge is ever below 0) and the supervisor's /metrics leaves it out
+REMOVED = -1.0
 _LOCK = threading.Lock()
 
 
@@ -217,4 +221,8 @@ class Collector:
     def collect(self) -> Iterable[Metric]:
         with _LOCK:
             files = glob.glob(os.path.join(self._path, "*.db"))
-            return list(MultiProcessCollector.merge(files))  # type: ignore[no-untyped-call]
+            merged = list(MultiProcessCollector.merge(files))  # type: ignore[no-untyped-call]
+        for metric in merged:
+            if metric.type == "gauge":  # livemax: REMOVED once every live worker removed it
+                metric.samples = [s for s in metric.samples if s.value > REMOVED]
+        return merged

@@ -358,7 +358,7 @@ def set_quota_usage(namespace: str, resource: str, count: int) -> None:
     """Set a namespace's usage. One that stays at 0 for ``QUOTA_USAGE_ZERO_SECONDS`` loses its
     series (as one that never held an object has none): namespaces come and go over the weeks
     a sidecar runs, and each kept a series forever. Removed at the next update after that (in
-    multiprocess mode, where prometheus_client cannot remove one, it only stays at 0)."""
+    multiprocess mode, where prometheus_client cannot remove one, see :func:`_remove_usage`)."""
     global _quota_zero_sweep
     labels = (namespace, resource)
     QUOTA_USAGE.labels(namespace, resource).set(count)
@@ -374,16 +374,26 @@ def set_quota_usage(namespace: str, resource: str, count: int) -> None:
         for stale in [k for k, since in _quota_zero.items() if since <= horizon]:
             del _quota_zero[stale]
             _QUOTA_USAGE_SET.discard(stale)
-            if not _MULTIPROCESS:
-                QUOTA_USAGE.remove(*stale)
+            _remove_usage(stale)
+
+
+def _remove_usage(labels: tuple[str, str]) -> None:
+    """Remove one usage series. prometheus_client cannot remove a series from a worker's file
+    in multiprocess mode (``--workers``): there it is set to ``metricfiles.REMOVED``, which the
+    supervisor's ``/metrics`` leaves out (each namespace there ever was kept a series at 0)."""
+    if _MULTIPROCESS:
+        from proxy.engine.metricfiles import REMOVED
+
+        QUOTA_USAGE.labels(*labels).set(REMOVED)
+    else:
+        QUOTA_USAGE.remove(*labels)
 
 
 def clear_quota_usage() -> None:
-    """Forget the quota usage series (the entries they were for are gone). prometheus_client
-    cannot remove a series in multiprocess mode (``--workers``): there they are set to 0."""
+    """Forget the quota usage series (the entries they were for are gone)."""
     if _MULTIPROCESS:
         for labels in _QUOTA_USAGE_SET:
-            QUOTA_USAGE.labels(*labels).set(0)
+            _remove_usage(labels)
     else:
         QUOTA_USAGE.clear()
     _QUOTA_USAGE_SET.clear()

@@ -194,3 +194,50 @@ def test_retiring_a_worker_on_a_full_disk_keeps_its_files_and_the_supervisor(
                              size_kb=1024)
     assert _survived(done).split() == ["alive", "True"]
     assert "cannot merge" in done.stderr and "No space left on device" in done.stderr
+
+
+NAMESPACES = """
+from proxy.engine import telemetry as t
+now = [1000.0]
+t._clock = lambda: now[0]
+t.set_quota_usage("old-entry", "secrets", 5)
+t.clear_quota_usage()  # a reload: the entry that counted secrets is gone
+t.set_quota_usage("live", "configmaps", 3)
+t.set_quota_usage("reloaded", "configmaps", 2)
+for n in range({n}):  # namespaces created, filled, emptied and deleted, a second apart
+    t.set_quota_usage(f"ns-{{n}}", "configmaps", 1)
+    t.set_quota_usage(f"ns-{{n}}", "configmaps", 0)
+    now[0] += 1
+now[0] += t.QUOTA_USAGE_ZERO_SECONDS
+t.set_quota_usage("emptied", "configmaps", 0)  # the next update removes those at 0 since
+t.set_quota_usage("live", "configmaps", 4)
+"""
+
+
+@pytest.mark.parametrize("n", [10, 400])
+def test_quota_usage_of_namespaces_gone_leaves_the_sums(tmp_path: Path, n: int) -> None:
+    """With --workers, a namespace whose usage stayed at 0 for QUOTA_USAGE_ZERO_SECONDS, and the
+    series of an entry a reload dropped, leave the supervisor's /metrics, as they leave a single
+    process's: prometheus_client cannot remove a series from a worker's file, so every
+    namespace there ever was kept a series at 0 (over the weeks a sidecar runs, CI namespaces
+    by the thousand)."""
+    subprocess.run([sys.executable, "-c", NAMESPACES.format(n=n)], check=True, timeout=60,
+                   env={**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)})
+    usage = {k: v for k, v in _scrape(tmp_path).items() if k.startswith("opgate_quota_usage")}
+    assert usage == {
+        "opgate_quota_usage[('namespace', 'live'), ('resource', 'configmaps')]": 4,
+        "opgate_quota_usage[('namespace', 'reloaded'), ('resource', 'configmaps')]": 2,
+        "opgate_quota_usage[('namespace', 'emptied'), ('resource', 'configmaps')]": 0,
+    }
+
+
+def test_a_series_one_worker_removed_shows_while_another_still_has_it(tmp_path: Path) -> None:
+    """Usage is the highest live worker's value (livemax): a worker whose reload dropped the
+    series does not hide what a worker that has not reloaded yet still shows."""
+    keeps = 'from proxy.engine import telemetry as t\nt.set_quota_usage("a", "configmaps", 0)\n'
+    removes = keeps + "t.clear_quota_usage()\n"
+    for script in (keeps, removes):
+        subprocess.run([sys.executable, "-c", script], check=True, timeout=60,
+                       env={**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)})
+    assert _scrape(tmp_path)[
+        "opgate_quota_usage[('namespace', 'a'), ('resource', 'configmaps')]"] == 0

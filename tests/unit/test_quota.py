@@ -1161,12 +1161,14 @@ def test_counter_answers_none_until_synced_and_settles_reservations() -> None:
     assert "configmaps=syncing" in counts.describe()
 
 
-def test_quota_usage_series_are_zeroed_not_cleared_under_workers(
+def test_quota_usage_series_are_marked_removed_not_cleared_under_workers(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """prometheus_client cannot remove a series in multiprocess mode (it warns and keeps it):
-    with --workers the old set's usage series go to 0 instead of staying at their last value."""
+    with --workers the old set's usage series are set to metricfiles.REMOVED, which the
+    supervisor's /metrics leaves out, instead of staying at their last value (or at 0)."""
     from proxy.engine import telemetry
+    from proxy.engine.metricfiles import REMOVED
 
     telemetry.set_quota_usage("gone-ns", "configmaps", 7)
     monkeypatch.setattr(telemetry, "_MULTIPROCESS", True)
@@ -1177,7 +1179,7 @@ def test_quota_usage_series_are_zeroed_not_cleared_under_workers(
     monkeypatch.setattr(telemetry.QUOTA_USAGE, "clear", refuse)
     telemetry.clear_quota_usage()
     assert telemetry.REGISTRY.get_sample_value(
-        "opgate_quota_usage", {"namespace": "gone-ns", "resource": "configmaps"}) == 0
+        "opgate_quota_usage", {"namespace": "gone-ns", "resource": "configmaps"}) == REMOVED
 
 
 def test_quota_usage_series_of_namespaces_left_at_zero_go_away(
