@@ -198,6 +198,12 @@ class LocalCluster(AdminApi):
         cert, key = pki.issue_serving_cert(self.workdir / "pki", name=name)
         return str(cert), str(key)
 
+    def issue_client_cert(self, name: str, groups: tuple[str, ...] = ()) -> tuple[str, str]:
+        """A client cert + key of the user ``name`` in ``groups``, signed by the CA the
+        apiserver trusts for clients (``--client-ca-file``); returns ``(cert_path, key_path)``."""
+        cert, key = pki.issue_client_cert(self.workdir / "pki", name=name, groups=groups)
+        return str(cert), str(key)
+
     def compact_etcd(self) -> int:
         """Compact etcd up to its current revision (what the apiserver does every 5 minutes);
         returns that revision. Reads at older resourceVersions then fail with 410 Gone."""

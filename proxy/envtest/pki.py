@@ -77,6 +77,35 @@ def issue_serving_cert(directory: Path, *, name: str) -> tuple[Path, Path]:
     return cert_path, key_path
 
 
+def issue_client_cert(
+    directory: Path, *, name: str, groups: tuple[str, ...] = ()
+) -> tuple[Path, Path]:
+    """Sign a client cert for the user ``name`` in ``groups`` (its organizations, as the
+    apiserver's x509 authenticator reads them) with the CA that ``write_pki`` left in
+    ``directory``: the credentials of a kubeconfig user such as kind's admin; returns
+    ``(<name>.crt, <name>.key)``."""
+    ca_cert = x509.load_pem_x509_certificate((directory / "ca.crt").read_bytes())
+    ca_key = serialization.load_pem_private_key((directory / "ca.key").read_bytes(), None)
+    assert isinstance(ca_key, rsa.RSAPrivateKey)
+    now = dt.datetime.now(dt.UTC)
+    key = _key()
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name),
+                         *(x509.NameAttribute(NameOID.ORGANIZATION_NAME, g) for g in groups)])
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(subject).issuer_name(ca_cert.subject)
+        .public_key(key.public_key()).serial_number(x509.random_serial_number())
+        .not_valid_before(now - dt.timedelta(hours=1)).not_valid_after(now + dt.timedelta(days=7))
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
+    cert_path, key_path = directory / f"{name}.crt", directory / f"{name}.key"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    _write_key(key_path, key)
+    return cert_path, key_path
+
+
 def write_pki(directory: Path) -> PkiFiles:
     """Generate a CA (``ca.crt``/``ca.key``), the apiserver's serving cert and the SA key pair
     into ``directory`` (created; private keys mode 0600)."""

@@ -1,10 +1,13 @@
 """The upstream as every part of the relay reaches it: TLS context, address, token.
 
 Built once at start from an :class:`UpstreamConfig`: one ``SSLContext`` (CA, client certificate,
-ALPN ``http/1.1``) shared by every connection opgate opens upstream, the :class:`Endpoint` (the
-parts of the URL needed on every call), and a :class:`TokenSource` that follows a rotating
-projected token file without a syscall per request. No HTTP library here: the fast relay needs
-none, the aiohttp session (:mod:`proxy.relay.session`) builds on this.
+ALPN ``http/1.1``) shared by every connection opgate opens upstream with its own credentials, and
+when those include a client certificate a second one without it, for the calls that carry the
+caller's credentials (the apiserver authenticates a connection's certificate before any token: a
+caller's token over opgate's connection would be ignored and the call run as opgate); the
+:class:`Endpoint` (the parts of the URL needed on every call), and a :class:`TokenSource` that
+follows a rotating projected token file without a syscall per request. No HTTP library here: the
+fast relay needs none, the aiohttp session (:mod:`proxy.relay.session`) builds on this.
 """
 
 from __future__ import annotations
@@ -25,15 +28,18 @@ log = logging.getLogger("opgate.relay")
 MAX_HEADER_LINE = 64 * 1024  # long label selectors, big OIDC tokens, many Warning headers
 
 
-def make_ssl_context(config: UpstreamConfig) -> ssl.SSLContext | None:
-    """The client TLS context for an https upstream (``None`` for http)."""
+def make_ssl_context(
+    config: UpstreamConfig, *, client_cert: bool = True
+) -> ssl.SSLContext | None:
+    """The client TLS context for an https upstream (``None`` for http); with ``client_cert``
+    false, without the configured client certificate (see :attr:`Endpoint.caller_tls`)."""
     if not config.url.startswith("https:"):
         return None
     try:
         ctx = ssl.create_default_context(
             ssl.Purpose.SERVER_AUTH, cafile=config.ca_file, cadata=config.ca_data
         )
-        if config.client_cert_file and config.client_key_file:
+        if client_cert and config.client_cert_file and config.client_key_file:
             ctx.load_cert_chain(config.client_cert_file, config.client_key_file)
     except (OSError, ssl.SSLError, ValueError) as e:
         raise UpstreamConfigError(f"upstream TLS ({config.source or 'config'}): {e}") from e
@@ -55,6 +61,9 @@ class Endpoint:
     prefix: str  # path prefix of the upstream URL ("" for most)
     tls: ssl.SSLContext | None  # None for http
     server_name: str | None
+    # for calls that carry the caller's own credentials: ``tls`` without opgate's client
+    # certificate (``tls`` itself when there is none), which the apiserver would read first
+    caller_tls: ssl.SSLContext | None
 
     @classmethod
     def from_config(cls, config: UpstreamConfig, ctx: ssl.SSLContext | None) -> Endpoint:
@@ -69,6 +78,8 @@ class Endpoint:
             prefix=parts.path.rstrip("/"),
             tls=ctx,
             server_name=config.server_name,
+            caller_tls=(make_ssl_context(config, client_cert=False)
+                        if ctx is not None and config.client_cert_file else ctx),
         )
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 import time
 
 import aiohttp
@@ -26,7 +27,6 @@ from proxy.engine.chain import Chain, settle
 from proxy.engine.context import RequestContext
 from proxy.engine.requestinfo import parse_request_info
 from proxy.engine.status import StatusError, bad_request, internal_error
-from proxy.engine.subprotocol import carries_token
 from proxy.engine.telemetry import publish_levels
 from proxy.relay import errors, tunnel
 from proxy.relay.aftercare import CLIENT_GONE, Aftercare
@@ -40,7 +40,12 @@ from proxy.relay.calls import (
 )
 from proxy.relay.events import EventEnds, event_ends
 from proxy.relay.fast import server as fast_server
-from proxy.relay.headers import for_upstream, is_upgrade_request, response_headers
+from proxy.relay.headers import (
+    carries_credentials,
+    for_upstream,
+    is_upgrade_request,
+    response_headers,
+)
 from proxy.relay.hostguard import HostGuard
 from proxy.relay.response import (
     BufferedRelayResponse,
@@ -304,13 +309,15 @@ class Relay:
         self, request: web.BaseRequest, ctx: RequestContext, *, upgrade: bool
     ) -> CIMultiDict[str]:
         """Request headers for the upstream, with opgate's token when the client sent none (no
-        ``Authorization``, no WebSocket bearer-token subprotocol: see :func:`carries_token`)."""
-        headers = request.headers
-        own = "Authorization" in headers or (
-            "Sec-WebSocket-Protocol" in headers
-            and any(map(carries_token, headers.getall("Sec-WebSocket-Protocol"))))
-        auth = None if own else self._token.authorization()
+        ``Authorization``, no WebSocket bearer-token subprotocol: :func:`carries_credentials`)."""
+        auth = None if carries_credentials(request.headers) else self._token.authorization()
         return for_upstream(request.headers, ctx, authorization=auth, upgrade=upgrade)
+
+    def tls_for(self, headers: CIMultiDict[str]) -> ssl.SSLContext | None:
+        """The TLS context of a call's upstream connection: without opgate's client
+        certificate when the caller sent credentials of its own (``Endpoint.caller_tls``)."""
+        endpoint = self._endpoint
+        return endpoint.caller_tls if carries_credentials(headers) else endpoint.tls
 
     async def _relay(self, request: web.BaseRequest, ctx: RequestContext) -> web.StreamResponse:
         session = self._session
@@ -345,6 +352,7 @@ class Relay:
                     timeout=(self._watch_timeout if watch else self._long_timeout)
                     if long_running else self._timeout,
                     server_hostname=self._endpoint.server_name,
+                    ssl=self.tls_for(request.headers) or True,
                 )
         except (aiohttp.ClientError, TimeoutError, OSError) as e:
             # (a connector's error, TLS included, or its timeout: the call was never sent)

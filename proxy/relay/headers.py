@@ -19,10 +19,12 @@ from collections.abc import Collection, Iterable, Mapping
 from multidict import CIMultiDict
 
 from proxy.engine.context import RequestContext
+from proxy.engine.subprotocol import carries_token
 from proxy.relay.calls import IMPERSONATION_DROPPED
 
 __all__ = [
     "HOP_BY_HOP",
+    "carries_credentials",
     "connection_tokens",
     "for_upstream",
     "is_upgrade_request",
@@ -68,6 +70,21 @@ def connection_tokens(headers: Mapping[str, str]) -> frozenset[str]:
 def is_upgrade_request(headers: Mapping[str, str]) -> bool:
     """``Upgrade: <proto>`` together with ``Connection: upgrade`` (SPDY/3.1, websocket ...)."""
     return "Upgrade" in headers and "upgrade" in connection_tokens(headers)
+
+
+def carries_credentials(headers: Mapping[str, str]) -> bool:
+    """Whether the client sent credentials of its own: any ``Authorization`` (even one listed
+    in ``Connection``) or a WebSocket bearer-token subprotocol (:func:`carries_token`). Such a
+    call never goes with opgate's, its token nor its client certificate (the apiserver reads a
+    certificate first: ``Endpoint.caller_tls``)."""
+    if "Authorization" in headers:
+        return True
+    if "Sec-WebSocket-Protocol" not in headers:
+        return False
+    getall = getattr(headers, "getall", None)
+    values: Iterable[str] = (getall("Sec-WebSocket-Protocol") if getall
+                             else (headers["Sec-WebSocket-Protocol"],))
+    return any(map(carries_token, values))
 
 
 def request_headers(

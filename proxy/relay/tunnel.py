@@ -103,7 +103,7 @@ async def relay_upgrade(
     started = loop.time()
     try:
         async with asyncio.timeout(settings.connect_timeout or None):
-            reader, writer = await _open_upstream(endpoint)
+            reader, writer = await _open_upstream(endpoint, relay.tls_for(request.headers))
     except TimeoutError as e:
         timeout = aiohttp.ConnectionTimeoutError("connect timed out")
         raise errors.upstream_failed(timeout, ctx, endpoint.base, sent=False) from e
@@ -140,13 +140,15 @@ class _StreamProtocol(asyncio.StreamReaderProtocol):
         super().connection_made(transport)
 
 
-async def _open_upstream(endpoint: Endpoint) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-    """``asyncio.open_connection`` to the upstream, over TLS with asyncio's own TLS layer
-    whichever loop runs (``proxy.relay.tlsconnect`` says why)."""
+async def _open_upstream(
+    endpoint: Endpoint, tls: ssl.SSLContext | None
+) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """``asyncio.open_connection`` to the upstream, over TLS (``tls``: ``Relay.tls_for``) with
+    asyncio's own TLS layer whichever loop runs (``proxy.relay.tlsconnect`` says why)."""
     loop = asyncio.get_running_loop()
     reader = asyncio.StreamReader(limit=READ_SIZE * 2, loop=loop)
     protocol = _StreamProtocol(reader, loop=loop)
-    await tlsconnect.open_connection(protocol, endpoint.host, endpoint.port, tls=endpoint.tls,
+    await tlsconnect.open_connection(protocol, endpoint.host, endpoint.port, tls=tls,
                                      server_hostname=endpoint.server_name)
     assert protocol.transport is not None
     return reader, asyncio.StreamWriter(protocol.transport, protocol, reader, loop)

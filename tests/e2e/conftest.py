@@ -108,6 +108,7 @@ def start_opgate(
     policies: dict[str, str] | None = None,
     extra_args: list[str] | None = None,
     tls: bool = True,
+    upstream_args: list[str] | None = None,
 ) -> Opgate:
     """Start opgate in front of ``cluster`` and wait for its admin ``/readyz`` (or fail).
 
@@ -122,7 +123,9 @@ def start_opgate(
     for name, text in (policies or {"passthrough.yaml": PASSTHROUGH_POLICY}).items():
         (policies_dir / name).write_text(text)
     port, admin_port = free_port(), free_port()
-    argv = [*_serve_cmd(), "--upstream", cluster.url, "--upstream-ca", cluster.ca_file,
+    if upstream_args is None:
+        upstream_args = ["--upstream", cluster.url, "--upstream-ca", cluster.ca_file]
+    argv = [*_serve_cmd(), *upstream_args,
             "--listen", f"127.0.0.1:{port}", "--admin-listen", f"127.0.0.1:{admin_port}",
             "--policies", str(policies_dir), "--log-level", "info"]
     if tls:
@@ -262,9 +265,10 @@ def opgate_factory(
     started: list[Opgate] = []
 
     def factory(*, policies: dict[str, str] | None = None,
-                extra_args: list[str] | None = None, tls: bool = True) -> Opgate:
+                extra_args: list[str] | None = None, tls: bool = True,
+                upstream_args: list[str] | None = None) -> Opgate:
         gate = start_opgate(cluster, tmp_path_factory.mktemp("opgate"), policies=policies,
-                            extra_args=extra_args, tls=tls)
+                            extra_args=extra_args, tls=tls, upstream_args=upstream_args)
         started.append(gate)
         return gate
 

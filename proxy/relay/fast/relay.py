@@ -53,6 +53,7 @@ from proxy.relay.fast.watch import WatchExchange
 from proxy.relay.fast.wire import (
     NOTHING,
     WireHeaders,
+    carries_credentials,
     connection_tokens,
     header_line,
     request_head,
@@ -92,6 +93,12 @@ class FastRelay:
             host=endpoint.host, port=endpoint.port, tls=endpoint.tls,
             server_hostname=endpoint.server_name, connect_timeout=settings.connect_timeout,
         )
+        # the calls with the caller's own credentials, when opgate's include a client
+        # certificate: connections without it (the apiserver would run them as opgate)
+        self.caller_pool = self.pool if endpoint.caller_tls is endpoint.tls else UpstreamPool(
+            host=endpoint.host, port=endpoint.port, tls=endpoint.caller_tls,
+            server_hostname=endpoint.server_name, connect_timeout=settings.connect_timeout,
+        )
         self._base = endpoint.base
         self._host = endpoint.host_header.encode("latin-1")
         self._prefix = endpoint.prefix.encode("latin-1")
@@ -116,6 +123,7 @@ class FastRelay:
     async def close(self) -> None:
         await self._after.drain()
         self.pool.close()
+        self.caller_pool.close()
 
     async def upstream_ready(self) -> tuple[bool, str]:
         """Whether the apiserver answers ``GET /readyz``, else ``/version`` (some RBAC set-ups
@@ -290,6 +298,14 @@ class FastRelay:
                 ctx.warn(IMPERSONATION_DROPPED)
         return head + (ctx.body or b"")
 
+    def _pool_for(self, req: Request) -> UpstreamPool:
+        """The caller's pool for a call with credentials of its own, else opgate's (the same
+        pool unless opgate has a client certificate)."""
+        pool = self.pool
+        if self.caller_pool is not pool and carries_credentials(req.headers):
+            return self.caller_pool
+        return pool
+
     async def _relay(self, req: Request, ctx: RequestContext) -> None:
         client = req.conn
         now = time.monotonic()  # for the token file's check, the pool, and the upstream's timing
@@ -298,12 +314,13 @@ class FastRelay:
         long_running = ctx.info.is_long_running
         head_only = req.method == b"HEAD"
         settings = self.settings
+        pool = self._pool_for(req)
         for attempt in (0, 1):
-            conn = self.pool.take(now if attempt == 0 else None)  # pool.acquire's hot half
+            conn = pool.take(now if attempt == 0 else None)  # pool.acquire's hot half
             reused = conn is not None
             if conn is None:
                 try:
-                    conn = await self.pool.connect()
+                    conn = await pool.connect()
                 except (OSError, TimeoutError) as e:
                     raise errors.upstream_failed(e, ctx, self._base, sent=False) from e
             # (client, extra, defer_head, head_only, http11, keep_alive), positional as above
@@ -374,7 +391,7 @@ class FastRelay:
             ctx.body = body
         data = self._head(req, ctx, upgrade=True)
         try:
-            conn = await self.pool.connect(tunnel=True)
+            conn = await self._pool_for(req).connect(tunnel=True)
         except (OSError, TimeoutError) as e:
             raise errors.upstream_failed(e, ctx, self._base, sent=False) from e
         exchange = (Exchange if ctx.tap is None else partial(TappedExchange, ctx.tap))(

@@ -19,6 +19,7 @@ __all__ = [
     "NOTHING",
     "Headers",
     "WireHeaders",
+    "carries_credentials",
     "connection_tokens",
     "request_head",
     "response_head",
@@ -163,6 +164,19 @@ def connection_tokens(headers: Headers) -> frozenset[bytes]:
             found = found or set()
             found.update(t.strip().lower() for t in value.split(b",") if t.strip())
     return frozenset(found) if found else NOTHING
+
+
+def carries_credentials(headers: Headers) -> bool:
+    """Whether the client sent credentials of its own (any ``Authorization``, even one listed
+    in ``Connection``, or a WebSocket bearer-token subprotocol): such a call never goes with
+    opgate's, its token nor its client certificate (:attr:`Endpoint.caller_tls`)."""
+    for name, value in headers:
+        size = len(name)
+        if size == 13 and name.lower() == b"authorization":
+            return True
+        if size == 22 and name.lower() == b"sec-websocket-protocol" and carries_token(value):
+            return True
+    return False
 
 
 def request_head(
