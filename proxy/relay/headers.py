@@ -5,7 +5,9 @@ names, ``Keep-Alive``, ``TE``, ``Trailer``, ``Transfer-Encoding``, ``Upgrade``, 
 other header is end-to-end and passes untouched, repeated names included (``Warning``,
 ``Audit-Id``, ``X-Kubernetes-PF-*``, ``Content-Encoding`` ...). On the way up opgate also removes
 its own ``Opgate-*`` headers, the client's ``Impersonate-*`` headers unless a policy allows
-impersonation, and whatever the middlewares asked to drop.
+impersonation, the request-header authenticator's ``X-Remote-User``, ``-Group``, ``-Uid`` and
+``-Extra-*`` (always: only a front proxy may send them, and opgate's certificate may be one),
+and whatever the middlewares asked to drop.
 
 These functions run on every call: the sets are built once, and each header costs one
 ``lower()`` and a few set lookups.
@@ -24,6 +26,8 @@ from proxy.relay.calls import IMPERSONATION_DROPPED
 
 __all__ = [
     "HOP_BY_HOP",
+    "REQUEST_HEADER_EXTRA",
+    "REQUEST_HEADER_IDENTITY",
     "carries_credentials",
     "connection_tokens",
     "for_upstream",
@@ -43,13 +47,18 @@ HOP_BY_HOP = frozenset(
         "upgrade",
     }
 )
+# The identity headers of the apiserver's request-header authenticator (its --requestheader-*
+# defaults, kubeadm's): it takes them from a connection whose certificate its requestheader CA
+# signed, which opgate's own may be; no caller of opgate is a front proxy, so they never pass.
+REQUEST_HEADER_IDENTITY = frozenset({"x-remote-user", "x-remote-group", "x-remote-uid"})
+REQUEST_HEADER_EXTRA = "x-remote-extra-"
 # Never forwarded upstream: hop-by-hop, plus what the relay sets itself (Host from the upstream
 # URL) and what it answers itself (Expect: opgate sends the 100 Continue).
-_REQUEST_DROP = HOP_BY_HOP | {"host", "expect"}
+_REQUEST_DROP = HOP_BY_HOP | {"host", "expect"} | REQUEST_HEADER_IDENTITY
 _REQUEST_DROP_UPGRADE = _REQUEST_DROP - {"upgrade", "connection"}
 _RESPONSE_DROP = HOP_BY_HOP
 _RESPONSE_DROP_UPGRADE = HOP_BY_HOP - {"upgrade", "connection"}
-_DROP_PREFIXES = ("proxy-", "opgate-")
+_DROP_PREFIXES = ("proxy-", "opgate-", REQUEST_HEADER_EXTRA)
 _IMPERSONATE = "impersonate-"
 _NOTHING: frozenset[str] = frozenset()
 

@@ -12,11 +12,14 @@ from __future__ import annotations
 import json
 import socket
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
+from proxy.envtest import pki
+from proxy.envtest.binaries import KubeBinaries
 from proxy.envtest.cluster import LocalCluster
-from tests.e2e.conftest import Opgate
+from tests.e2e.conftest import Opgate, start_opgate
 
 pytestmark = pytest.mark.e2e
 
@@ -46,16 +49,24 @@ def gate(relay: str, cluster: LocalCluster, opgate_factory: Callable[..., Opgate
     """opgate whose own credentials are a client certificate of a cluster admin (a plain-HTTP
     sidecar listener: the calls carry the caller's token as they are sent)."""
     cert, key = cluster.issue_client_cert(CERT_USER, ("system:masters",))
-    kubeconfig = tmp_path_factory.mktemp("creds") / "cert.kubeconfig"
-    kubeconfig.write_text(json.dumps({
+    kubeconfig = _kubeconfig(tmp_path_factory.mktemp("creds") / "cert.kubeconfig", cluster,
+                             cert, key)
+    return opgate_factory(tls=False, upstream_args=["--kubeconfig", str(kubeconfig)],
+                          extra_args=["--relay", relay])
+
+
+def _kubeconfig(path: Path, cluster: LocalCluster, cert: str, key: str, **token: str) -> Path:
+    """A kubeconfig whose user authenticates with the client certificate ``cert`` (and
+    ``token=`` too, when given)."""
+    path.write_text(json.dumps({
         "apiVersion": "v1", "kind": "Config",
         "clusters": [{"name": "c", "cluster": {"server": cluster.url,
                                                 "certificate-authority": cluster.ca_file}}],
-        "users": [{"name": "u", "user": {"client-certificate": cert, "client-key": key}}],
+        "users": [{"name": "u", "user": {"client-certificate": cert, "client-key": key,
+                                         **token}}],
         "contexts": [{"name": "x", "context": {"cluster": "c", "user": "u"}}],
         "current-context": "x"}))
-    return opgate_factory(tls=False, upstream_args=["--kubeconfig", str(kubeconfig)],
-                          extra_args=["--relay", relay])
+    return path
 
 
 def raw(gate: Opgate, head: bytes, body: bytes = b"") -> tuple[int, bytes]:
@@ -74,10 +85,11 @@ def raw(gate: Opgate, head: bytes, body: bytes = b"") -> tuple[int, bytes]:
     return int(got.split(b" ", 2)[1]), got
 
 
-def whoami(gate: Opgate, authorization: bytes | None) -> tuple[int, str]:
-    """The user the apiserver takes a call through opgate for (a SelfSubjectReview)."""
+def whoami(gate: Opgate, authorization: bytes | None, more: bytes = b"") -> tuple[int, str]:
+    """The user the apiserver takes a call through opgate for (a SelfSubjectReview), with the
+    header lines ``more``."""
     auth = b"Authorization: " + authorization + b"\r\n" if authorization is not None else b""
-    code, got = raw(gate, b"POST " + REVIEWS.encode() + b" HTTP/1.1\r\n" + auth
+    code, got = raw(gate, b"POST " + REVIEWS.encode() + b" HTTP/1.1\r\n" + auth + more
                     + b"Content-Type: application/json\r\nContent-Length: %d\r\n" % len(REVIEW),
                     REVIEW)
     if code != 201:
@@ -126,3 +138,36 @@ def _denied_watch_token(cluster: LocalCluster) -> bytes:
     """A token of a ServiceAccount with no rights at all."""
     cluster.create_service_account_with_rbac(NS, "nobody", [])
     return cluster.token_request(NS, "nobody").encode()
+
+
+def test_request_header_identities_never_reach_opgates_front_proxy_certificate(
+        kube_binaries: KubeBinaries, tmp_path: Path) -> None:
+    """An apiserver that trusts a front proxy (``--requestheader-*``, as kubeadm sets up for
+    aggregated APIs) takes the user of ``X-Remote-User`` / ``-Group`` / ``-Extra-*`` from any
+    connection whose certificate its requestheader CA signed. opgate's own certificate may be
+    one: a client's such headers, on a call going with opgate's credentials, would make it any
+    user it names. opgate drops them, so the call is opgate's own."""
+    front = tmp_path / "front-proxy"
+    pki.write_pki(front)  # (its CA is the front proxy's)
+    cert, key = pki.issue_client_cert(front, name="front-proxy-client")
+    with LocalCluster(binaries=kube_binaries, extra_apiserver_args=(
+            f"--requestheader-client-ca-file={front / 'ca.crt'}",
+            "--requestheader-allowed-names=front-proxy-client",
+            "--requestheader-username-headers=X-Remote-User",
+            "--requestheader-group-headers=X-Remote-Group",
+            "--requestheader-extra-headers-prefix=X-Remote-Extra-")) as cluster:
+        kubeconfig = _kubeconfig(tmp_path / "cert.kubeconfig", cluster, str(cert), str(key),
+                                 token=cluster.admin_token)
+        gates = [start_opgate(cluster, tmp_path / relay, tls=False,
+                              upstream_args=["--kubeconfig", str(kubeconfig)],
+                              extra_args=["--relay", relay]) for relay in ("fast", "aiohttp")]
+        try:
+            for gate in gates:
+                plain = whoami(gate, None)  # (the front proxy's certificate and a token)
+                forged = b"X-Remote-User: evil\r\nx-remote-group: system:masters\r\n" \
+                         b"X-Remote-Extra-Scopes: all\r\nX-REMOTE-UID: 1\r\n"
+                assert plain == (201, "opgate-e2e-admin")
+                assert whoami(gate, None, forged) == plain
+        finally:
+            for gate in gates:
+                gate.stop()

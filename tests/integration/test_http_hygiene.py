@@ -602,8 +602,9 @@ async def test_opgates_own_answer_to_a_head_request_has_no_body() -> None:
 @pytest.mark.asyncio
 async def test_hop_by_hop_opgate_and_impersonation_headers_never_reach_the_upstream() -> None:
     """What the upstream gets of a request full of headers that must not pass (in any case):
-    hop-by-hop ones and those ``Connection`` names, ``Proxy-*``, opgate's own, and
-    ``Impersonate-*`` (no policy allows it), with the client told about the last."""
+    hop-by-hop ones and those ``Connection`` names, ``Proxy-*``, opgate's own, the identities
+    of the apiserver's request-header authenticator (``X-Remote-*``: only a front proxy sends
+    them) and ``Impersonate-*`` (no policy allows it), with the client told about the last."""
     up = await AiohttpUpstream(ok_handler).start()
     try:
         async with running_proxy(up.url) as proxy:
@@ -615,6 +616,8 @@ async def test_hop_by_hop_opgate_and_impersonation_headers_never_reach_the_upstr
                                             b"iMpErSoNaTe-UsEr: admin\r\nIMPERSONATE-GROUP: g\r\n"
                                             b"impersonate-extra-scopes: s\r\nImpersonate-Uid: u\r\n"
                                             b"Opgate-Instance: a/w/b\r\nOPGATE-OTHER: 1\r\n"
+                                            b"X-Remote-User: admin\r\nx-remote-group: g\r\n"
+                                            b"X-REMOTE-UID: 1\r\nX-Remote-Extra-Scopes: s\r\n"
                                             b"X-Kept: yes\r\n\r\n")
     finally:
         await up.close()

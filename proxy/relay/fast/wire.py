@@ -2,7 +2,8 @@
 
 The same rules as :mod:`proxy.relay.headers` (RFC 9110 §7.6.1 hop-by-hop headers, every name
 listed in ``Connection``, ``Proxy-*``; upwards also ``Host``/``Expect``, ``Opgate-*``,
-``Impersonate-*`` unless allowed, and the names middlewares dropped), but over the plain
+``Impersonate-*`` unless allowed, ``X-Remote-*`` identities, and the names middlewares
+dropped), but over the plain
 ``(name, value)`` byte pairs httptools hands out, so a relayed call never builds a multidict on
 the way through. Framing headers (``Content-Length``, ``Transfer-Encoding``) are decided by the
 relay and appended by the callers.
@@ -14,6 +15,7 @@ from collections.abc import Collection, Iterable, Iterator, Mapping
 from http import HTTPStatus
 
 from proxy.engine.subprotocol import carries_token
+from proxy.relay.headers import REQUEST_HEADER_EXTRA, REQUEST_HEADER_IDENTITY
 
 __all__ = [
     "NOTHING",
@@ -33,9 +35,10 @@ _HOP = frozenset(
     {b"connection", b"keep-alive", b"proxy-connection", b"te", b"trailer",
      b"transfer-encoding", b"upgrade"}
 )
-_REQUEST_DROP = _HOP | {b"host", b"expect"}
+# and the request-header authenticator's identity headers (proxy.relay.headers says why)
+_REQUEST_DROP = _HOP | {b"host", b"expect"} | {n.encode() for n in REQUEST_HEADER_IDENTITY}
 _HOP_ONLY = frozenset({b"keep-alive", b"close", b"upgrade"})  # Connection values naming no header
-_DROP_PREFIXES = (b"proxy-", b"opgate-")
+_DROP_PREFIXES = (b"proxy-", b"opgate-", REQUEST_HEADER_EXTRA.encode())
 _IMPERSONATE = b"impersonate-"
 NOTHING: frozenset[bytes] = frozenset()
 # the lengths of the names response_head drops (hop-by-hop, Content-Length; any Proxy-* name
