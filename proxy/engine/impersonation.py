@@ -10,7 +10,7 @@ the other: both read it from here.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 from urllib.parse import unquote
 
@@ -34,15 +34,19 @@ def header_pairs(headers: Mapping[str, str]) -> list[tuple[str, str]]:
     return [(n.lower(), v) for n, v in items]
 
 
-def impersonated_user(headers: Mapping[str, str], username: str) -> dict[str, Any]:
+def impersonated_user(headers: Mapping[str, str], username: str,
+                      dropped: Collection[str] = ()) -> dict[str, Any]:
     """``impersonatedUser`` as the apiserver logs the user it switches to: ``Impersonate-Uid``,
     the ``Impersonate-Group`` values (a ServiceAccount's two groups when none is given), then
     ``system:authenticated`` (``system:unauthenticated`` for ``system:anonymous``) unless
-    listed, and ``Impersonate-Extra-<key>`` values by key (lower-case, percent-decoded)."""
+    listed, and ``Impersonate-Extra-<key>`` values by key (lower-case, percent-decoded); never
+    a header of ``dropped`` (lower-case names the relay does not forward)."""
     groups: list[str] = []
     extra: dict[str, list[str]] = {}
     uid = ""
     for name, value in header_pairs(headers):
+        if dropped and name in dropped:
+            continue
         if name == "impersonate-group":
             groups.append(value)
         elif name.startswith("impersonate-extra-"):
@@ -67,9 +71,24 @@ def impersonated_user(headers: Mapping[str, str], username: str) -> dict[str, An
 
 def impersonation_of(ctx: RequestContext) -> dict[str, Any] | None:
     """The user the apiserver will run ``ctx`` as, when it impersonates one (an
-    ``Impersonate-User`` header that the policy set lets through); ``None`` otherwise."""
+    ``Impersonate-User`` header that the policy set lets through, and that the relay forwards:
+    not named in ``Connection``, not dropped by a middleware); ``None`` otherwise."""
     username = ctx.headers.get("impersonate-user")
     if not username or not (ctx.allow_impersonation
                             or getattr(ctx.policies, "allow_impersonation", False)):
         return None
-    return impersonated_user(ctx.headers, username)
+    dropped = _not_forwarded(ctx)
+    if "impersonate-user" in dropped:
+        return None
+    return impersonated_user(ctx.headers, username, dropped)
+
+
+def _not_forwarded(ctx: RequestContext) -> frozenset[str]:
+    """The lower-case header names the relay drops of this call beyond the fixed sets: those
+    its ``Connection`` headers list (hop-by-hop) and those a middleware removed."""
+    named = ctx.headers.get("connection")
+    if named is None and not ctx.drop_request_headers:
+        return frozenset()
+    tokens = {t.strip().lower() for n, v in header_pairs(ctx.headers) if n == "connection"
+              for t in v.split(",")}
+    return frozenset(tokens | ctx.drop_request_headers)

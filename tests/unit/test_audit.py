@@ -378,6 +378,34 @@ def test_impersonated_user_is_the_user_the_apiserver_switches_to(
     assert json.dumps(ev["impersonatedUser"]) == json.dumps(expected)  # the order, too
 
 
+@pytest.mark.parametrize(("headers", "dropped", "expected"), [
+    ([("Connection", "Impersonate-User"), ("Impersonate-User", "bob")], (), None),
+    ([("Connection", "keep-alive, impersonate-group"), ("Impersonate-User", "bob"),
+      ("Impersonate-Group", "dev"), ("Impersonate-Extra-Scopes", "s")], (),
+     {"username": "bob", "groups": ["system:authenticated"], "extra": {"scopes": ["s"]}}),
+    ([("Impersonate-User", "bob"), ("Impersonate-Uid", "u-1")], ("impersonate-uid",),
+     {"username": "bob", "groups": ["system:authenticated"]}),
+    ([("Impersonate-User", "bob")], ("impersonate-user",), None),
+])
+@pytest.mark.parametrize("wire", [False, True], ids=["aiohttp-headers", "wire-headers"])
+def test_impersonation_headers_the_relay_drops_are_not_the_impersonated_user(
+        headers: list[tuple[str, str]], dropped: tuple[str, ...],
+        expected: dict[str, Any] | None, wire: bool) -> None:
+    """A header named in ``Connection`` (hop-by-hop) or dropped by a middleware never reaches
+    the apiserver, which then impersonates without it (or not at all): the event says so."""
+    out = Lines()
+    ctx = make_ctx("GET", "/api/v1/namespaces/a/configmaps/c", pset=policies(impersonation=True),
+                   wire=wire)
+    pairs = [(k.encode(), v.encode()) for k, v in [*ctx.headers.items(), *headers]]
+    ctx.headers = WireHeaders(pairs) if wire else CIMultiDict(
+        [(k.decode(), v.decode()) for k, v in pairs])
+    ctx.drop_request_headers.update(dropped)
+    run_call(Audit(write=out), ctx)
+    (ev,) = out.events
+    check_shape(ev)
+    assert ev.get("impersonatedUser") == expected
+
+
 @pytest.mark.parametrize(("method", "path", "query", "verb"), [
     ("GET", "/api/v1/namespaces/a/pods", "", "list"),
     ("GET", "/api/v1/namespaces/a/pods", "watch=true", "watch"),
