@@ -137,8 +137,10 @@ def for_upstream(
     authorization: str | None,
     upgrade: bool = False,
 ) -> CIMultiDict[str]:
-    """:func:`request_headers` as the call's context asks, plus opgate's ``Authorization``
-    and, when the client sent none, an ``Audit-ID`` (the trace id).
+    """:func:`request_headers` as the call's context asks, plus opgate's ``Authorization``,
+    when the client sent none an ``Audit-ID`` (the trace id), and the caller's address
+    (``ctx.remote``; none on a Unix socket) appended to ``X-Forwarded-For``, in one header, as
+    kubectl proxy and Go's ReverseProxy do: the apiserver's ``sourceIPs`` end with it.
 
     Impersonation passes when the policy set or a middleware allows it; either way the header
     names (never their values) are logged, as impersonation is rare and worth an audit line.
@@ -161,6 +163,8 @@ def for_upstream(
         out["Authorization"] = authorization
     if "Audit-ID" not in headers:  # the apiserver's audit log names the call as opgate's does
         out["Audit-ID"] = ctx.trace_id
+    if ctx.remote:
+        out["X-Forwarded-For"] = ", ".join((*out.popall("X-Forwarded-For", ()), ctx.remote))
     return out
 
 

@@ -629,7 +629,9 @@ async def test_hop_by_hop_opgate_and_impersonation_headers_never_reach_the_upstr
     got = sorted((k.lower(), v) for k, v in seen.headers.items())
     # and opgate's own Audit-ID (the client sent none): the apiserver logs the call by it
     assert [k for k, v in got if k == "audit-id" and v] == ["audit-id"], got
-    assert [(k, v) for k, v in got if k != "audit-id"] == [("host", host), ("x-kept", "yes")]
+    # and the caller's address in X-Forwarded-For (test_the_callers_address_is_appended_...)
+    assert [(k, v) for k, v in got if k != "audit-id"] == [
+        ("host", host), ("x-forwarded-for", "127.0.0.1"), ("x-kept", "yes")]
 
 
 @pytest.mark.asyncio
@@ -962,3 +964,40 @@ async def test_a_response_head_up_to_1_mib_is_relayed_whole(fields: bytes) -> No
     status, _, body = split(raw)
     assert status.startswith(b"HTTP/1.1 201 "), raw[:500]
     assert fields in raw and body == b"{}"
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(("sent", "seen"), [
+    (b"", ["127.0.0.1"]),
+    (b"X-Forwarded-For: 10.0.0.1\r\nx-forwarded-for: 10.0.0.2, 10.0.0.3\r\n",
+     ["10.0.0.1, 10.0.0.2, 10.0.0.3, 127.0.0.1"]),
+    (b"Connection: X-Forwarded-For, close\r\nX-Forwarded-For: 10.0.0.1\r\n", ["127.0.0.1"]),
+])
+async def test_the_callers_address_is_appended_to_x_forwarded_for(
+        sent: bytes, seen: list[str], tmp_path: Path) -> None:
+    """As kubectl proxy and Go's ReverseProxy forward a call: the caller's address is appended
+    to ``X-Forwarded-For`` (the client's values first, joined in one header; none that its
+    ``Connection`` names), so the apiserver's audit ``sourceIPs`` ends with the real caller and
+    then opgate, whatever the client wrote; on a Unix socket, which has no address, the
+    client's header goes as it came."""
+    up = await AiohttpUpstream(ok_handler).start()
+    request = (b"GET /api/v1/pods HTTP/1.1\r\nHost: localhost\r\n" + sent
+               + (b"" if b"Connection:" in sent else b"Connection: close\r\n") + b"\r\n")
+    socket = str(tmp_path / "api.sock")
+    try:
+        async with running_proxy(up.url) as proxy:
+            raw = await raw_call(proxy.url, request)
+        async with running_proxy(up.url, listen=f"unix:{socket}"):
+            reader, writer = await asyncio.open_unix_connection(socket)
+            writer.write(request)
+            on_socket = await asyncio.wait_for(reader.read(-1), 5)
+            writer.close()
+    finally:
+        await up.close()
+    assert raw.startswith(b"HTTP/1.1 200 ") and on_socket.startswith(b"HTTP/1.1 200 ")
+    tcp, unix = up.seen
+    assert tcp.headers.getall("X-Forwarded-For", []) == seen
+    named = b"Connection: X-Forwarded-For" in sent
+    assert unix.headers.getall("X-Forwarded-For", []) == (
+        [] if named else [v.strip() for line in sent.decode().split("\r\n") if line
+                          for v in [line.partition(":")[2]]])

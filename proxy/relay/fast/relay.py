@@ -289,7 +289,7 @@ class FastRelay:
             headers=req.headers, named=named,
             drop=ctx.drop_request_headers, allow_impersonation=allowed,
             authorization=auth, framing=framing, audit_id=ctx.trace_id.encode("latin-1"),
-            upgrade=upgrade,
+            upgrade=upgrade, forwarded_for=ctx.remote.encode("latin-1"),
         )
         if impersonating:
             log.info("%s client impersonation headers (trace %s)",

@@ -195,6 +195,7 @@ def request_head(
     framing: bytes,
     audit_id: bytes | None = None,
     upgrade: bool = False,
+    forwarded_for: bytes = b"",
 ) -> tuple[bytes, bool]:
     """The upstream request head, and whether the client sent any ``Impersonate-*`` header.
 
@@ -204,11 +205,14 @@ def request_head(
     ``authorization`` (opgate's own) is added only when the client sent no credentials: no
     ``Authorization`` and no WebSocket bearer-token subprotocol (the apiserver would take
     opgate's token first: :mod:`proxy.engine.subprotocol`), ``audit_id`` (the trace id) only
-    when it sent no ``Audit-ID``.
+    when it sent no ``Audit-ID``. ``forwarded_for`` (the caller's address, none on a Unix
+    socket) is appended to the client's ``X-Forwarded-For`` values, in one header, as
+    kubectl proxy and Go's ReverseProxy do.
     """
     parts = [method, b" ", target, b" HTTP/1.1\r\nHost: ", host, b"\r\n"]
     dropped = {d.encode("latin-1") for d in drop} if drop else NOTHING
     impersonating = False
+    prior: list[bytes] = []
     for name, value in headers:
         low = name.lower()
         if upgrade and low == b"upgrade":
@@ -228,11 +232,17 @@ def request_head(
             authorization = None  # a token of the client's (the apiserver reads it second)
         if (named and low in named) or (dropped and low in dropped):
             continue
+        if forwarded_for and low == b"x-forwarded-for":
+            prior.append(value)
+            continue
         parts += (name, b": ", value, b"\r\n")
     if authorization is not None:
         parts += (b"Authorization: ", authorization, b"\r\n")
     if audit_id is not None:
         parts += (b"Audit-ID: ", audit_id, b"\r\n")
+    if forwarded_for:
+        prior.append(forwarded_for)
+        parts += (b"X-Forwarded-For: ", b", ".join(prior), b"\r\n")
     if upgrade:
         parts.append(b"Connection: Upgrade\r\n")
     parts += (framing, b"\r\n")
