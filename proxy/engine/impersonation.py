@@ -43,7 +43,7 @@ def impersonated_user(headers: Mapping[str, str], username: str,
     a header of ``dropped`` (lower-case names the relay does not forward)."""
     groups: list[str] = []
     extra: dict[str, list[str]] = {}
-    uid = ""
+    uid: str | None = None  # the first Impersonate-Uid, as the apiserver's Header.Get reads it
     for name, value in header_pairs(headers):
         if dropped and name in dropped:
             continue
@@ -51,7 +51,7 @@ def impersonated_user(headers: Mapping[str, str], username: str,
             groups.append(value)
         elif name.startswith("impersonate-extra-"):
             extra.setdefault(unquote(name[len("impersonate-extra-"):]), []).append(value)
-        elif name == "impersonate-uid" and not uid:
+        elif name == "impersonate-uid" and uid is None:
             uid = value
     if not groups and (sa := _SERVICE_ACCOUNT.fullmatch(username)) is not None:
         groups = ["system:serviceaccounts", f"system:serviceaccounts:{sa.group(1)}"]

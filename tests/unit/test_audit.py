@@ -360,6 +360,9 @@ def test_the_clients_audit_id_is_the_events_as_the_apiserver_takes_it(wire: bool
      {"username": "system:serviceaccount:team-a:op", "groups": ["g", "system:authenticated"]}),
     ([("Impersonate-User", "system:serviceaccount:Team_A:op")],  # not a namespace: a user
      {"username": "system:serviceaccount:Team_A:op", "groups": ["system:authenticated"]}),
+    # the first Impersonate-Uid is the one (Go's Header.Get): an empty one is none
+    ([("Impersonate-User", "bob"), ("Impersonate-Uid", ""), ("Impersonate-Uid", "u-2")],
+     {"username": "bob", "groups": ["system:authenticated"]}),
 ])
 @pytest.mark.parametrize("wire", [False, True], ids=["aiohttp-headers", "wire-headers"])
 def test_impersonated_user_is_the_user_the_apiserver_switches_to(
