@@ -111,6 +111,11 @@ def test_the_apiserver_authenticates_the_callers_token_not_opgates_certificate(
         201, f"system:serviceaccount:{NS}:reader")
     assert whoami(gate, b"Bearer not-a-token")[0] == 401
     assert whoami(gate, None) == (201, CERT_USER)
+    # a token listed in Connection is dropped (hop-by-hop): the call goes with no credentials,
+    # as anonymous (who may not review itself), never opgate's
+    assert cluster.call("POST", REVIEWS, body=REVIEW, token="").status == 403
+    assert whoami(gate, b"Bearer " + reader.encode(),
+                  b"Connection: Authorization, close\r\n") == (403, "")
     # and so the apiserver authorizes the caller: no secrets for the reader
     secrets = f"GET /api/v1/namespaces/{NS}/secrets HTTP/1.1\r\n".encode()
     assert cluster.call("GET", f"/api/v1/namespaces/{NS}/secrets", token=reader).status == 403
