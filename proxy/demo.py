@@ -7,6 +7,12 @@ them noisy (its spec changes several times a second) so that its writes get thro
 quiet ones are not; another ServiceAccount calls now and then and is denied by the identity
 policy; a fault turns a few status writes into conflicts. Every call opgate handles is printed
 as it happens. Ctrl-C stops everything.
+
+Every process it starts runs in a session of its own (``proxy.envtest.procs``), so no signal
+reaches them but through the demo: whatever stops it, a Ctrl-C, a SIGTERM or the SIGHUP of a
+closed terminal, and whenever, while it starts too, it stops them all before it exits, as
+nothing else would (an ``atexit`` hook never runs on a signal's default action). A failure to
+start is one ``demo:`` line naming what failed, exit code 1.
 """
 
 from __future__ import annotations
@@ -33,6 +39,8 @@ NAMESPACE = "opgate-demo"
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "reconciler"  # its *.yaml are package data (pyproject.toml)
 DEFAULT_POLICIES = "policies/demo"
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 _COLOURS = {"allowed": "32", "throttled": "33", "denied": "31", "unauthorized": "31",
             "error": "31", "fault": "35"}
@@ -119,6 +127,34 @@ def _intruder(url: str, token: str, stop: threading.Event) -> None:
             urllib.request.urlopen(request, timeout=5).close()
 
 
+class _Stopped(BaseException):
+    """A stop signal came while the demo started: unwinds the start (as KeyboardInterrupt
+    would, but for SIGTERM and SIGHUP too) so that what was started is stopped."""
+
+
+class _Stopper:
+    """The handler of :data:`STOP_SIGNALS`: the first one sets ``event``, and while the demo
+    starts (``unwind``) also raises :class:`_Stopped`; later ones are ignored, so that a
+    second Ctrl-C cannot cut the stopping short and leave processes behind."""
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.unwind = True
+
+    def __call__(self, signum: int, frame: object) -> None:
+        if self.event.is_set():
+            return
+        self.event.set()
+        if self.unwind:
+            raise _Stopped(signum)
+
+
+def _start(proc: Proc, procs: list[Proc]) -> None:
+    """Start ``proc``, listed first: a signal between the two cannot leave it unlisted."""
+    procs.append(proc)
+    proc.start()
+
+
 def run_demo(*, policies: str, widgets: int, duration: float) -> int:
     policies_path = Path(policies).resolve()
     if not policies_path.exists() and policies == DEFAULT_POLICIES:
@@ -130,19 +166,20 @@ def run_demo(*, policies: str, widgets: int, duration: float) -> int:
     procs: list[Proc] = []
     stop = threading.Event()
     counts: dict[str, int] = {}
-    _say("starting etcd + kube-apiserver (the first run builds them, once)")
-    cluster = LocalCluster().start()
-    work = Path(cluster.workdir) / "demo"
-    work.mkdir(exist_ok=True)
+    stopper = _Stopper()
+    previous = {sig: signal.signal(sig, stopper) for sig in STOP_SIGNALS}
+    cluster = LocalCluster()
     try:
+        _say("starting etcd + kube-apiserver (the first run builds them, once)")
+        cluster.start()
+        work = Path(cluster.workdir) / "demo"
+        work.mkdir(exist_ok=True)
         redis_args: list[str] = []
         redis = shutil.which("redis-server")
         if redis:
             port = free_port()
-            proc = Proc("redis", [redis, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                                  "--appendonly", "no"], log=work / "redis.log")
-            proc.start()
-            procs.append(proc)
+            _start(Proc("redis", [redis, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                                  "--appendonly", "no"], log=work / "redis.log"), procs)
             redis_args = ["--redis-url", f"redis://127.0.0.1:{port}/0"]
             _say(f"redis-server on 127.0.0.1:{port}: rate-limit buckets live in Redis")
         else:
@@ -172,8 +209,7 @@ def run_demo(*, policies: str, widgets: int, duration: float) -> int:
                                  "--policies", str(policies_path), "--token-file", str(own_token),
                                  *redis_args],
                       log=work / "opgate.log", cwd=ROOT)
-        opgate.start()
-        procs.append(opgate)
+        _start(opgate, procs)
         admin = f"http://127.0.0.1:{admin_port}"
         _wait_http(admin + "/readyz", timeout=30, proc=opgate)
 
@@ -183,8 +219,7 @@ def run_demo(*, policies: str, widgets: int, duration: float) -> int:
                                        "--kubeconfig", str(kubeconfig), "--namespace", NAMESPACE],
                         log=work / "reconciler.log", cwd=ROOT,
                         env={**os.environ, "PYTHONPATH": str(ROOT)})
-        operator.start()
-        procs.append(operator)
+        _start(operator, procs)
 
         print(f"""
   kube-apiserver   {cluster.url}   (admin kubeconfig: {cluster.kubeconfig_path})
@@ -205,22 +240,34 @@ def run_demo(*, policies: str, widgets: int, duration: float) -> int:
                          daemon=True).start()
         _say("the ServiceAccount opgate-demo/intruder calls every 3 s and is denied")
 
-        interrupted = threading.Event()
-        signal.signal(signal.SIGINT, lambda *_: interrupted.set())
-        signal.signal(signal.SIGTERM, lambda *_: interrupted.set())
-        deadline = time.monotonic() + duration if duration > 0 else None
-        while not interrupted.wait(1.0):
-            if deadline is not None and time.monotonic() > deadline:
-                break
-            for proc in procs:
-                if not proc.alive():
-                    _say(f"{proc.name} exited unexpectedly; its log: {proc.log}")
-                    return 1
+        stopper.unwind = False  # started: from now on a signal ends the loop below
+        return _run(procs, stopper.event, duration=duration)
+    except _Stopped:
         return 0
+    except (RuntimeError, OSError) as exc:  # BinariesUnavailable, ApiError, a start that failed
+        print(f"demo: could not start: {exc}", file=sys.stderr, flush=True)
+        return 1
     finally:
+        stopper.unwind = False
         stop.set()
         for proc in reversed(procs):
             proc.stop()
         cluster.stop()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
         summary = ", ".join(f"{k}={v}" for k, v in sorted(counts.items())) or "none"
-        _say(f"stopped everything; calls seen by opgate: {summary}")
+        with contextlib.suppress(OSError):  # the terminal may be gone (SIGHUP)
+            _say(f"stopped everything; calls seen by opgate: {summary}")
+
+
+def _run(procs: list[Proc], stopped: threading.Event, *, duration: float) -> int:
+    """Wait for a stop signal or the end of ``duration``: 0; 1 once a process died."""
+    deadline = time.monotonic() + duration if duration > 0 else None
+    while not stopped.wait(1.0):
+        if deadline is not None and time.monotonic() > deadline:
+            break
+        for proc in procs:
+            if not proc.alive():
+                _say(f"{proc.name} exited unexpectedly; its log: {proc.log}")
+                return 1
+    return 0

@@ -1,16 +1,30 @@
-"""The README's first command works: the demo starts everything, shows calls, stops cleanly."""
+"""The README's first command works: the demo starts everything, shows calls, stops cleanly.
+
+Whatever stops it, a Ctrl-C, a SIGTERM or the SIGHUP of a closed terminal, and whenever (while
+it starts too), it stops every process it started (each in a session of its own, so no signal
+reaches them but the demo's) and says so: none is left running, orphaned.
+"""
 
 from __future__ import annotations
 
+import os
+import selectors
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
+from tests.e2e.waiting import wait_for
+
 pytestmark = pytest.mark.e2e
 
 ROOT = Path(__file__).resolve().parents[2]
+STARTED = "Ctrl-C stops everything."
+SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+STARTS = ("etcd", "kube-apiserver", "redis-server")  # and two Pythons: opgate, the reconciler
 
 
 def test_demo_runs_and_stops_cleanly() -> None:
@@ -26,3 +40,115 @@ def test_demo_runs_and_stops_cleanly() -> None:
     assert "DENIED    403" in out and "opgate-demo:intruder" in out  # the identity policy
     assert "stopped everything" in out
     assert "Traceback" not in out
+
+
+def _children(pid: int) -> dict[int, str]:
+    """The processes whose parent is ``pid``: their pid and command name."""
+    found: dict[int, str] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        comm, _, rest = stat.partition("(")[2].rpartition(")")
+        if int(rest.split()[1]) == pid:
+            found[int(entry.name)] = comm
+    return found
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` is a live process (not gone, not a zombie)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rpartition(")")[2].split()[0] != "Z"
+
+
+def _read_until(proc: subprocess.Popen[str], text: str, *, timeout: float) -> str:
+    """The demo's output up to the line holding ``text``, as it prints it."""
+    assert proc.stdout is not None
+    seen: list[str] = []
+    deadline = time.monotonic() + timeout
+    with selectors.DefaultSelector() as sel:
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        while time.monotonic() < deadline:
+            if not sel.select(deadline - time.monotonic()):
+                break
+            line = proc.stdout.readline()
+            if not line:
+                break
+            seen.append(line)
+            if text in line:
+                return "".join(seen)
+    raise AssertionError(f"the demo never printed {text!r}:\n{''.join(seen)[-4000:]}")
+
+
+def _start_demo() -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "proxy", "demo", "--widgets", "1"], cwd=ROOT,
+        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True)
+
+
+def _kill(proc: subprocess.Popen[str]) -> None:
+    """A failed test's demo and what it started, at once."""
+    children = _children(proc.pid)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    for pid in children:
+        if _running(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _stop_and_check(proc: subprocess.Popen[str], sig: signal.Signals,
+                    started: dict[int, str]) -> str:
+    """Send ``sig``; the demo must exit 0 having stopped every process in ``started``."""
+    try:
+        proc.send_signal(sig)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            _kill(proc)
+    left = {pid: name for pid, name in started.items() if _running(pid)}
+    for pid in left:  # leave nothing behind whatever the outcome
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"left running after {sig.name}: {left}\n{out[-3000:]}"
+    assert proc.returncode == 0, out[-3000:]
+    assert "stopped everything" in out, out[-3000:]
+    assert "Traceback" not in out, out[-3000:]
+    return out
+
+
+@pytest.mark.parametrize("sig", SIGNALS, ids=lambda s: s.name)
+def test_a_stop_signal_once_running_stops_every_process(sig: signal.Signals) -> None:
+    """Closing the terminal `make demo` runs in (SIGHUP) or a SIGTERM ended the demo alone,
+    with no cleanup: etcd, kube-apiserver, Redis, opgate and the reconciler ran on, orphaned."""
+    proc = _start_demo()
+    try:
+        _read_until(proc, STARTED, timeout=240)
+        started = _children(proc.pid)
+    except BaseException:
+        _kill(proc)
+        raise
+    others = sorted(name for name in started.values() if not name.startswith("python"))
+    assert others == sorted(STARTS) and len(started) == len(STARTS) + 2, started
+    _stop_and_check(proc, sig, started)
+
+
+@pytest.mark.parametrize("sig", SIGNALS, ids=lambda s: s.name)
+def test_a_stop_signal_while_starting_stops_what_was_started(sig: signal.Signals) -> None:
+    """A Ctrl-C while the cluster starts printed a KeyboardInterrupt traceback; a SIGTERM or a
+    SIGHUP then left etcd and kube-apiserver running."""
+    proc = _start_demo()
+    try:
+        _read_until(proc, "starting etcd + kube-apiserver", timeout=60)
+        wait_for("kube-apiserver started by the demo",
+                 lambda: "kube-apiserver" in _children(proc.pid).values(), timeout=120)
+        started = _children(proc.pid)
+    except BaseException:
+        _kill(proc)
+        raise
+    _stop_and_check(proc, sig, started)
