@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import sys
@@ -41,6 +42,10 @@ EXAMPLE = ROOT / "examples" / "reconciler"  # its *.yaml are package data (pypro
 DEFAULT_POLICIES = "policies/demo"
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+# the head of one of opgate's log records (proxy/app.py's format): its level and logger
+_RECORD = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} ([A-Z]+) ([\w.]+)")
+_SHOWN_LEVELS = frozenset({"WARNING", "ERROR", "CRITICAL"})
 
 _COLOURS = {"allowed": "32", "throttled": "33", "denied": "31", "unauthorized": "31",
             "error": "31", "fault": "35"}
@@ -87,23 +92,48 @@ def _line(entry: dict[str, Any]) -> str:
     return _paint(text, decision)
 
 
-def _follow(log: Path, stop: threading.Event, counts: dict[str, int]) -> None:
-    """Print opgate's access-log lines as they are written."""
-    with log.open("r", errors="replace") as stream:
-        while not stop.is_set():
-            line = stream.readline()
-            if not line:
-                time.sleep(0.1)
-                continue
-            if not line.startswith("{"):
-                if " ERROR " in line or " WARNING " in line:
-                    print(f"opgate: {line.rstrip()}", flush=True)
-                continue
+class _LogView:
+    """What the demo shows of opgate's log, line by line: every access-log entry (a JSON line),
+    and each warning, error or policy load (``opgate.policies``) with the lines of its message
+    after the first: a refused edit's ``file:line: message`` comes on those, and the banner
+    invites editing the policies, so an edit is seen to apply, or why not."""
+
+    def __init__(self, counts: dict[str, int]) -> None:
+        self._counts = counts
+        self._showing = False  # the log record these lines belong to is shown
+
+    def show(self, line: str) -> str | None:
+        """The text to print for one whole line of the log, or ``None``."""
+        if line.startswith("{"):
+            self._showing = False
             with contextlib.suppress(ValueError):
                 entry = json.loads(line)
-                decision = str(entry.get("decision", ""))
-                counts[decision] = counts.get(decision, 0) + 1
-                print(_line(entry), flush=True)
+                if isinstance(entry, dict):
+                    decision = str(entry.get("decision", ""))
+                    self._counts[decision] = self._counts.get(decision, 0) + 1
+                    return _line(entry)
+            return None
+        record = _RECORD.match(line)
+        if record is not None:
+            level, logger = record.groups()
+            self._showing = level in _SHOWN_LEVELS or logger == "opgate.policies"
+        return f"opgate: {line.rstrip()}" if self._showing else None
+
+
+def _follow(log: Path, stop: threading.Event, counts: dict[str, int]) -> None:
+    """Print what :class:`_LogView` shows of opgate's log as it is written (a line is taken
+    whole: one caught half-written is completed by the next read)."""
+    view = _LogView(counts)
+    pending = ""
+    with log.open("r", errors="replace") as stream:
+        while not stop.is_set():
+            pending += stream.readline()
+            if not pending.endswith("\n"):
+                time.sleep(0.1)
+                continue
+            text, pending = view.show(pending), ""
+            if text is not None:
+                print(text, flush=True)
 
 
 def _noisy(cluster: LocalCluster, stop: threading.Event) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import selectors
+import shutil
 import signal
 import subprocess
 import sys
@@ -152,3 +153,31 @@ def test_a_stop_signal_while_starting_stops_what_was_started(sig: signal.Signals
         _kill(proc)
         raise
     _stop_and_check(proc, sig, started)
+
+
+def test_an_edit_of_the_policies_shows_whether_it_applies(tmp_path: Path) -> None:
+    """The demo says "edit them now: changes apply within a second", but showed of a broken
+    edit only "policy reload failed, keeping the active set (…): 1 error(s)", not which error
+    (the file:line: message on the log's next line), and nothing of an edit that applied."""
+    policies = tmp_path / "policies"
+    shutil.copytree(ROOT / "policies" / "demo", policies)
+    policy = policies / "sample-operator.yaml"
+    good = policy.read_text()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "proxy", "demo", "--widgets", "1", "--policies", str(policies)],
+        cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True, start_new_session=True)
+    try:
+        _read_until(proc, STARTED, timeout=240)
+        started = _children(proc.pid)
+        assert "      qps: 1\n" in good
+        policy.write_text(good.replace("      qps: 1\n", "      qps: -1\n", 1))
+        out = _read_until(proc, "policy reload failed", timeout=30)
+        out += _read_until(proc, "spec.rateLimits[0].qps: must be at least 0", timeout=5)
+        assert f"opgate: {policy}:" in out, out[-3000:]
+        policy.write_text(good.replace("burst: 3", "burst: 4", 1))
+        _read_until(proc, "opgate.policies: loaded 2 policies", timeout=30)
+    except BaseException:
+        _kill(proc)
+        raise
+    _stop_and_check(proc, signal.SIGINT, started)
