@@ -91,7 +91,8 @@ def owned_elsewhere(obj: Obj, widget: Obj) -> bool:
 def merge_configmap(current: Obj, desired: Obj) -> Obj:
     """``current`` with our fields set: data, our labels/annotation, our controller reference.
 
-    Labels, annotations and non-controller owner references set by others are kept.
+    Labels, annotations and non-controller owner references set by others are kept. No data
+    is no ``data`` key, the shape the apiserver answers with, so that it compares equal.
     """
     meta = dict(current.get("metadata") or {})
     want = desired["metadata"]
@@ -108,8 +109,11 @@ def merge_configmap(current: Obj, desired: Obj) -> Obj:
     meta["ownerReferences"] = [*others, ours]
     merged = dict(current)
     merged["metadata"] = meta
-    merged["data"] = dict(desired["data"])
     merged.pop("binaryData", None)
+    if desired["data"]:
+        merged["data"] = dict(desired["data"])
+    else:  # as the apiserver serves an empty one (omitempty): else a PUT on every reconcile
+        merged.pop("data", None)
     return merged
 
 

@@ -41,6 +41,7 @@ DEADLINE = 120.0
 GROUP_PATH = "/apis/demo.opgate.dev/v1"
 THROTTLED_NAMESPACE = "widgets-e2e-throttled"
 CHART_NAMESPACE = "widgets-e2e-chart"
+EMPTY_NAMESPACE = "widgets-e2e-empty"
 FINALIZER = "demo.opgate.dev/cleanup"
 COLORS = ("red", "green", "blue", "amber", "violet")
 # every Widget gets its own write budget, keyed by the Opgate-Instance header the operator sends
@@ -74,7 +75,7 @@ def operator_token(cluster: LocalCluster) -> str:
     cluster.install_crd((EXAMPLE / "widget-crd.yaml").read_text())
     for doc in yaml.safe_load_all((EXAMPLE / "rbac.yaml").read_text()):
         cluster.apply(doc)
-    for namespace in (NAMESPACE, THROTTLED_NAMESPACE):
+    for namespace in (NAMESPACE, THROTTLED_NAMESPACE, EMPTY_NAMESPACE):
         cluster.create_namespace(namespace)
     return cluster.token_request("opgate-demo", "sample-operator", expiration_seconds=3600)
 
@@ -151,7 +152,7 @@ def problems(cluster: LocalCluster, specs: dict[str, dict[str, Any]], namespace:
         if cm is None:
             out.append(f"{name}: configmap missing")
             continue
-        if cm.get("data") != spec.get("data", {}):
+        if (cm.get("data") or {}) != spec.get("data", {}):  # the apiserver omits an empty one
             out.append(f"{name}: configmap data {cm.get('data')} != {spec.get('data')}")
         want_ref = {"apiVersion": "demo.opgate.dev/v1", "kind": "Widget", "name": name,
                     "uid": meta["uid"], "controller": True, "blockOwnerDeletion": True}
@@ -427,3 +428,44 @@ def test_the_example_readmes_run_it_steps_reconcile(
                 stop_cleanly(operator)
     finally:
         gate.proc.stop()
+
+
+def reconciles_of(proc: Proc) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in proc.log.read_text(errors="replace").splitlines()
+            if line.startswith("{") and '"msg": "reconciled"' in line]
+
+
+def test_a_widget_without_data_is_not_written_again_and_again(
+    cluster: LocalCluster, operator_token: str, opgate_factory: Callable[..., Opgate],
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """The ConfigMap of a Widget with no spec.data (it is optional) comes back from the
+    apiserver with no data at all (empty is omitted), which the operator took for {} to
+    write: it PUT the ConfigMap again on every reconcile of that Widget, forever, each PUT
+    a write against opgate's budgets and the apiserver's."""
+    gate = opgate_factory()
+    env = make_env(cluster, gate, operator_token, tmp_path_factory.mktemp("op-empty"))
+    ns = EMPTY_NAMESPACE
+    with running_operator(env, "--namespace", ns) as operator:
+        specs: dict[str, dict[str, Any]] = {"bare": {"color": "teal"}, "cleared": {
+            "data": {"a": "1"}}}
+        create_widgets(cluster, ns, specs)
+        wait_for(lambda: problems(cluster, specs, ns), what="after creating", env=env,
+                 proc=operator)
+        patch_widget(cluster, ns, "cleared", {"spec": {"data": None}})
+        specs["cleared"] = {}
+        wait_for(lambda: problems(cluster, specs, ns), what="after clearing", env=env,
+                 proc=operator)
+        for poke in range(3):  # a change of a label: an event, a reconcile, nothing to write
+            seen = len(reconciles_of(operator))
+            for name in specs:
+                patch_widget(cluster, ns, name, {"metadata": {"labels": {"poke": str(poke)}}})
+            wait_for(lambda seen=seen: [] if len(reconciles_of(operator)) >= seen + 2 else [
+                "the pokes not yet reconciled"], what="after a poke", env=env, proc=operator)
+        stop_cleanly(operator)
+    updated = [e for e in reconciles_of(operator) if "configmap-updated" in e["result"]]
+    assert [e["widget"] for e in updated] == [f"{ns}/cleared"], updated
+    calls = access_log(gate, until=has_watch)
+    puts = [c.get("name") for c in calls if (c["verb"], c.get("resource")) == (
+        "update", "configmaps")]
+    assert puts == ["cleared"], puts

@@ -113,6 +113,18 @@ def test_configmap_drift(current, needs_update, elsewhere, controlled) -> None:
     assert not r.configmap_needs_update(merged, desired)
 
 
+def test_a_configmap_with_no_data_as_the_apiserver_serves_it_is_up_to_date() -> None:
+    """A Widget without spec.data: its ConfigMap comes back with no "data" (omitempty), which
+    is what it should hold, not a drift to write on every reconcile."""
+    desired = r.desired_configmap(widget())  # no spec.data
+    served = existing(data={}, refs=[OURS], labels=LABELS)
+    del served["data"]
+    assert not r.configmap_needs_update(served, desired)
+    stale = existing(data={"a": "1"}, refs=[OURS], labels=LABELS)
+    assert r.configmap_needs_update(stale, desired)
+    assert "data" not in r.merge_configmap(stale, desired)  # PUT without it: cleared
+
+
 def test_merge_keeps_foreign_labels_and_drops_stale_color() -> None:
     current = existing(data={}, refs=[OURS], labels={"team": "a"},
                        annotations={r.COLOR_ANNOTATION: "red", "note": "x"})
