@@ -141,3 +141,12 @@ def test_the_compose_opgate_answers_the_host_names_its_callers_use() -> None:
     assert guard.accepts(server.netloc.encode())
     assert guard.accepts(b"127.0.0.1:8001") and guard.accepts(b"localhost:8001")
     assert not guard.accepts(b"evil.example:8001")
+
+
+def test_the_build_context_leaves_out_the_checkout_s_venv() -> None:
+    """`make` keeps a .venv in the checkout where the distribution manages its Python
+    (scripts/python.sh): hundreds of MB that `docker build .` would send to the engine as
+    context for nothing, as the Dockerfile copies only named paths."""
+    ignored = (ROOT / ".dockerignore").read_text().split()
+    assert ".venv" in ignored
+    assert ".venv/" in (ROOT / ".gitignore").read_text().split()
