@@ -12,7 +12,8 @@ Every process it starts runs in a session of its own (``proxy.envtest.procs``), 
 reaches them but through the demo: whatever stops it, a Ctrl-C, a SIGTERM or the SIGHUP of a
 closed terminal, and whenever, while it starts too, it stops them all before it exits, as
 nothing else would (an ``atexit`` hook never runs on a signal's default action). A failure to
-start is one ``demo:`` line naming what failed, exit code 1.
+start, or a process that dies, is said in a ``demo:`` line with the last lines of the log that
+says why, exit code 1; the logs are then kept (where the message names them).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import yaml
 
 from proxy.envtest.api import ApiError
 from proxy.envtest.cluster import LocalCluster
-from proxy.envtest.procs import Proc, free_port
+from proxy.envtest.procs import Proc, free_port, tail
 
 NAMESPACE = "opgate-demo"
 ROOT = Path(__file__).resolve().parent.parent
@@ -65,13 +66,18 @@ def _wait_http(url: str, *, timeout: float, proc: Proc) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if not proc.alive():
-            raise RuntimeError(f"{proc.name} exited; its log: {proc.log}")
+            raise RuntimeError(f"{proc.name} exited; {_last_lines(proc)}")
         with contextlib.suppress(OSError):
             with urllib.request.urlopen(url, timeout=1) as resp:
                 if resp.status == 200:
                     return
         time.sleep(0.2)
-    raise RuntimeError(f"{url} did not answer within {timeout:.0f}s; see {proc.log}")
+    raise RuntimeError(f"{url} did not answer within {timeout:.0f}s; {_last_lines(proc)}")
+
+
+def _last_lines(proc: Proc) -> str:
+    """Why ``proc`` failed, as far as its log says (the log is kept: ``run_demo``)."""
+    return f"the last lines of {proc.log}:\n{tail(proc.log, 20)}"
 
 
 def _widget(name: str, color: str) -> dict[str, Any]:
@@ -199,6 +205,9 @@ def run_demo(*, policies: str, widgets: int, duration: float) -> int:
     stopper = _Stopper()
     previous = {sig: signal.signal(sig, stopper) for sig in STOP_SIGNALS}
     cluster = LocalCluster()
+    keep = cluster.keep_workdir
+    cluster.keep_workdir = True  # a failure's logs stay to be read (its message names them)
+    failed = True
     try:
         _say("starting etcd + kube-apiserver (the first run builds them, once)")
         cluster.start()
@@ -271,8 +280,11 @@ def run_demo(*, policies: str, widgets: int, duration: float) -> int:
         _say("the ServiceAccount opgate-demo/intruder calls every 3 s and is denied")
 
         stopper.unwind = False  # started: from now on a signal ends the loop below
-        return _run(procs, stopper.event, duration=duration)
+        code = _run(procs, stopper.event, duration=duration)
+        failed = code != 0
+        return code
     except _Stopped:
+        failed = False
         return 0
     except (RuntimeError, OSError) as exc:  # BinariesUnavailable, ApiError, a start that failed
         print(f"demo: could not start: {exc}", file=sys.stderr, flush=True)
@@ -282,12 +294,15 @@ def run_demo(*, policies: str, widgets: int, duration: float) -> int:
         stop.set()
         for proc in reversed(procs):
             proc.stop()
+        cluster.keep_workdir = keep or failed
         cluster.stop()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         summary = ", ".join(f"{k}={v}" for k, v in sorted(counts.items())) or "none"
         with contextlib.suppress(OSError):  # the terminal may be gone (SIGHUP)
             _say(f"stopped everything; calls seen by opgate: {summary}")
+            if cluster.keep_workdir and cluster.workdir != Path():
+                _say(f"logs kept in {cluster.workdir}")
 
 
 def _run(procs: list[Proc], stopped: threading.Event, *, duration: float) -> int:
@@ -298,6 +313,6 @@ def _run(procs: list[Proc], stopped: threading.Event, *, duration: float) -> int
             break
         for proc in procs:
             if not proc.alive():
-                _say(f"{proc.name} exited unexpectedly; its log: {proc.log}")
+                _say(f"{proc.name} exited unexpectedly; {_last_lines(proc)}")
                 return 1
     return 0

@@ -8,6 +8,7 @@ reaches them but the demo's) and says so: none is left running, orphaned.
 from __future__ import annotations
 
 import os
+import re
 import selectors
 import shutil
 import signal
@@ -181,3 +182,54 @@ def test_an_edit_of_the_policies_shows_whether_it_applies(tmp_path: Path) -> Non
         _kill(proc)
         raise
     _stop_and_check(proc, signal.SIGINT, started)
+
+
+def _kept_log(out: str, name: str) -> Path:
+    """The log the demo's message names, which must still be there to read."""
+    found = re.search(rf"(/\S+/demo/{name}\.log)", out)
+    assert found, out[-3000:]
+    log = Path(found.group(1))
+    assert log.is_file(), f"the demo named {log}, which it removed:\n{out[-3000:]}"
+    return log
+
+
+def test_an_opgate_that_cannot_start_says_why(tmp_path: Path) -> None:
+    """A policy opgate refuses stopped the demo with "could not start: opgate exited; its log:
+    …/opgate.log", a file the demo had removed with the rest of its directory as it stopped:
+    no way to learn why."""
+    policies = tmp_path / "policies"
+    policies.mkdir()
+    (policies / "broken.yaml").write_text(
+        "apiVersion: opgate.dev/v1alpha1\nkind: Policy\nmetadata: {name: broken}\nspec:\n"
+        "  rateLimits:\n    - {name: a, key: '{user}', qps: -1}\n")
+    proc = subprocess.run(
+        [sys.executable, "-m", "proxy", "demo", "--policies", str(policies)], cwd=ROOT,
+        stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    log = _kept_log(out, "opgate")
+    shutil.rmtree(log.parents[1])
+    assert proc.returncode == 1, out[-3000:]
+    assert "spec.rateLimits[0].qps: must be at least 0" in proc.stderr, out[-3000:]
+    assert "Traceback" not in out, out[-3000:]
+
+
+def test_a_process_that_dies_while_the_demo_runs_is_said_with_its_log() -> None:
+    proc = _start_demo()
+    try:
+        _read_until(proc, STARTED, timeout=240)
+        started = _children(proc.pid)
+        _read_until(proc, "200 list   widgets", timeout=60)  # the reconciler has listed
+        [reconciler] = [pid for pid in started if "examples.reconciler" in Path(
+            f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")]
+        os.kill(reconciler, signal.SIGKILL)
+        out, _ = proc.communicate(timeout=120)
+    except BaseException:
+        _kill(proc)
+        raise
+    log = _kept_log(out, "reconciler")
+    shutil.rmtree(log.parents[1])
+    assert proc.returncode == 1, out[-3000:]
+    said = out.partition("demo: reconciler exited unexpectedly")[2]
+    last_lines = said.partition("demo: stopped everything")[0]
+    assert re.search(r"\n\d{4}-\d\d-\d\d [\d:,]+ (INFO|WARNING) ", last_lines), out[-3000:]
+    assert not [pid for pid in started if _running(pid)], out[-3000:]
