@@ -150,3 +150,17 @@ def test_the_build_context_leaves_out_the_checkout_s_venv() -> None:
     ignored = (ROOT / ".dockerignore").read_text().split()
     assert ".venv" in ignored
     assert ".venv/" in (ROOT / ".gitignore").read_text().split()
+
+
+def test_the_license_is_an_spdx_expression() -> None:
+    """`project.license` as a TOML table ({text = ...}) is deprecated by setuptools 77, which
+    warns at every build that after 2027-02-18 such a project no longer builds: `pip install .`
+    and the image's `pip wheel` (build-system pins only a floor) would then fail. An SPDX
+    expression, as the packaging guide says, needs setuptools 77 or later."""
+    import tomllib
+
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert pyproject["project"]["license"] == "Apache-2.0"
+    [setuptools] = [r for r in pyproject["build-system"]["requires"]
+                    if r.startswith("setuptools")]
+    assert setuptools == "setuptools>=77"
