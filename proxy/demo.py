@@ -43,6 +43,9 @@ EXAMPLE = ROOT / "examples" / "reconciler"  # its *.yaml are package data (pypro
 DEFAULT_POLICIES = "policies/demo"
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+# every call the demo makes is to 127.0.0.1: never through the environment's http_proxy
+# (urllib's default opener sends loopback calls there unless no_proxy names them)
+_LOOPBACK = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 # the head of one of opgate's log records (proxy/app.py's format): its level and logger
 _RECORD = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} ([A-Z]+) ([\w.]+)")
@@ -68,7 +71,7 @@ def _wait_http(url: str, *, timeout: float, proc: Proc) -> None:
         if not proc.alive():
             raise RuntimeError(f"{proc.name} exited; {_last_lines(proc)}")
         with contextlib.suppress(OSError):
-            with urllib.request.urlopen(url, timeout=1) as resp:
+            with _LOOPBACK.open(url, timeout=1) as resp:
                 if resp.status == 200:
                     return
         time.sleep(0.2)
@@ -160,7 +163,7 @@ def _intruder(url: str, token: str, stop: threading.Event) -> None:
                                      headers={"Authorization": f"Bearer {token}"})
     while not stop.wait(3.0):
         with contextlib.suppress(OSError):
-            urllib.request.urlopen(request, timeout=5).close()
+            _LOOPBACK.open(request, timeout=5).close()
 
 
 class _Stopped(BaseException):

@@ -12,6 +12,7 @@ import re
 import selectors
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -233,3 +234,24 @@ def test_a_process_that_dies_while_the_demo_runs_is_said_with_its_log() -> None:
     last_lines = said.partition("demo: stopped everything")[0]
     assert re.search(r"\n\d{4}-\d\d-\d\d [\d:,]+ (INFO|WARNING) ", last_lines), out[-3000:]
     assert not [pid for pid in started if _running(pid)], out[-3000:]
+
+
+def test_a_proxy_in_the_environment_is_not_used_on_loopback() -> None:
+    """With http_proxy set (as on many a company laptop) and no no_proxy naming 127.0.0.1, the
+    demo's own HTTP calls (waiting for opgate's /readyz, the intruder's calls) went to that
+    proxy: "…/readyz did not answer within 30s" while opgate served."""
+    dead = socket.socket()
+    dead.bind(("127.0.0.1", 0))  # bound, never listening: a proxy that refuses every call
+    proxy = f"http://127.0.0.1:{dead.getsockname()[1]}"
+    env = {k: v for k, v in os.environ.items() if k.lower() != "no_proxy"}
+    env.update(http_proxy=proxy, HTTP_PROXY=proxy, https_proxy=proxy, HTTPS_PROXY=proxy)
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "proxy", "demo", "--duration", "10", "--widgets", "1"],
+            cwd=ROOT, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True,
+            timeout=300)
+    finally:
+        dead.close()
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    assert "DENIED    403" in out and "opgate-demo:intruder" in out, out[-3000:]
