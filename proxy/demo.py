@@ -283,14 +283,16 @@ def run_demo(*, policies: str, widgets: int, duration: float) -> int:
         _say("the ServiceAccount opgate-demo/intruder calls every 3 s and is denied")
 
         stopper.unwind = False  # started: from now on a signal ends the loop below
-        code = _run(procs, stopper.event, duration=duration)
+        code = _run(procs, cluster, stopper.event, duration=duration)
         failed = code != 0
         return code
     except _Stopped:
         failed = False
         return 0
     except (RuntimeError, OSError) as exc:  # BinariesUnavailable, ApiError, a start that failed
-        print(f"demo: could not start: {exc}", file=sys.stderr, flush=True)
+        dead = cluster.exited()  # the reason for a call that failed, if it died
+        reason = f"{dead.name} exited; {_last_lines(dead)}" if dead is not None else exc
+        print(f"demo: could not start: {reason}", file=sys.stderr, flush=True)
         return 1
     finally:
         stopper.unwind = False
@@ -308,14 +310,16 @@ def run_demo(*, policies: str, widgets: int, duration: float) -> int:
                 _say(f"logs kept in {cluster.workdir}")
 
 
-def _run(procs: list[Proc], stopped: threading.Event, *, duration: float) -> int:
-    """Wait for a stop signal or the end of ``duration``: 0; 1 once a process died."""
+def _run(procs: list[Proc], cluster: LocalCluster, stopped: threading.Event, *,
+         duration: float) -> int:
+    """Wait for a stop signal or the end of ``duration``: 0; 1 once a process died, the
+    cluster's own included (with etcd or kube-apiserver gone every call fails)."""
     deadline = time.monotonic() + duration if duration > 0 else None
     while not stopped.wait(1.0):
         if deadline is not None and time.monotonic() > deadline:
             break
-        for proc in procs:
-            if not proc.alive():
-                _say(f"{proc.name} exited unexpectedly; {_last_lines(proc)}")
-                return 1
+        dead = next((proc for proc in procs if not proc.alive()), None) or cluster.exited()
+        if dead is not None:
+            _say(f"{dead.name} exited unexpectedly; {_last_lines(dead)}")
+            return 1
     return 0

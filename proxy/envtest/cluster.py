@@ -18,6 +18,7 @@ Harness API (stable; the e2e tests and the sample reconciler's tests use it)::
         cluster.write_kubeconfig(path, server=url, token=token, ca_file=None, insecure=False)
         cluster.restart_apiserver(kill=False)             # same port, same etcd
         cluster.stop_apiserver(kill=False); cluster.start_apiserver()
+        cluster.exited()                                  # etcd or kube-apiserver if it died
         cluster.issue_serving_cert("opgate")              # (cert, key) signed by ca_file
         cluster.compact_etcd()                            # old resourceVersions -> 410
 
@@ -187,6 +188,13 @@ class LocalCluster(AdminApi):
         ``start_apiserver()`` brings it back on the same port."""
         if self._apiserver is not None:
             self._apiserver.stop(grace=0 if kill else 30)
+
+    def exited(self) -> Proc | None:
+        """etcd or kube-apiserver if it is no longer running (e.g. killed), else ``None``."""
+        for proc in (self._etcd, self._apiserver):
+            if proc is not None and proc.pid is not None and not proc.alive():
+                return proc
+        return None
 
     @property
     def apiserver_pid(self) -> int | None:

@@ -186,12 +186,15 @@ def test_an_edit_of_the_policies_shows_whether_it_applies(tmp_path: Path) -> Non
 
 
 def _kept_log(out: str, name: str) -> Path:
-    """The log the demo's message names, which must still be there to read."""
-    found = re.search(rf"(/\S+/demo/{name}\.log)", out)
-    assert found, out[-3000:]
+    """The directory the demo kept, whose log of ``name`` its message names: it must still
+    be there to read."""
+    found = re.search(rf"(/\S+/{re.escape(name)}\.log)", out)
+    kept = re.search(r"demo: logs kept in (/\S+)", out)
+    assert found and kept, out[-3000:]
     log = Path(found.group(1))
     assert log.is_file(), f"the demo named {log}, which it removed:\n{out[-3000:]}"
-    return log
+    assert log.is_relative_to(kept.group(1)), out[-3000:]
+    return Path(kept.group(1))
 
 
 def test_an_opgate_that_cannot_start_says_why(tmp_path: Path) -> None:
@@ -207,8 +210,7 @@ def test_an_opgate_that_cannot_start_says_why(tmp_path: Path) -> None:
         [sys.executable, "-m", "proxy", "demo", "--policies", str(policies)], cwd=ROOT,
         stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=300)
     out = proc.stdout + proc.stderr
-    log = _kept_log(out, "opgate")
-    shutil.rmtree(log.parents[1])
+    shutil.rmtree(_kept_log(out, "opgate"))
     assert proc.returncode == 1, out[-3000:]
     assert "spec.rateLimits[0].qps: must be at least 0" in proc.stderr, out[-3000:]
     assert "Traceback" not in out, out[-3000:]
@@ -227,8 +229,7 @@ def test_a_process_that_dies_while_the_demo_runs_is_said_with_its_log() -> None:
     except BaseException:
         _kill(proc)
         raise
-    log = _kept_log(out, "reconciler")
-    shutil.rmtree(log.parents[1])
+    shutil.rmtree(_kept_log(out, "reconciler"))
     assert proc.returncode == 1, out[-3000:]
     said = out.partition("demo: reconciler exited unexpectedly")[2]
     last_lines = said.partition("demo: stopped everything")[0]
@@ -255,3 +256,24 @@ def test_a_proxy_in_the_environment_is_not_used_on_loopback() -> None:
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]
     assert "DENIED    403" in out and "opgate-demo:intruder" in out, out[-3000:]
+
+
+@pytest.mark.parametrize("name", ["etcd", "kube-apiserver"])
+def test_the_cluster_dying_while_the_demo_runs_is_said(name: str) -> None:
+    """The demo watched only the processes it started itself (Redis, opgate, the reconciler):
+    with etcd or kube-apiserver dead it ran on, every call failing, and said nothing."""
+    proc = _start_demo()
+    try:
+        _read_until(proc, STARTED, timeout=240)
+        started = _children(proc.pid)
+        _read_until(proc, "calls every 3 s and is denied", timeout=60)  # the last of the start
+        [pid] = [pid for pid, comm in started.items() if comm == name]
+        os.kill(pid, signal.SIGKILL)
+        out, _ = proc.communicate(timeout=60)
+    except BaseException:
+        _kill(proc)
+        raise
+    shutil.rmtree(_kept_log(out, name))
+    assert proc.returncode == 1, out[-3000:]
+    assert f"demo: {name} exited unexpectedly" in out, out[-3000:]
+    assert not [pid for pid in started if _running(pid)], out[-3000:]
