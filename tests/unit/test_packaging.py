@@ -8,6 +8,7 @@ host's 0600 kubeconfig), and the demo policies are valid.
 
 from __future__ import annotations
 
+import re
 import shlex
 from pathlib import Path
 
@@ -18,10 +19,27 @@ from proxy.cli_parser import build_parser
 ROOT = Path(__file__).resolve().parents[2]
 
 
+# what Compose interpolates: $$ (a literal $), ${NAME}, ${NAME:-default} …, $NAME
+_INTERPOLATION = re.compile(
+    r"\$(\$|\{[A-Za-z_][A-Za-z0-9_]*(?:[:?-][^}]*)?\}|[A-Za-z_][A-Za-z0-9_]*)")
+
+
 def _compose() -> dict[str, object]:
-    doc = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    """docker-compose.yml as Compose reads it: with $$ a literal $ (variables kept)."""
+    doc = yaml.safe_load(_INTERPOLATION.sub(
+        lambda m: "$" if m.group(1) == "$" else m.group(0),
+        (ROOT / "docker-compose.yml").read_text()))
     assert isinstance(doc, dict)
     return doc
+
+
+def test_compose_has_no_lone_dollar() -> None:
+    """Compose interpolates every value: a $ that starts no variable (the regexes' ^opgate$)
+    is an 'invalid interpolation format' to older Compose and docker-compose v1; $$ is a $ to
+    every version."""
+    for number, line in enumerate((ROOT / "docker-compose.yml").read_text().splitlines(), 1):
+        text = line.split(" #", 1)[0] if not line.lstrip().startswith("#") else ""
+        assert "$" not in _INTERPOLATION.sub("", text), f"docker-compose.yml:{number}: {line}"
 
 
 def test_compose_services_and_dependencies() -> None:
@@ -37,6 +55,7 @@ def test_compose_opgate_command_parses() -> None:
     args = build_parser().parse_args(opgate["command"])
     assert args.command == "serve"
     assert args.redis_url == "redis://redis:6379/0"
+    assert args.accept_hosts.split(",")[0] == "^opgate$"  # $$ read as Compose reads it
     policies = args.policies.replace("/etc/opgate/policies", str(ROOT / "policies"))
     assert Path(policies).is_dir()
 
