@@ -314,7 +314,7 @@ class FastRelay:
         long_running = ctx.info.is_long_running
         head_only = req.method == b"HEAD"
         settings = self.settings
-        pool = self._pool_for(req)
+        pool = self.pool if self.caller_pool is self.pool else self._pool_for(req)
         for attempt in (0, 1):
             conn = pool.take(now if attempt == 0 else None)  # pool.acquire's hot half
             reused = conn is not None

@@ -36,7 +36,13 @@ _HOP = frozenset(
      b"transfer-encoding", b"upgrade"}
 )
 # and the request-header authenticator's identity headers (proxy.relay.headers says why)
-_REQUEST_DROP = _HOP | {b"host", b"expect"} | {n.encode() for n in REQUEST_HEADER_IDENTITY}
+# (and Content-Length: the relay frames the body itself)
+_REQUEST_DROP = (_HOP | {b"host", b"expect", b"content-length"}
+                 | {n.encode() for n in REQUEST_HEADER_IDENTITY})
+# the names request_head looks at once past the drops: one dict lookup per header decides
+_AUTHORIZATION, _AUDIT_ID, _SUBPROTOCOL, _FORWARDED_FOR = 1, 2, 3, 4
+_NOTED = {b"authorization": _AUTHORIZATION, b"audit-id": _AUDIT_ID,
+          b"sec-websocket-protocol": _SUBPROTOCOL, b"x-forwarded-for": _FORWARDED_FOR}
 _HOP_ONLY = frozenset({b"keep-alive", b"close", b"upgrade"})  # Connection values naming no header
 _DROP_PREFIXES = (b"proxy-", b"opgate-", REQUEST_HEADER_EXTRA.encode())
 _IMPERSONATE = b"impersonate-"
@@ -212,28 +218,33 @@ def request_head(
     parts = [method, b" ", target, b" HTTP/1.1\r\nHost: ", host, b"\r\n"]
     dropped = {d.encode("latin-1") for d in drop} if drop else NOTHING
     impersonating = False
-    prior: list[bytes] = []
+    prior: list[bytes] = []  # the client's X-Forwarded-For values
     for name, value in headers:
         low = name.lower()
         if upgrade and low == b"upgrade":
             parts += (name, b": ", value, b"\r\n")
             continue
-        if low in _REQUEST_DROP or low.startswith(_DROP_PREFIXES) or low == b"content-length":
+        if low in _REQUEST_DROP or low.startswith(_DROP_PREFIXES):
             continue
         if low.startswith(_IMPERSONATE):
             impersonating = True
             if not allow_impersonation:
                 continue
-        if low == b"authorization":  # the client's own credentials go upstream, not opgate's,
-            authorization = None  # and never opgate's instead of them (Connection: Authorization)
-        elif low == b"audit-id":  # the client's own names the call in the apiserver's audit log
-            audit_id = None
-        elif low == b"sec-websocket-protocol" and carries_token(value):
-            authorization = None  # a token of the client's (the apiserver reads it second)
-        if (named and low in named) or (dropped and low in dropped):
-            continue
-        if forwarded_for and low == b"x-forwarded-for":
-            prior.append(value)
+        noted = _NOTED.get(low)
+        if noted is not None:
+            if noted == _AUTHORIZATION:  # the client's own credentials go upstream, not
+                authorization = None  # opgate's, and never opgate's instead of them
+                # (Connection: Authorization)
+            elif noted == _AUDIT_ID:  # the client's own names the call in the audit log
+                audit_id = None
+            elif noted == _SUBPROTOCOL and carries_token(value):
+                authorization = None  # a token of the client's (the apiserver reads it second)
+            if (named and low in named) or (dropped and low in dropped):
+                continue
+            if noted == _FORWARDED_FOR and forwarded_for:
+                prior.append(value)
+                continue
+        elif (named and low in named) or (dropped and low in dropped):
             continue
         parts += (name, b": ", value, b"\r\n")
     if authorization is not None:
@@ -241,8 +252,8 @@ def request_head(
     if audit_id is not None:
         parts += (b"Audit-ID: ", audit_id, b"\r\n")
     if forwarded_for:
-        prior.append(forwarded_for)
-        parts += (b"X-Forwarded-For: ", b", ".join(prior), b"\r\n")
+        parts += (b"X-Forwarded-For: ", b", ".join((*prior, forwarded_for)) if prior
+                  else forwarded_for, b"\r\n")
     if upgrade:
         parts.append(b"Connection: Upgrade\r\n")
     parts += (framing, b"\r\n")
