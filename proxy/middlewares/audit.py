@@ -155,8 +155,10 @@ class Audit:
         self._timer = None
         for key, item in list(self._open.items()):
             ctx = item.ctx
-            if ctx.finished:
-                continue  # the exit hook decides
+            if ctx.finished or ctx.answer is not None:
+                # the exit hook decides; an answer of opgate's own (the relay's 503, 504) is
+                # logged there at both stages, and from here too it would be twice
+                continue
             if ctx.status_code and not item.started_sent:
                 item.started_sent = True
                 self._emit(ctx, item.decision, "ResponseStarted", self._clock())

@@ -865,6 +865,31 @@ def test_a_long_running_call_opgate_answers_gets_both_stages_as_the_apiservers_o
         "ResponseComplete"]
 
 
+def test_a_long_running_call_the_relay_answers_after_entry_gets_response_started_once(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A watch the relay answers itself once the chain let it through (the upstream
+    unreachable: 503; its head timed out: 504) has its answer's code on the context before
+    the exit hook runs: a poll in between must not log ResponseStarted a second time."""
+    monkeypatch.setattr(audit_mod, "POLL_SECONDS", 0.01)
+    out = Lines()
+    auditor = Audit(write=out)
+    ctx = make_ctx("GET", "/api/v1/namespaces/a/configmaps", "watch=true")
+    ctx.identity = SA
+
+    async def call() -> None:
+        await settle(auditor.entry(ctx))
+        status = service_unavailable("opgate: the upstream is unreachable")
+        ctx.answer, ctx.decision = status, "error"  # as the relays' _answer sets them
+        ctx.status_code = status.code
+        await asyncio.sleep(0.05)  # polls while the answer is written
+        ctx.finished = time.monotonic()
+        await settle(auditor.exit(ctx))
+        auditor.close()
+    asyncio.run(call())
+    assert [e["stage"] for e in out.events] == ["ResponseStarted", "ResponseComplete"]
+    assert all(e["responseStatus"]["code"] == 503 for e in out.events)
+
+
 # --- the file: rotation, and a writer that never blocks the loop ---------------------------
 
 def test_rotation_by_size_keeps_max_backups(tmp_path: Path) -> None:
