@@ -169,9 +169,7 @@ def _group_resources(node: Located, what: str, errors: list[PolicyError]) -> Gro
         if not res or len(parts) > 2 or any(not p for p in parts):
             f.fail("resources", f'"{res}" is not a resource, "resource/subresource", '
                                 '"resource/*", "*/subresource" or "*"')
-    names = f.str_list("resourceNames")
-    if names and any("*" in res for res in resources):
-        f.fail("resourceNames", "cannot be combined with a wildcard resource")
+    names = f.str_list("resourceNames")  # with "*", "pods/*" too: the named objects of them
     if names and not resources:
         f.fail("resourceNames", 'needs "resources"')
     f.finish()

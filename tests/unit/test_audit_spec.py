@@ -96,9 +96,8 @@ def test_full_section() -> None:
     ("rules:\n  - level: None\n    resources:\n      - {group: Apps}",
      'a.yaml:4: spec.audit.rules[0].resources[0].group: "Apps" is not a valid API group '
      '("" is the core group)'),
-    ("rules:\n  - level: None\n    resources:\n      - {resources: ['*'], resourceNames: [a]}",
-     "a.yaml:4: spec.audit.rules[0].resources[0].resourceNames: cannot be combined with a "
-     "wildcard resource"),
+    ("rules:\n  - level: None\n    resources:\n      - {resourceNames: [a]}",
+     'a.yaml:4: spec.audit.rules[0].resources[0].resourceNames: needs "resources"'),
     ("rules:\n  - level: None\n    resources:\n      - {resources: [a/b/c]}",
      'a.yaml:4: spec.audit.rules[0].resources[0].resources: "a/b/c" is not a resource, '
      '"resource/subresource", "resource/*", "*/subresource" or "*"'),
@@ -108,6 +107,17 @@ def test_full_section() -> None:
 def test_errors_say_where(body: str, message: str) -> None:
     _, errors = parse(body)
     assert errors == [message]
+
+
+def test_resource_names_of_wildcard_resources_are_taken_as_the_apiserver_takes_them() -> None:
+    """``resourceNames`` with ``pods/*`` or ``*`` (the named objects' subresources, any named
+    object of the group): the apiserver's validation only asks for some resource."""
+    spec, errors = parse("rules:\n  - level: Request\n    resources:\n"
+                         "      - {resources: ['pods/*', '*/status'], resourceNames: [web]}\n"
+                         "      - {group: apps, resources: ['*'], resourceNames: [web]}\n")
+    assert errors == []
+    assert spec.rules[0].resources == (GroupResources("", ("pods/*", "*/status"), ("web",)),
+                                       GroupResources("apps", ("*",), ("web",)))
 
 
 def test_opgate_check_accepts_the_section_and_reports_lines(tmp_path: Path) -> None:
@@ -175,6 +185,14 @@ def info(method: str, path: str, query: str = ""):  # type: ignore[no-untyped-de
      "/api/v1/namespaces/a/configmaps/cfg", "", None, True),
     (rule(resources=(GroupResources("", ("configmaps",), ("cfg",)),)), "GET",
      "/api/v1/namespaces/a/configmaps/other", "", None, False),
+    # names with a wildcard resource: the apiserver's validation takes them (the checker
+    # looks at the name before each resource)
+    (rule(resources=(GroupResources("", ("pods/*",), ("web",)),)), "GET",
+     "/api/v1/namespaces/a/pods/web/exec", "", None, True),
+    (rule(resources=(GroupResources("", ("pods/*",), ("web",)),)), "GET",
+     "/api/v1/namespaces/a/pods/db/exec", "", None, False),
+    (rule(resources=(GroupResources("", ("*",), ("web",)),)), "DELETE",
+     "/api/v1/namespaces/a/services/web", "", None, True),
     (rule(non_resource_urls=("/healthz*",)), "GET", "/healthz/etcd", "", None, True),
     (rule(non_resource_urls=("/version",)), "GET", "/version/", "", None, False),
     (rule(non_resource_urls=("*",)), "GET", "/api/v1/pods", "", None, False),
