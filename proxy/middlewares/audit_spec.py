@@ -25,6 +25,8 @@ deletecollection, …; the lower-case HTTP method for non-resource URLs), ``reso
 optional ``resourceNames``, ``namespaces`` exact names (``""`` matches cluster-scoped calls),
 ``nonResourceURLs`` exact paths, ``*``, or a prefix ending in ``*``. A rule with ``namespaces`` or
 ``resources`` only matches resource requests, one with ``nonResourceURLs`` only the others.
+Unlike opgate's other sections, there are no globs: a ``*`` verb or a namespace that is no
+namespace name (``team-*``) would match no call, and is refused.
 
 The default ``level`` (for calls no rule matches) is opgate's addition: when absent it is
 ``None`` if the section has rules (the apiserver's policy: no match, no event) and ``Metadata``
@@ -51,6 +53,7 @@ SECTION = "audit"
 LEVELS = ("None", "Metadata", "Request", "RequestResponse")
 STAGES = ("RequestReceived", "ResponseStarted", "ResponseComplete", "Panic")
 _RANK = {level: i for i, level in enumerate(LEVELS)}
+_NAMESPACE = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")  # a DNS-1123 label
 _GROUP = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
 MEMO_SIZE = 4096
 
@@ -190,6 +193,9 @@ def parse_rule(node: Located, what: str, errors: list[PolicyError]) -> AuditRule
     for verb in verbs:
         if verb != verb.lower() or not verb:
             f.fail("verbs", f'"{verb}": verbs are lower-case (get, list, watch, create, …)')
+        elif "*" in verb:  # opgate's other sections' wildcard; a name no call has here
+            f.fail("verbs", f'"{verb}": audit rules have no wildcard verb (leave "verbs" out '
+                            "to match every verb)")
     resources: list[GroupResources] = []
     res_node = f.node("resources")
     if res_node is not None:
@@ -199,6 +205,10 @@ def parse_rule(node: Located, what: str, errors: list[PolicyError]) -> AuditRule
             if gr is not None:
                 resources.append(gr)
     namespaces = f.str_list("namespaces")
+    for ns in namespaces:  # a glob (opgate's other sections take them) would match nothing
+        if ns and not _NAMESPACE.fullmatch(ns):
+            f.fail("namespaces", f'"{ns}" is not a namespace name: audit rules name namespaces '
+                                 'exactly ("" for cluster-scoped calls), without globs')
     urls = f.str_list("nonResourceURLs")
     for url in urls:
         problem = url_problem(url)

@@ -93,6 +93,17 @@ def test_full_section() -> None:
     ("rules:\n  - level: None\n    verbs: [GET]",
      'a.yaml:3: spec.audit.rules[0].verbs: "GET": verbs are lower-case (get, list, watch, '
      "create, …)"),
+    # opgate's other sections take globs ("*", "team-*"); the apiserver's policy has none,
+    # and a rule with one silently matched nothing
+    ("rules:\n  - level: None\n    verbs: ['*']",
+     'a.yaml:3: spec.audit.rules[0].verbs: "*": audit rules have no wildcard verb (leave '
+     '"verbs" out to match every verb)'),
+    ("rules:\n  - level: None\n    namespaces: [team-a, 'team-*']",
+     'a.yaml:3: spec.audit.rules[0].namespaces: "team-*" is not a namespace name: audit rules '
+     'name namespaces exactly ("" for cluster-scoped calls), without globs'),
+    ("rules:\n  - level: None\n    namespaces: ['*']",
+     'a.yaml:3: spec.audit.rules[0].namespaces: "*" is not a namespace name: audit rules '
+     'name namespaces exactly ("" for cluster-scoped calls), without globs'),
     ("rules:\n  - level: None\n    resources:\n      - {group: Apps}",
      'a.yaml:4: spec.audit.rules[0].resources[0].group: "Apps" is not a valid API group '
      '("" is the core group)'),
