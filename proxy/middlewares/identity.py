@@ -202,6 +202,10 @@ class IdentityCheck:
                 continue
             log.debug("identity denies (%s, trace %s): %s", reason, ctx.trace_id, message)
             if code == 401:
+                # not authenticated: no caller to the exit hooks (the apiserver audits its own
+                # 401 with no user), even where the token was verified (an audience, an issuer
+                # this policy refuses)
+                ctx.identity = None
                 return Deny(unauthorized(f"opgate: Unauthorized: {message}"), "unauthorized")
             return Deny(forbidden(f"opgate: {message}", details=call_details(ctx.info)),
                         "denied")

@@ -20,7 +20,7 @@ from proxy.engine import telemetry
 from proxy.engine.chain import Chain, settle
 from proxy.engine.context import Deny, Identity, RequestContext
 from proxy.engine.logfile import RotatingFile
-from proxy.engine.policies import EMPTY, PolicySet, build_policy_set
+from proxy.engine.policies import EMPTY, PolicySet, build_policy_set, load_policy_set
 from proxy.engine.requestinfo import parse_request_info
 from proxy.engine.status import (
     StatusError,
@@ -1065,3 +1065,27 @@ def test_the_relays_own_errors_carry_their_message() -> None:
     relayed = make_ctx("GET", "/api/v1/namespaces/a/pods/gone")
     asyncio.run(_exit(Audit(write=out), relayed, 404))
     assert out.events[0]["responseStatus"] == {"metadata": {}, "code": 404}
+
+
+def test_a_caller_opgate_refuses_with_401_is_no_user_to_the_rules_nor_the_event(
+        tmp_path: Path) -> None:
+    """A token opgate verified but its policy refuses (an audience or an issuer it does not
+    accept) gets opgate's 401: as the apiserver evaluates its policy for a failed
+    authentication, the call has no user: rules about users do not match it, the event names
+    none."""
+    from tests.unit.test_identity import CM, FakeAuth, IdentityCheck, audience_policy, run, sa_token
+    (tmp_path / "identity.yaml").write_text(audience_policy("{audiences: [opgate]}"))
+    (tmp_path / "audit.yaml").write_text(
+        "apiVersion: opgate.dev/v1alpha1\nkind: Policy\nmetadata: {name: a}\nspec:\n"
+        "  audit:\n    level: Metadata\n    rules:\n"
+        "      - {level: None, userGroups: [system:authenticated]}\n")
+    pset = load_policy_set(sorted(tmp_path.glob("*.yaml")), parsers=section_parsers())
+    ctx = make_ctx("GET", CM, pset=pset, headers={"Authorization": f"Bearer {sa_token()}"})
+    denied = run(IdentityCheck(authenticator=FakeAuth()), ctx)
+    assert denied is not None and denied.status.code == 401
+    ctx.answer, ctx.decision = denied.status, denied.decision  # as the relay answers it
+    finish(ctx, 401)
+    out = Lines()
+    asyncio.run(settle(Audit(write=out).exit(ctx)))
+    (ev,) = out.events
+    assert (ev["level"], ev["user"], ev["responseStatus"]["code"]) == ("Metadata", {}, 401)
