@@ -52,6 +52,9 @@ RULES = f"""\
 - level: Metadata
   verbs: [deletecollection]
   omitStages: [ResponseComplete]
+- level: Request  # a POST; a GET attach is a get (the apiserver authorizes it as a create)
+  verbs: [create]
+  resources: [{{group: "", resources: ["pods/attach"]}}]
 - level: Request
   resources: [{{group: "", resources: ["pods/*"], resourceNames: [named]}}]
 - level: Request
@@ -122,6 +125,8 @@ CALLS: list[tuple[str, str, dict[str, str]]] = [
     ("GET", f"{PODS}/named/exec?command=ls", {}),
     ("GET", f"{PODS}/named/log", {}),
     ("GET", f"{PODS}/other/exec?command=ls", {}),
+    ("GET", f"{PODS}/other/attach", {}),
+    ("POST", f"{PODS}/other/attach", {}),
     ("GET", f"{PODS}/other/log", {}),
     ("GET", f"{PODS}/other/status", {}),
     ("GET", f"{PODS}/other", {}),
