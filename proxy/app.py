@@ -280,8 +280,8 @@ async def _serve(settings: Settings, *, reuse_port: bool, parent_fd: int | None,
     # who calls, then what may be injected, then how fast, then how many; capture taps what
     # is relayed (and records what was answered); the audit log, metrics and the access log
     # see the outcome
-    chain = Chain([identity.IdentityCheck(authenticator=authn), faults.Faults(),
-                   ratelimit.RateLimit(store=buckets, overrides=informers), quotas,
+    limiter = ratelimit.RateLimit(store=buckets, overrides=informers)
+    chain = Chain([identity.IdentityCheck(authenticator=authn), faults.Faults(), limiter, quotas,
                    *([capturer] if capturer else []), *([auditor] if auditor else []),
                    *after])
     relay_settings = RelaySettings(
@@ -355,6 +355,7 @@ async def _serve(settings: Settings, *, reuse_port: bool, parent_fd: int | None,
                  settings.runtime.relay)
         await signals.stop.wait()
         log.info("shutting down")
+        limiter.stop_waiting()  # a call queued by onExceed: wait gets its 429, not cut unanswered
         signals.again = listener.hurry
     finally:
         if admin is not None:  # unready first: no new calls are sent here while these finish

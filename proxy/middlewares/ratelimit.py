@@ -9,7 +9,8 @@ Watches are counted once, when they start; other long-running calls (exec, attac
 port-forward, log, proxy) only when a rule spells them out (``pods/exec``, ``*/log``). Over the
 limit, ``onExceed: reject`` answers 429 (integer ``Retry-After``, ``details.retryAfterSeconds``,
 ``RateLimit-*`` headers) and ``wait`` queues the call (FIFO per bucket, at most ``maxQueue``)
-until a token is free or ``maxWait`` has passed. A ``dryrun`` rule never rejects: it counts,
+until a token is free or ``maxWait`` has passed; at shutdown (:meth:`RateLimit.stop_waiting`)
+queued calls get their 429 at once. A ``dryrun`` rule never rejects: it counts,
 logs and adds a ``Warning``. When the store cannot answer, ``failure: open`` rules are decided
 in-process (see :mod:`proxy.stores.breaker`) and ``failure: closed`` rules answer 503. Admitted
 calls get ``RateLimit-*`` headers too: the verdict is already at hand, so they cost three tuples.
@@ -98,6 +99,25 @@ class RateLimit:
         self._plan = Plan(())
         self._memo: dict[tuple[Any, str], _Matched | None] = {}
         self._queues: dict[str, deque[asyncio.Future[None]]] = {}
+        self._stopping = False
+        self._stop: asyncio.Future[None] | None = None  # done once stop_waiting is called
+
+    def stop_waiting(self) -> None:
+        """Answer every queued call (and any that would queue from now on) with its 429 now:
+        opgate shuts down, and a wait past ``--shutdown-grace`` would end with the call cut,
+        unanswered. A 429 with ``Retry-After`` is what the apiserver answers while it drains."""
+        self._stopping = True
+        if self._stop is not None and not self._stop.done():
+            self._stop.set_result(None)
+
+    def _stop_on(self, loop: asyncio.AbstractEventLoop) -> asyncio.Future[None]:
+        """The future :meth:`stop_waiting` completes, on the running loop (tests run several)."""
+        stop = self._stop
+        if stop is None or stop.get_loop() is not loop:
+            stop = self._stop = loop.create_future()
+            if self._stopping:
+                stop.set_result(None)
+        return stop
 
     def _plan_of(self, policies: Any) -> Plan:
         if policies is not self._plan_for:
@@ -314,29 +334,36 @@ class RateLimit:
         deadline = loop.time() + min(rules[i].rule.max_wait for i in waiting_on)
         qkey = requests[waiting_on[0]].key
         queue = self._queues.setdefault(qkey, deque())
-        if len(queue) >= min(rules[i].rule.max_queue for i in waiting_on):
+        if self._stopping or len(queue) >= min(rules[i].rule.max_queue for i in waiting_on):
+            if not queue:
+                del self._queues[qkey]
             return self._reject(ctx, rules, requests,
                                 verdict or _queued(requests, waiting_on, len(queue)))
+        stop = self._stop_on(loop)
         turn: asyncio.Future[None] = loop.create_future()
         queue.append(turn)
         if len(queue) == 1:
             turn.set_result(None)
         try:
             if not turn.done():
-                try:
-                    await asyncio.wait_for(asyncio.shield(turn), max(0.0, deadline - loop.time()))
-                except TimeoutError:
+                # (asyncio.wait never cancels these futures: a timeout, or this call cancelled)
+                await asyncio.wait((turn, stop), timeout=max(0.0, deadline - loop.time()),
+                                   return_when=asyncio.FIRST_COMPLETED)
+                if not turn.done() or stop.done():  # maxWait has passed, or opgate stops
                     return self._reject(ctx, rules, requests,
-                                        _queued(requests, waiting_on, len(queue)))
+                                        _queued(requests, waiting_on, queue.index(turn)))
                 verdict = None  # our turn: the earlier answer is stale
             if verdict is None:
                 verdict = await self._acquire(rules, requests)
             while not verdict.allowed:
                 if verdict.unavailable:
                     return self._unavailable(ctx, rules, verdict)
-                if loop.time() + verdict.retry_after > deadline or not _waits(rules, verdict):
+                if (loop.time() + verdict.retry_after > deadline or stop.done()
+                        or not _waits(rules, verdict)):
                     return self._reject(ctx, rules, requests, verdict)
-                await asyncio.sleep(verdict.retry_after)
+                await asyncio.wait((stop,), timeout=verdict.retry_after)
+                if stop.done():  # (the next token is at most one interval away)
+                    return self._reject(ctx, rules, requests, _queued(requests, waiting_on, 0))
                 verdict = await self._acquire(rules, requests)
             self._admit(ctx, rules, verdict, "waited")
             return None
@@ -390,7 +417,8 @@ def _unreachable(rules: list[BoundRule]) -> Verdict:
 
 
 def _queued(requests: list[BucketRequest], waiting_on: list[int], ahead: int) -> Verdict:
-    """A denial for a call that never reached the head of its queue (estimated Retry-After)."""
+    """A denial for a call that got no token from its queue, ``ahead`` calls before it
+    (estimated Retry-After: a token for each and one for it)."""
     keys = tuple(
         KeyVerdict(allowed=False, remaining=0, retry_after=(ahead + 1) / r.rate)
         if i in waiting_on else KeyVerdict(allowed=True, remaining=r.burst)

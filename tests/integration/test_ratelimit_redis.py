@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -305,3 +306,68 @@ def test_three_opgate_processes_share_one_limit(server: RedisServer, tmp_path: P
     assert headers["Retry-After"].isdigit() and body["reason"] == "TooManyRequests"
     assert body["details"]["retryAfterSeconds"] == int(headers["Retry-After"])
     assert {"RateLimit-Limit", "RateLimit-Remaining", "RateLimit-Reset"} <= set(headers)
+
+
+WAIT_LONG = """\
+apiVersion: opgate.dev/v1alpha1
+kind: Policy
+metadata: {name: queued}
+spec:
+  rateLimits:
+    - {name: slow, key: all, qps: 0.1, burst: 1, onExceed: wait, maxWait: 60s}
+"""
+
+
+async def _until_in_flight(opgate: OpgateProcess, calls: int) -> None:
+    async with aiohttp.ClientSession() as session:
+        for _ in range(400):
+            async with session.get(opgate.admin_url + "/metrics") as resp:
+                if f"opgate_inflight_requests {calls}.0" in await resp.text():
+                    return
+            await asyncio.sleep(0.05)
+    raise AssertionError(f"{calls} calls are not in flight")
+
+
+@pytest.mark.parametrize("relay", ["fast", "aiohttp"])
+def test_sigterm_answers_the_calls_queued_by_wait_with_429(
+        server: RedisServer, tmp_path: Path, relay: str) -> None:
+    """Calls queued by ``onExceed: wait`` (a ``maxWait`` longer than ``--shutdown-grace``) get
+    a 429 with ``Retry-After`` as soon as opgate is told to stop, as the apiserver answers
+    during its drain, instead of being cut unanswered when the grace runs out (the client saw
+    its connection closed, the access log 'cut short')."""
+    (tmp_path / "policy.yaml").write_text(WAIT_LONG)
+
+    async def go() -> tuple[list[tuple[int, str, dict[str, Any]]], float, int]:
+        upstream = await AiohttpUpstream(ok_handler, read_body=False).start()
+        opgate = OpgateProcess("--upstream", upstream.url, "--policies", str(tmp_path),
+                               "--redis-url", server.url, "--redis-timeout", "0.5",
+                               "--shutdown-grace", "20", "--relay", relay, log_dir=tmp_path)
+        try:
+            await asyncio.to_thread(opgate.wait_ready)
+            async with aiohttp.ClientSession() as session:
+                url = opgate.url + "/api/v1/namespaces/a/configmaps/c"
+
+                async def call() -> tuple[int, str, dict[str, Any]]:
+                    async with session.get(url) as resp:
+                        return resp.status, resp.headers.get("Retry-After", ""), await resp.json()
+
+                assert (await call())[0] == 200  # the one token; the next is 10 s away
+                queued = [asyncio.ensure_future(call()) for _ in range(3)]
+                await _until_in_flight(opgate, 3)
+                opgate.proc.send_signal(signal.SIGTERM)
+                start = time.monotonic()
+                answers = await asyncio.wait_for(asyncio.gather(*queued), 15)
+                answered_in = time.monotonic() - start
+            code = await asyncio.to_thread(opgate.proc.wait, 20)
+        finally:
+            opgate.stop()
+            await upstream.close()
+        return answers, answered_in, code
+
+    answers, answered_in, code = asyncio.run(go())
+    assert code == 0
+    for status, retry_after, body in answers:
+        assert status == 429 and body["reason"] == "TooManyRequests", body
+        assert retry_after.isdigit() and int(retry_after) >= 1
+        assert body["details"]["retryAfterSeconds"] == int(retry_after)
+    assert answered_in < 5  # at once, not at the end of the 20 s grace

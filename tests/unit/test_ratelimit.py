@@ -593,3 +593,30 @@ def test_no_leased_token_is_taken_while_the_breaker_is_open() -> None:
     for _ in range(3):
         store.breaker.failure("down")
     assert store.take_local(hot) is None  # the open breaker's fallback decides instead
+
+
+def test_stop_waiting_answers_every_queued_call_at_once() -> None:
+    """At shutdown (``stop_waiting``, on SIGTERM) a call queued by ``onExceed: wait`` gets its
+    429 now, as the apiserver answers calls during its drain (``--shutdown-send-retry-after``),
+    not after its ``maxWait`` of 30 s, which outlasts the grace: the call would be cut with no
+    answer. The one waiting for the next token, those behind it and any that comes later."""
+    pset = policies("- {name: w, qps: 0.1, burst: 1, onExceed: wait, maxWait: 30s}")
+    mw, _ = make(clock=time.monotonic)  # type: ignore[arg-type]
+
+    async def go() -> tuple[list[Any], Any, float]:
+        assert await settle(mw.entry(ctx_for(pset))) is None
+        waiting = [asyncio.ensure_future(settle(mw.entry(ctx_for(pset)))) for _ in range(3)]
+        await asyncio.sleep(0)  # each runs until it waits
+        assert len(mw._queues["op/w/alice"]) == 3
+        start = time.monotonic()
+        mw.stop_waiting()
+        results = await asyncio.gather(*waiting)
+        elapsed = time.monotonic() - start
+        return results, await settle(mw.entry(ctx_for(pset))), elapsed
+
+    results, later, elapsed = asyncio.run(go())
+    for result in (*results, later):
+        assert isinstance(result, Deny) and result.status.code == 429, result
+        assert int(dict(result.status.response_headers())["Retry-After"]) >= 1
+    assert elapsed < 1.0
+    assert not mw._queues
