@@ -19,6 +19,9 @@ Interest, simple and explicit (it implements ``proxy.middlewares.instance.Instan
   listed nor watched.
 - Until a resource is discovered and listed, ``kind_of`` / ``get`` answer ``None``: such calls
   get ``-`` / the rule's plain qps. Nothing here ever blocks or fails a call.
+- A wanted annotation whose value is not a qps (``parse_qps``: "fast", "0", "1e309") is not
+  kept, so the rule's qps applies, and a warning names the instance and the value (once per
+  value: not again at each relist; at most ``MAX_WARNED`` remembered).
 
 Each watch (kopf's shape): list (pages of 500) → watch from the list's resourceVersion with
 ``allowWatchBookmarks`` and a server ``timeoutSeconds`` of ~5 min, an inactivity timeout of
@@ -40,7 +43,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
-from proxy.engine.kinds import is_custom_group, parse_qps
+from proxy.engine.kinds import MIN_QPS, is_custom_group, parse_qps
 from proxy.relay.endpoint import Endpoint, TokenSource, make_ssl_context
 from proxy.relay.listwatch import Failed, ListWatch, reason
 from proxy.relay.upstream import UpstreamConfig
@@ -51,6 +54,7 @@ log = logging.getLogger("opgate.informer")
 
 USER_AGENT = "opgate-informer"
 MAX_ANNOTATIONS = 8
+MAX_WARNED = 1024  # (instance, annotation, value)s already warned of as not a qps
 DISCOVERY_GAP = 5.0  # seconds between two discoveries of unknown kinds (headers are free text)
 
 
@@ -99,6 +103,7 @@ class InformerPool:
         self._discovery: asyncio.Task[None] | None = None
         self._last_discovery = -DISCOVERY_GAP
         self._full_logged = False
+        self._warned: set[tuple[str, str, str, str, str]] = set()
 
     # --- InstanceOverrides (hot path: dict lookups, never blocks, never raises) ---------
 
@@ -238,7 +243,7 @@ class InformerPool:
         def replace(items: list[dict[str, Any]]) -> None:
             objects: dict[tuple[str, str], dict[str, float]] = {}
             for item in items:
-                self._keep(objects, item.get("metadata") or {})
+                self._keep(r, objects, item.get("metadata") or {})
             if r.failures:
                 log.info("informer: watching %s again (%d instances)", r.label, len(objects))
             r.objects = objects
@@ -252,19 +257,42 @@ class InformerPool:
     def _event(self, r: _Resource, kind: str, obj: dict[str, Any]) -> None:
         meta = obj.get("metadata") or {}
         if kind in ("ADDED", "MODIFIED"):
-            self._keep(r.objects, meta)
+            self._keep(r, r.objects, meta)
         elif kind == "DELETED":
             r.objects.pop((meta.get("namespace") or "", meta.get("name") or ""), None)
 
-    def _keep(self, objects: dict[tuple[str, str], dict[str, float]], meta: dict[str, Any]) -> None:
+    def _keep(self, r: _Resource, objects: dict[tuple[str, str], dict[str, float]],
+              meta: dict[str, Any]) -> None:
         key = (meta.get("namespace") or "", meta.get("name") or "")
         annotations = meta.get("annotations") or {}
-        values = {a: v for a in self._annotations
-                  if (v := parse_qps(annotations.get(a))) is not None}
+        values: dict[str, float] = {}
+        for a in self._annotations:
+            raw = annotations.get(a)
+            if raw is None:
+                continue
+            value = parse_qps(raw)
+            if value is None:
+                self._not_a_qps(r, key, a, raw)
+            else:
+                values[a] = value
         if values:
             objects[key] = values
         else:
             objects.pop(key, None)
+
+    def _not_a_qps(self, r: _Resource, key: tuple[str, str], annotation: str, raw: object) -> None:
+        """Warn that an instance's annotation is ignored, once per value."""
+        shown = str(raw)[:64]
+        seen = (r.label, *key, annotation, shown)
+        if seen in self._warned:
+            return
+        if len(self._warned) >= MAX_WARNED:
+            self._warned.clear()
+        self._warned.add(seen)
+        where = f"{key[0]}/{key[1]}" if key[0] else key[1]
+        log.warning('informer: %s %s: annotation %s "%s" is not a qps (a number of at least '
+                    "%g); its calls get the rule's qps", r.kind or r.label, where, annotation,
+                    shown, MIN_QPS)
 
     # --- HTTP ------------------------------------------------------------------------------
 

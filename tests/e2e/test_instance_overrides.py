@@ -222,3 +222,30 @@ def test_owner_reference_and_the_object_itself_count_against_the_widget(
             break
         assert code == 200
         assert time.monotonic() < deadline, gate.log_tail()
+
+
+def test_an_annotation_that_is_not_a_qps_is_warned_of_and_a_recreated_widget_gets_its_own(
+    cluster: LocalCluster, gate: Opgate,
+) -> None:
+    """A Widget annotated ``opgate.dev/qps: "0"`` (its author hoping to pause it) gets the
+    rule's 1/s, and opgate's log says why, naming it; deleted and created again under the same
+    name with ``"10"``, it gets 10/s through the same watch."""
+    client = Client(cluster, gate)
+    widget = {"apiVersion": "demo.opgate.dev/v1", "kind": "Widget",
+              "metadata": {"name": "paused", "namespace": NAMESPACE,
+                           "annotations": {ANNOTATION: "0"}}, "spec": {"color": "red"}}
+    cluster.call("POST", WIDGETS, body=widget).ok()
+    paused = f"{NAMESPACE}/Widget/paused"
+    warning = (f'informer: Widget {NAMESPACE}/paused: annotation {ANNOTATION} "0" is not a qps '
+               "(a number of at least 1e-09); its calls get the rule's qps")
+    client.until(lambda n: n <= 2, instance=paused, timeout=30)
+    deadline = time.monotonic() + 10
+    while warning not in gate.log.read_text(errors="replace"):
+        assert time.monotonic() < deadline, gate.log_tail()
+        time.sleep(0.1)
+    assert 1 <= client.admitted(2.0, instance=paused) <= 4
+
+    cluster.call("DELETE", f"{WIDGETS}/paused").ok()
+    widget["metadata"]["annotations"] = {ANNOTATION: "10"}
+    cluster.call("POST", WIDGETS, body=widget).ok()
+    client.until(lambda n: n >= 7, instance=paused, timeout=10)

@@ -300,6 +300,36 @@ def test_informer_applies_events_and_keeps_only_valid_wanted_annotations() -> No
     assert not p.cluster_scoped("Widget")
 
 
+def test_informer_warns_once_of_an_annotation_that_is_not_a_qps(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """An instance annotated with what is not a qps ("fast", "0", "-3", "1e309") gets the
+    rule's qps, as documented; the log says so, naming the instance and the value (the
+    operator author who wrote it otherwise sees the rate ignore it, and nothing else), once
+    per value and not again at each relist, and again when the value changes."""
+    p = pool()
+    p.get("a", "Widget", "w1", "opgate.dev/qps")
+    p._add("demo.opgate.dev", "v1", "widgets", kind="Widget")
+    r = p._resources[("demo.opgate.dev", "widgets")]
+
+    def meta(name: str, qps: str) -> dict[str, Any]:
+        return {"namespace": "a", "name": name, "annotations": {"opgate.dev/qps": qps}}
+
+    def warnings() -> list[str]:
+        return [rec.getMessage() for rec in caplog.records if rec.levelname == "WARNING"]
+
+    with caplog.at_level("WARNING", logger="opgate.informer"):
+        p._event(r, "ADDED", {"metadata": meta("w1", "fast")})
+        p._event(r, "ADDED", {"metadata": meta("w2", "20")})
+        assert warnings() == ['informer: Widget a/w1: annotation opgate.dev/qps "fast" is not '
+                              "a qps (a number of at least 1e-09); its calls get the rule's qps"]
+        p._event(r, "MODIFIED", {"metadata": meta("w1", "fast")})  # a relist, say
+        assert len(warnings()) == 1
+        p._event(r, "MODIFIED", {"metadata": meta("w1", "1e309")})
+        assert len(warnings()) == 2 and '"1e309"' in warnings()[1]
+    assert p.get("a", "Widget", "w1", "opgate.dev/qps") is None
+    assert p.get("a", "Widget", "w2", "opgate.dev/qps") == 20.0
+
+
 def test_informer_interest_is_bounded() -> None:
     p = pool(max_resources=2)
     p.want("apps", "v1", "deployments")  # built-in: never watched
