@@ -5,15 +5,16 @@ call must pass all of them, decided in one atomic store call; a call that matche
 a dict lookup and no store call. Rules are bound to their policy once per :class:`PolicySet`
 (mode, failure, metric children), so the hot path only matches and decides.
 
-Watches are counted once, when they start; other long-running calls (exec, attach,
-port-forward, log, proxy) only when a rule spells them out (``pods/exec``, ``*/log``). Over the
-limit, ``onExceed: reject`` answers 429 (integer ``Retry-After``, ``details.retryAfterSeconds``,
+Watches are counted once, when they start; other long-running calls (exec, attach, port-forward,
+log, proxy) only when a rule spells them out (``pods/exec``, ``*/log``). Over the limit,
+``onExceed: reject`` answers 429 (integer ``Retry-After``, ``details.retryAfterSeconds``,
 ``RateLimit-*`` headers) and ``wait`` queues the call (FIFO per bucket, at most ``maxQueue``)
 until a token is free or ``maxWait`` has passed; at shutdown (:meth:`RateLimit.stop_waiting`)
-queued calls get their 429 at once. A ``dryrun`` rule never rejects: it counts,
-logs and adds a ``Warning``. When the store cannot answer, ``failure: open`` rules are decided
-in-process (see :mod:`proxy.stores.breaker`) and ``failure: closed`` rules answer 503. Admitted
-calls get ``RateLimit-*`` headers too: the verdict is already at hand, so they cost three tuples.
+queued calls get their 429 at once; one whose client leaves is recorded ``throttled``. A
+``dryrun`` rule never rejects: it counts, logs and adds a ``Warning``. When the store cannot
+answer, ``failure: open`` rules are decided in-process (see :mod:`proxy.stores.breaker`) and
+``failure: closed`` rules answer 503. Admitted calls get ``RateLimit-*`` headers too: the verdict
+is already at hand, so they cost three tuples.
 
 ``{instance}`` is resolved only for calls that a rule needing it matches
 (:mod:`proxy.middlewares.instance`); to find it in a create/update/apply body this middleware
@@ -340,6 +341,8 @@ class RateLimit:
             return self._reject(ctx, rules, requests,
                                 verdict or _queued(requests, waiting_on, len(queue)))
         stop = self._stop_on(loop)
+        # what the logs and metrics record if the client leaves meanwhile (cancelled here)
+        decided, ctx.decision = ctx.decision, "throttled"
         turn: asyncio.Future[None] = loop.create_future()
         queue.append(turn)
         if len(queue) == 1:
@@ -366,6 +369,7 @@ class RateLimit:
                     return self._reject(ctx, rules, requests, _queued(requests, waiting_on, 0))
                 verdict = await self._acquire(rules, requests)
             self._admit(ctx, rules, verdict, "waited")
+            ctx.decision = decided
             return None
         finally:
             head = queue[0] is turn

@@ -5,6 +5,7 @@ fairness between instances, wait mode, a Redis outage and recovery mid-run, and 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import signal
 import time
@@ -371,3 +372,64 @@ def test_sigterm_answers_the_calls_queued_by_wait_with_429(
         assert retry_after.isdigit() and int(retry_after) >= 1
         assert body["details"]["retryAfterSeconds"] == int(retry_after)
     assert answered_in < 5  # at once, not at the end of the 20 s grace
+
+
+WAIT_ONE_A_SECOND = """\
+apiVersion: opgate.dev/v1alpha1
+kind: Policy
+metadata: {name: queued}
+spec:
+  rateLimits:
+    - {name: slow, key: all, qps: 1, burst: 1, onExceed: wait, maxWait: 20s}
+"""
+
+
+@pytest.mark.parametrize("relay", ["fast", "aiohttp"])
+def test_a_client_that_leaves_while_queued_frees_its_place_and_is_logged_throttled(
+        server: RedisServer, tmp_path: Path, relay: str) -> None:
+    """Queued behind a call waiting for the next token (1/s), a client gives up (as client-go's
+    context deadline does): the call after it takes its place, the next token (not the one
+    after), and the access log records the one that left as ``throttled`` (it read
+    ``allowed``, a 499 of 1.5 s that looked like a slow apiserver)."""
+    (tmp_path / "policy.yaml").write_text(WAIT_ONE_A_SECOND)
+
+    async def go() -> tuple[list[int | str], float]:
+        upstream = await AiohttpUpstream(ok_handler, read_body=False).start()
+        opgate = OpgateProcess("--upstream", upstream.url, "--policies", str(tmp_path),
+                               "--redis-url", server.url, "--redis-timeout", "0.5",
+                               "--relay", relay, log_dir=tmp_path)
+        try:
+            await asyncio.to_thread(opgate.wait_ready)
+            async with aiohttp.ClientSession() as session:
+                url = opgate.url + "/api/v1/namespaces/a/configmaps/c"
+
+                async def call(give_up: float | None = None) -> int | str:
+                    try:
+                        async with session.get(url, timeout=aiohttp.ClientTimeout(
+                                total=give_up)) as resp:
+                            await resp.read()
+                            return resp.status
+                    except TimeoutError:
+                        return "left"
+
+                assert await call() == 200
+                head = asyncio.ensure_future(call())  # the token of t=1 s
+                await _until_in_flight(opgate, 1)
+                leaving = asyncio.ensure_future(call(give_up=0.5))
+                await _until_in_flight(opgate, 2)
+                start = time.monotonic()
+                last = asyncio.ensure_future(call())
+                outcomes = [await head, await leaving, await last]
+                took = time.monotonic() - start
+        finally:
+            opgate.stop()
+            await upstream.close()
+        records = sorted((json.loads(line) for line in opgate.stdout().splitlines()
+                          if line.startswith("{")), key=lambda r: r["time"])  # by arrival
+        assert [(r["code"], r["decision"]) for r in records] == [
+            (200, "allowed"), (200, "allowed"), (499, "throttled"), (200, "allowed")], records
+        return outcomes, took
+
+    outcomes, took = asyncio.run(go())
+    assert outcomes == [200, "left", 200]
+    assert took < 2.5  # the token of t=2 s, not that of t=3 s

@@ -620,3 +620,29 @@ def test_stop_waiting_answers_every_queued_call_at_once() -> None:
         assert int(dict(result.status.response_headers())["Retry-After"]) >= 1
     assert elapsed < 1.0
     assert not mw._queues
+
+
+def test_a_call_whose_client_leaves_while_queued_is_recorded_as_throttled() -> None:
+    """A queued call whose client gives up (client-go's context deadline) is cancelled; the
+    access log, the audit event and ``requests_total`` then show it as ``throttled`` (what kept
+    it), not ``allowed``, which read as a slow apiserver. One admitted after waiting stays
+    ``allowed``."""
+    pset = policies("- {name: w, qps: 20, burst: 1, onExceed: wait, maxWait: 5s}")
+    mw, _ = make(clock=time.monotonic)  # type: ignore[arg-type]
+
+    async def go() -> tuple[RequestContext, RequestContext]:
+        assert await settle(mw.entry(ctx_for(pset))) is None
+        admitted, left = ctx_for(pset), ctx_for(pset)
+        waiting = asyncio.ensure_future(settle(mw.entry(admitted)))
+        leaving = asyncio.ensure_future(settle(mw.entry(left)))
+        await asyncio.sleep(0)  # both queued
+        leaving.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await leaving
+        assert await waiting is None
+        return admitted, left
+
+    admitted, left = asyncio.run(go())
+    assert left.decision == "throttled"
+    assert admitted.decision == "allowed"
+    assert not mw._queues
