@@ -5,9 +5,9 @@ protocols, httptools). For the aiohttp relay it is aiohttp's low-level ``web.Ser
 router, no access log: the audit and metrics middlewares see every call) with
 ``handler_cancellation=True``. Either way a client that disconnects cancels its handler at once
 and the relay closes the upstream stream. With TLS, the certificate
-and key files are polled every few seconds and loaded into the same ``SSLContext`` when they
-change (cert-manager renewals, Secret updates); new handshakes get the new pair, open
-connections keep theirs, and a bad pair keeps the old one and is logged.
+and key files are polled every few seconds (``proxy.relay.servingcert``: cert-manager renewals,
+Secret updates); new handshakes get a new good pair, open connections keep theirs, and a bad
+pair keeps the old one and is logged.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from proxy.relay.fast import FastRelay
 from proxy.relay.fast import server as fast_server
 from proxy.relay.fast.server import MAX_HEADERS
 from proxy.relay.hostguard import HostGuard
+from proxy.relay.servingcert import CertReloader, TLSFilesError, server_tls_context
 
 if TYPE_CHECKING:
     from aiohttp import web
@@ -40,7 +41,6 @@ __all__ = ["Listener", "TLSFilesError", "listen_failure", "parse_listen",
 
 log = logging.getLogger("opgate.listen")
 
-TLS_RELOAD_INTERVAL = 5.0
 _ACCEPT_FAILED = "socket.accept() out of system resource"  # (asyncio's message)
 AIOHTTP_LEFTOVER = 1.0  # seconds aiohttp's shutdown gives the calls still running after the grace
 
@@ -131,7 +131,7 @@ class Listener:
         address: str,
         *,
         unix_path: str | None,
-        reloader: _CertReloader | None,
+        reloader: CertReloader | None,
         hurry: Callable[[], None],
     ) -> None:
         self.address = address
@@ -147,66 +147,6 @@ class Listener:
         if self._unix_path is not None:
             with contextlib.suppress(OSError):
                 os.unlink(self._unix_path)
-
-
-class _CertReloader:
-    """Polls the cert/key files and reloads them into the live server context."""
-
-    def __init__(self, ctx: ssl.SSLContext, cert: str, key: str) -> None:
-        self._ctx, self._cert, self._key = ctx, cert, key
-        self._stamp = self._read_stamp()
-        self._task = asyncio.get_running_loop().create_task(self._run())
-
-    def _read_stamp(self) -> tuple[tuple[int, int, int], ...] | None:
-        try:
-            return tuple(
-                (st.st_mtime_ns, st.st_size, st.st_ino)
-                for st in (os.stat(self._cert), os.stat(self._key))
-            )
-        except OSError:
-            return None
-
-    async def _run(self) -> None:
-        while True:
-            await asyncio.sleep(TLS_RELOAD_INTERVAL)
-            stamp = self._read_stamp()
-            if stamp is None or stamp == self._stamp:
-                continue
-            try:
-                self._ctx.load_cert_chain(self._cert, self._key)
-            except (OSError, ssl.SSLError) as e:  # e.g. cert written, key not yet: retry later
-                log.warning("TLS certificate reload failed, keeping the old one: %s", e)
-                continue
-            self._stamp = stamp
-            log.info("TLS certificate reloaded from %s", self._cert)
-
-    async def stop(self) -> None:
-        self._task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._task
-
-
-class TLSFilesError(ValueError):
-    """``--tls-cert`` / ``--tls-key`` cannot be used; ``str()`` names the flag and the reason."""
-
-
-def server_tls_context(cert: str, key: str) -> ssl.SSLContext:
-    """The API listener's TLS context; :class:`TLSFilesError` when the pair cannot be loaded."""
-    for flag, path in (("--tls-cert", cert), ("--tls-key", key)):
-        try:
-            with open(path, "rb") as f:
-                f.read(1)
-        except OSError as e:
-            raise TLSFilesError(f"{flag} {path}: cannot read it: {e.strerror}") from e
-    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    try:
-        ctx.load_cert_chain(cert, key)
-    except (ssl.SSLError, OSError, ValueError) as e:
-        raise TLSFilesError(
-            f"--tls-cert {cert} / --tls-key {key}: not a PEM certificate and its private key "
-            f"({getattr(e, 'reason', None) or e})") from e
-    ctx.set_alpn_protocols(["http/1.1"])  # both relay cores speak HTTP/1.1 only
-    return ctx
 
 
 def _address(host: str, port: int) -> str:
@@ -257,7 +197,7 @@ async def serve_api(
         relay.host_guard = guard
         stop, hurry, address = await _serve_aiohttp(relay, where, ctx, reuse_port,
                                                     shutdown_timeout)
-    reloader = _CertReloader(ctx, tls_cert, tls_key) if ctx and tls_cert and tls_key else None
+    reloader = CertReloader(ctx, tls_cert, tls_key) if ctx and tls_cert and tls_key else None
     log.info("API listener on %s%s", address, " (TLS)" if ctx else "")
     return Listener(
         stop, address, unix_path=where if isinstance(where, str) else None, reloader=reloader,

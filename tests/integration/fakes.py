@@ -228,15 +228,18 @@ async def running_proxy(
 
 
 def make_cert(
-    directory: str, *, name: str = "cert", common_name: str = "127.0.0.1"
+    directory: str, *, name: str = "cert", common_name: str = "127.0.0.1", rsa_key: bool = False
 ) -> tuple[str, str]:
-    """A self-signed certificate for 127.0.0.1/localhost; returns (cert path, key path)."""
+    """A self-signed certificate for 127.0.0.1/localhost (an ECDSA key, or an RSA one);
+    returns (cert path, key path)."""
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.hazmat.primitives.asymmetric import ec, rsa
     from cryptography.x509.oid import NameOID
 
-    key = ec.generate_private_key(ec.SECP256R1())
+    key: ec.EllipticCurvePrivateKey | rsa.RSAPrivateKey = (
+        rsa.generate_private_key(public_exponent=65537, key_size=2048) if rsa_key
+        else ec.generate_private_key(ec.SECP256R1()))
     subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
     now = datetime.datetime.now(datetime.UTC)
     cert = (

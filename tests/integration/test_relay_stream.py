@@ -435,9 +435,9 @@ def der_of(pem_file: str) -> bytes:
 async def test_tls_listener_serves_and_reloads_its_certificate(
     tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from proxy.relay import listen
+    from proxy.relay import servingcert
 
-    monkeypatch.setattr(listen, "TLS_RELOAD_INTERVAL", 0.1)
+    monkeypatch.setattr(servingcert, "TLS_RELOAD_INTERVAL", 0.1)
     first = make_cert(str(tmp_path), name="first")
     second = make_cert(str(tmp_path), name="second")
     cert, key = str(tmp_path / "tls.crt"), str(tmp_path / "tls.key")

@@ -1,0 +1,216 @@
+"""The TLS API listener while its certificate is renewed under it (proxy/relay/servingcert.py).
+
+The renewals are made as they come: cert-manager's through a Secret volume (kubelet's atomic
+``..data`` symlink swap, cert and key together), a person's by hand (the cert written, the
+key after it). A client is Python's ``ssl``; each test runs on both relay cores.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import shutil
+import ssl
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from proxy.relay import servingcert
+from tests.integration.fakes import AiohttpUpstream, make_cert, ok_handler, read_head, running_proxy
+
+pytestmark = pytest.mark.usefixtures("each_relay")
+
+
+class ReloadLog(logging.Handler):
+    """The listener's reload records ('…reload failed…', '…reloaded…'), awaitable as they come."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.messages: list[str] = []
+        self._grew = asyncio.Event()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.getMessage().startswith("TLS certificate reload"):
+            self.messages.append(record.getMessage())
+            self._grew.set()
+
+    async def nth(self, n: int) -> str:
+        """The ``n``-th record (1-based), once it has come."""
+        async with asyncio.timeout(10):
+            while len(self.messages) < n:
+                self._grew.clear()
+                await self._grew.wait()
+        return self.messages[n - 1]
+
+
+@pytest.fixture
+def reloads(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+            ) -> Iterator[ReloadLog]:
+    monkeypatch.setattr(servingcert, "TLS_RELOAD_INTERVAL", 0.05)
+    caplog.set_level(logging.INFO, logger="opgate.listen")  # ('…reloaded…' is INFO)
+    handler = ReloadLog()
+    logger = logging.getLogger("opgate.listen")
+    logger.addHandler(handler)
+    try:
+        yield handler
+    finally:
+        logger.removeHandler(handler)
+
+
+def der_of(pem_file: str) -> bytes:
+    with open(pem_file, encoding="ascii") as f:
+        return ssl.PEM_cert_to_DER_cert(f.read())
+
+
+async def served(address: str, *, ciphers: str | None = None) -> bytes | None:
+    """The certificate a new connection is served (``None``: the handshake failed); with
+    ``ciphers``, as a TLS 1.2 client offering only those."""
+    host, port = address.rsplit(":", 1)
+    ctx = ssl.create_default_context()
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE
+    if ciphers:
+        ctx.maximum_version = ssl.TLSVersion.TLSv1_2
+        ctx.set_ciphers(ciphers)
+    try:
+        _, writer = await asyncio.open_connection(host, int(port), ssl=ctx)
+    except (ssl.SSLError, ConnectionError):
+        return None
+    der: bytes = writer.get_extra_info("ssl_object").getpeercert(binary_form=True)
+    writer.close()
+    return der
+
+
+async def get_version(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> str:
+    """One keep-alive ``GET /version`` on an open connection; its status line."""
+    writer.write(b"GET /version HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+    status, headers = await read_head(reader)
+    await reader.readexactly(int(headers["content-length"]))
+    return status
+
+
+def install(pair: tuple[str, str], directory: Path) -> tuple[str, str]:
+    """The pair as ``tls.crt`` / ``tls.key`` in ``directory``."""
+    cert, key = str(directory / "tls.crt"), str(directory / "tls.key")
+    shutil.copy(pair[0], cert)
+    shutil.copy(pair[1], key)
+    return cert, key
+
+
+def replace(source: str, target: str) -> None:
+    """Write ``target`` as a person's tool does: a new file renamed over the old one."""
+    shutil.copy(source, target + ".new")
+    os.replace(target + ".new", target)
+
+
+@pytest.mark.asyncio
+async def test_a_pair_caught_half_written_never_stops_the_old_one_serving(
+    tmp_path: Path, reloads: ReloadLog
+) -> None:
+    """The new cert written, its key not yet: a reload then must keep serving the old pair
+    (it left the live context without a usable key: every handshake failed)."""
+    old = make_cert(str(tmp_path), name="old")
+    new = make_cert(str(tmp_path), name="new")
+    cert, key = install(old, tmp_path)
+    up = await AiohttpUpstream(ok_handler).start()
+    try:
+        async with running_proxy(up.url, tls_cert=cert, tls_key=key) as proxy:
+            address = proxy.listener.address
+            replace(new[0], cert)
+            assert "reload failed" in await reloads.nth(1)
+            assert "KEY_VALUES_MISMATCH" in reloads.messages[0]
+            assert await served(address) == der_of(old[0])
+            replace(new[1], key)
+            assert "reloaded" in await reloads.nth(2)
+            assert await served(address) == der_of(new[0])
+    finally:
+        await up.close()
+
+
+def kubelet_volume(directory: Path, pair: tuple[str, str], version: str) -> tuple[str, str]:
+    """A Secret volume as kubelet writes it, or updates it: the files in a timestamped
+    directory, ``..data`` a symlink to it swapped atomically, ``tls.crt`` -> ``..data/tls.crt``."""
+    versioned = directory / f"..{version}"
+    versioned.mkdir()
+    shutil.copy(pair[0], versioned / "tls.crt")
+    shutil.copy(pair[1], versioned / "tls.key")
+    (directory / "..data_tmp").symlink_to(versioned.name)
+    os.replace(directory / "..data_tmp", directory / "..data")
+    for name in ("tls.crt", "tls.key"):
+        if not (directory / name).is_symlink():
+            (directory / name).symlink_to(f"..data/{name}")
+    return str(directory / "tls.crt"), str(directory / "tls.key")
+
+
+@pytest.mark.parametrize(("old_rsa", "new_rsa"), [(False, True), (True, False)],
+                         ids=["ecdsa-to-rsa", "rsa-to-ecdsa"])
+@pytest.mark.asyncio
+async def test_a_renewal_with_another_key_type_replaces_the_old_certificate(
+    tmp_path: Path, reloads: ReloadLog, old_rsa: bool, new_rsa: bool
+) -> None:
+    """cert-manager's privateKey.algorithm changed: the new certificate is all that is
+    served (OpenSSL keeps an ECDSA and an RSA pair side by side in one context, so the old one
+    went on being served, to every client preferring its type), and a keep-alive connection
+    made before the renewal goes on working."""
+    old = make_cert(str(tmp_path), name="old", rsa_key=old_rsa)
+    new = make_cert(str(tmp_path), name="new", rsa_key=new_rsa)
+    volume = tmp_path / "volume"
+    volume.mkdir()
+    cert, key = kubelet_volume(volume, old, "2025_01_01")
+    old_ciphers = "ECDHE-RSA-AES128-GCM-SHA256" if old_rsa else "ECDHE-ECDSA-AES128-GCM-SHA256"
+    up = await AiohttpUpstream(ok_handler).start()
+    try:
+        async with running_proxy(up.url, tls_cert=cert, tls_key=key) as proxy:
+            address = proxy.listener.address
+            host, port = address.rsplit(":", 1)
+            trust_old = ssl.create_default_context(cafile=old[0])
+            kept = await asyncio.open_connection(host, int(port), ssl=trust_old)
+            assert (await get_version(*kept)).endswith(" 200 OK")
+            kubelet_volume(volume, new, "2025_02_01")
+            assert "reloaded" in await reloads.nth(1)
+            assert await served(address) == der_of(new[0])
+            assert await served(address, ciphers=old_ciphers) is None  # no old one to give
+            assert (await get_version(*kept)).endswith(" 200 OK")
+            kept[1].close()
+    finally:
+        await up.close()
+
+
+@pytest.mark.asyncio
+async def test_a_bad_pair_is_reported_once_not_at_every_poll(
+    tmp_path: Path, reloads: ReloadLog, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pair that stays bad is one warning (it was one every poll, 720 an hour), and the
+    next change of the files is tried again."""
+    old = make_cert(str(tmp_path), name="old")
+    new = make_cert(str(tmp_path), name="new")
+    cert, key = install(old, tmp_path)
+    polls = asyncio.Event()
+    seen: dict[str, Any] = {"stats": 0, "until": 0}
+    real_stat = os.stat
+
+    def counting_stat(path: Any, *args: Any, **kwargs: Any) -> os.stat_result:
+        if path == cert:  # once a poll
+            seen["stats"] += 1
+            if seen["stats"] >= seen["until"]:
+                polls.set()
+        return real_stat(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "stat", counting_stat)
+    up = await AiohttpUpstream(ok_handler).start()
+    try:
+        async with running_proxy(up.url, tls_cert=cert, tls_key=key):
+            replace(new[0], cert)
+            assert "reload failed" in await reloads.nth(1)
+            seen["until"] = seen["stats"] + 3  # two more polls done, a third begun
+            polls.clear()
+            async with asyncio.timeout(10):
+                await polls.wait()
+            assert len(reloads.messages) == 1, reloads.messages
+            replace(new[1], key)
+            assert "reloaded" in await reloads.nth(2)
+    finally:
+        await up.close()
