@@ -32,6 +32,16 @@ class TLSFilesError(ValueError):
     """``--tls-cert`` / ``--tls-key`` cannot be used; ``str()`` names the flag and the reason."""
 
 
+class _Encrypted(Exception):
+    """Raised by the passphrase callback: the key asks for a passphrase opgate does not have."""
+
+
+def _no_passphrase() -> bytes:
+    """Refuse at once: without a callback OpenSSL asks for the passphrase on the terminal, and
+    waits there (the whole event loop with it, during a reload)."""
+    raise _Encrypted
+
+
 def server_tls_context(cert: str, key: str) -> ssl.SSLContext:
     """The API listener's TLS context; :class:`TLSFilesError` when the pair cannot be loaded."""
     for flag, path in (("--tls-cert", cert), ("--tls-key", key)):
@@ -42,7 +52,11 @@ def server_tls_context(cert: str, key: str) -> ssl.SSLContext:
             raise TLSFilesError(f"{flag} {path}: cannot read it: {e.strerror}") from e
     ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     try:
-        ctx.load_cert_chain(cert, key)
+        ctx.load_cert_chain(cert, key, password=_no_passphrase)
+    except _Encrypted:
+        raise TLSFilesError(
+            f"--tls-key {key}: the key is encrypted with a passphrase; opgate needs it "
+            "unencrypted (as the apiserver, and a kubernetes.io/tls Secret, have it)") from None
     except (ssl.SSLError, OSError, ValueError) as e:
         raise TLSFilesError(
             f"--tls-cert {cert} / --tls-key {key}: not a PEM certificate and its private key "

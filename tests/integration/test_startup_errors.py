@@ -7,10 +7,13 @@ Redis is a real ``redis-server`` started with ``--requirepass``.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import socket
 import subprocess
 import sys
+import termios
 import time
 import urllib.error
 import urllib.request
@@ -21,6 +24,7 @@ import pytest
 
 from proxy.envtest import pki
 from proxy.envtest.procs import Proc, free_port
+from tests.integration.fakes import make_cert
 from tests.integration.opgate_proc import OpgateProcess
 from tests.integration.redis_server import REDIS_BINARY
 
@@ -66,6 +70,59 @@ def test_tls_pair_that_cannot_be_loaded(garbage: Path, which: str) -> None:
     line = _one_error(_serve("--tls-cert", cert, "--tls-key", str(garbage)), "--tls-cert", cert)
     if which == "missing":
         assert "cannot read it" in line
+
+
+def _take_the_terminal() -> None:
+    """(In the child, a session leader:) stdin, a pty, becomes its controlling terminal."""
+    fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+
+
+def _serve_on_a_terminal(*argv: str) -> tuple[int | None, str]:
+    """``opgate serve`` run in a terminal (a pty, its controlling one): the exit code (``None``:
+    still running after 30 s, then killed) and what it wrote there."""
+    leader, follower = os.openpty()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "proxy", "serve", "--upstream", UPSTREAM, *argv],
+        stdin=follower, stdout=follower, stderr=follower, cwd=ROOT, start_new_session=True,
+        preexec_fn=_take_the_terminal, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    os.close(follower)
+    try:
+        code: int | None = proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        code = None
+    out = b""
+    with contextlib.suppress(OSError):  # EIO once all is read: the terminal has no writer
+        while chunk := os.read(leader, 65536):
+            out += chunk
+    os.close(leader)
+    return code, out.decode(errors="replace")
+
+
+def test_a_key_encrypted_with_a_passphrase_is_one_clear_line_even_on_a_terminal(
+    tmp_path: Path
+) -> None:
+    """OpenSSL asks the terminal for an encrypted key's passphrase and waits: ``opgate serve``
+    run in one hung at 'Enter PEM pass phrase:' (a reload would have stopped the event loop
+    there); without one it said 'not a PEM certificate and its private key ([Errno 22] Invalid
+    argument)'."""
+    from cryptography.hazmat.primitives import serialization
+
+    cert, key = make_cert(str(tmp_path))
+    with open(key, "rb") as f:
+        loaded = serialization.load_pem_private_key(f.read(), None)
+    with open(key, "wb") as f:
+        f.write(loaded.private_bytes(serialization.Encoding.PEM,
+                                     serialization.PrivateFormat.PKCS8,
+                                     serialization.BestAvailableEncryption(b"s3cret")))
+    code, out = _serve_on_a_terminal("--listen", "127.0.0.1:0", "--admin-listen",
+                                     "127.0.0.1:0", "--tls-cert", cert, "--tls-key", key)
+    assert code == 2, out
+    assert "pass phrase" not in out
+    assert f"--tls-key {key}: the key is encrypted with a passphrase" in out
+    assert _one_error(_serve("--tls-cert", cert, "--tls-key", key), "--tls-key", key,
+                      "encrypted with a passphrase")
 
 
 @pytest.mark.parametrize(("flag", "value"), [
