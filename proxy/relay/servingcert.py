@@ -8,13 +8,15 @@ new connection the newest good one). Loading into the live context instead, as o
 left it unusable by a pair caught half-written (OpenSSL drops the key a new certificate does
 not match, then refuses the old key: every handshake failed until the next good pair), and
 kept the old certificate served beside a new one of another key type (ECDSA and RSA have a slot
-each). Open connections keep the context they were made with.
+each). A new certificate already expired is refused too (the old one may still be good);
+at start it is only said. Open connections keep the context they were made with.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime as dt
 import logging
 import os
 import ssl
@@ -65,6 +67,48 @@ def server_tls_context(cert: str, key: str) -> ssl.SSLContext:
     return ctx
 
 
+def _tlv(der: bytes, at: int) -> tuple[int, int, int]:
+    """The DER element at ``at``: its tag, where its content starts and where it ends."""
+    tag, length, start = der[at], der[at + 1], at + 2
+    if length & 0x80:
+        n = length & 0x7F
+        length, start = int.from_bytes(der[start:start + n], "big"), start + n
+    return tag, start, start + length
+
+
+def _not_after(der: bytes) -> dt.datetime:
+    """A certificate's notAfter (RFC 5280's tbsCertificate, walked as far as its validity: the
+    standard library parses no certificate, and cryptography costs every pod megabytes)."""
+    _, tbs, _ = _tlv(der, 0)
+    _, at, _ = _tlv(der, tbs)
+    if der[at] == 0xA0:  # [0] version
+        at = _tlv(der, at)[2]
+    for _skipped in ("serialNumber", "signature", "issuer"):
+        at = _tlv(der, at)[2]
+    _, validity, _ = _tlv(der, at)
+    tag, start, end = _tlv(der, _tlv(der, validity)[2])  # notBefore, then notAfter
+    text = der[start:end].decode("ascii")
+    return dt.datetime.strptime(text, "%y%m%d%H%M%SZ" if tag == 0x17 else "%Y%m%d%H%M%SZ"
+                                ).replace(tzinfo=dt.UTC)
+
+
+def expired(cert: str) -> str | None:
+    """Why the file's certificate (its first) can be served to no client, or ``None``: clients
+    refuse one past its notAfter (not one not yet valid: a clock a little behind the issuer's
+    would refuse a fresh renewal)."""
+    try:
+        with open(cert, encoding="ascii", errors="replace") as f:
+            pem = f.read()
+        begin = pem.index("-----BEGIN CERTIFICATE-----")
+        end = pem.index("-----END CERTIFICATE-----", begin) + len("-----END CERTIFICATE-----")
+        not_after = _not_after(ssl.PEM_cert_to_DER_cert(pem[begin:end]))
+    except (OSError, ValueError, IndexError):
+        return None  # (what cannot be read is load_cert_chain's to say)
+    if not_after >= dt.datetime.now(dt.UTC):
+        return None
+    return f"--tls-cert {cert}: the certificate expired at {not_after:%Y-%m-%dT%H:%M:%SZ}"
+
+
 def _read_stamp(cert: str, key: str) -> _Stamp:
     """What tells the files changed: a new inode (kubelet's ``..data`` swap, a rename), a
     write (mtime, size), a chmod (ctime); ``None`` while one cannot be seen."""
@@ -84,6 +128,8 @@ class CertReloader:
         self._cert, self._key = cert, key
         self._serving = ctx
         self._stamp = _read_stamp(cert, key)
+        if (why := expired(cert)) is not None:  # (served all the same: there is no other)
+            log.warning("TLS certificate: %s; clients will refuse it", why)
         ctx.sni_callback = self._choose
         self._task = asyncio.get_running_loop().create_task(self._run())
 
@@ -101,6 +147,8 @@ class CertReloader:
             self._stamp = stamp
             try:
                 fresh = server_tls_context(self._cert, self._key)
+                if (why := expired(self._cert)) is not None:
+                    raise TLSFilesError(why)
             except TLSFilesError as e:
                 log.warning("TLS certificate reload failed, keeping the old one: %s", e)
                 continue

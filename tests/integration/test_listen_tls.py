@@ -214,3 +214,29 @@ async def test_a_bad_pair_is_reported_once_not_at_every_poll(
             assert "reloaded" in await reloads.nth(2)
     finally:
         await up.close()
+
+
+@pytest.mark.asyncio
+async def test_an_expired_renewal_is_refused_and_the_old_pair_serves_on(
+    tmp_path: Path, reloads: ReloadLog
+) -> None:
+    """A consistent pair whose certificate has expired (a backup restored, the wrong Secret)
+    is said and not served: it was loaded, and every client then refused opgate."""
+    old = make_cert(str(tmp_path), name="old")
+    stale = make_cert(str(tmp_path), name="stale", expired=True)
+    new = make_cert(str(tmp_path), name="new")
+    volume = tmp_path / "volume"
+    volume.mkdir()
+    cert, key = kubelet_volume(volume, old, "1")
+    up = await AiohttpUpstream(ok_handler).start()
+    try:
+        async with running_proxy(up.url, tls_cert=cert, tls_key=key) as proxy:
+            kubelet_volume(volume, stale, "2")
+            failed = await reloads.nth(1)
+            assert "reload failed" in failed and "expired" in failed, failed
+            assert await served(proxy.listener.address) == der_of(old[0])
+            kubelet_volume(volume, new, "3")
+            assert "reloaded" in await reloads.nth(2)
+            assert await served(proxy.listener.address) == der_of(new[0])
+    finally:
+        await up.close()
