@@ -240,3 +240,27 @@ async def test_an_expired_renewal_is_refused_and_the_old_pair_serves_on(
             assert await served(proxy.listener.address) == der_of(new[0])
     finally:
         await up.close()
+
+
+@pytest.mark.asyncio
+async def test_a_file_gone_is_said_and_the_old_pair_serves_on(
+    tmp_path: Path, reloads: ReloadLog
+) -> None:
+    """The key removed (a Secret's key renamed, a mount gone): one warning naming it, where
+    the reloader said nothing; the old pair serves on, and a pair put back is loaded."""
+    old = make_cert(str(tmp_path), name="old")
+    new = make_cert(str(tmp_path), name="new")
+    cert, key = install(old, tmp_path)
+    up = await AiohttpUpstream(ok_handler).start()
+    try:
+        async with running_proxy(up.url, tls_cert=cert, tls_key=key) as proxy:
+            os.unlink(key)
+            gone = await reloads.nth(1)
+            assert f"--tls-key {key}: cannot read it" in gone, gone
+            assert await served(proxy.listener.address) == der_of(old[0])
+            replace(new[0], cert)
+            replace(new[1], key)
+            assert "reloaded" in await reloads.nth(2)
+            assert await served(proxy.listener.address) == der_of(new[0])
+    finally:
+        await up.close()
