@@ -60,11 +60,31 @@ def server_tls_context(cert: str, key: str) -> ssl.SSLContext:
             f"--tls-key {key}: the key is encrypted with a passphrase; opgate needs it "
             "unencrypted (as the apiserver, and a kubernetes.io/tls Secret, have it)") from None
     except (ssl.SSLError, OSError, ValueError) as e:
-        raise TLSFilesError(
-            f"--tls-cert {cert} / --tls-key {key}: not a PEM certificate and its private key "
-            f"({getattr(e, 'reason', None) or e})") from e
+        raise TLSFilesError(_at_fault(cert, key, e)) from e
     ctx.set_alpn_protocols(["http/1.1"])  # both relay cores speak HTTP/1.1 only
     return ctx
+
+
+_PEM_MARKS = (("--tls-cert", "-----BEGIN CERTIFICATE-----", "a PEM certificate"),
+              ("--tls-key", "PRIVATE KEY-----", "a PEM private key"))
+
+
+def _at_fault(cert: str, key: str, exc: Exception) -> str:
+    """Which file of a pair OpenSSL refused is wrong, as far as can be told (OpenSSL says only
+    'PEM lib'): the flags given each other's file, an empty one, a key of another cert."""
+    reason = getattr(exc, "reason", None)
+    if reason == "KEY_VALUES_MISMATCH":
+        return f"--tls-key {key} is not the private key of --tls-cert {cert}"
+    for (flag, mark, what), path in zip(_PEM_MARKS, (cert, key), strict=True):
+        try:
+            with open(path, encoding="ascii", errors="replace") as f:
+                found = mark in f.read()
+        except OSError:
+            found = True  # (read a moment ago; say no more than OpenSSL did)
+        if not found:
+            return f"{flag} {path}: not {what} (no {mark!r} in it)"
+    return (f"--tls-cert {cert} / --tls-key {key}: not a PEM certificate and its private key "
+            f"({reason or exc})")
 
 
 def _tlv(der: bytes, at: int) -> tuple[int, int, int]:

@@ -72,6 +72,28 @@ def test_tls_pair_that_cannot_be_loaded(garbage: Path, which: str) -> None:
         assert "cannot read it" in line
 
 
+@pytest.mark.parametrize(("case", "words"), [
+    ("swapped", ("--tls-cert {key}: not a PEM certificate",)),
+    ("mismatched", ("--tls-key {other_key} is not the private key of --tls-cert {cert}",)),
+    ("key-empty", ("--tls-key {empty}: not a PEM private key",)),
+])
+def test_a_tls_pair_that_does_not_load_names_the_file_at_fault(
+    tmp_path: Path, case: str, words: tuple[str, ...]
+) -> None:
+    """Each was 'not a PEM certificate and its private key ([SSL] PEM lib (_ssl.c:3905))'
+    (or '(KEY_VALUES_MISMATCH)'), naming both files: the two flags given the other's file,
+    a key of another certificate, an empty key file."""
+    cert, key = make_cert(str(tmp_path), name="mine")
+    _, other_key = make_cert(str(tmp_path), name="other")
+    empty = tmp_path / "empty.key"
+    empty.write_text("")
+    given = {"swapped": (key, cert), "mismatched": (cert, other_key),
+             "key-empty": (cert, str(empty))}[case]
+    names = {"cert": cert, "key": key, "other_key": other_key, "empty": empty}
+    _one_error(_serve("--tls-cert", given[0], "--tls-key", given[1]),
+               *(word.format(**names) for word in words))
+
+
 def _take_the_terminal() -> None:
     """(In the child, a session leader:) stdin, a pty, becomes its controlling terminal."""
     fcntl.ioctl(0, termios.TIOCSCTTY, 0)
