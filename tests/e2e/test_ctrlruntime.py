@@ -495,5 +495,7 @@ def test_leader_keeps_the_lease_across_an_opgate_restart(
     assert watches, "the informers did not watch again"
     relisted = [ln for ln in watches if "sendInitialEvents=true" in ln["query"]
                 or "resourceVersion=" not in ln["query"] or "watch=true" not in ln["query"]]
-    assert not relisted, [(ln['path'], ln['query'], ln.get('code')) for ln in relisted]
+    # (every call since, so a failure shows what made client-go list again)
+    assert not relisted, [(ln['method'], ln['path'], ln['query'], ln.get('code'))
+                          for ln in mgr.http(since)]
 
