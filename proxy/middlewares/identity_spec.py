@@ -142,6 +142,10 @@ def _parse_issuer(node: Located, what: str, errors: list[PolicyError]) -> Issuer
         body = k8s if k8s is not None else Located({}, node.file, node.line)
         k = Fields(body, what=f"{what}.kubernetes", errors=errors)
         audiences = k.str_list("audiences")
+        given = k.node("audiences")
+        if given is not None and given.value == []:  # () is "those the apiserver accepts"
+            k.fail("audiences", 'is empty, which accepts no token (leave "audiences" out for '
+                   "those the apiserver accepts)")
         k.finish()
         return Issuer(kind=KUBERNETES, audiences=audiences, source=node.where())
     o = Fields(oidc or Located(None, node.file, node.line), what=f"{what}.oidc", errors=errors)

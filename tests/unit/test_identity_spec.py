@@ -113,6 +113,12 @@ def test_issuers_default_to_the_cluster(tmp_path: Path) -> None:
     ("  identity:\n    issuers: [{oidc: {issuer: 'https://dex'}}]\n"
      "    allow: [{group: x}]\n    rules: [{verbs: [get]}]\n",
      'missing required field "audiences" in spec.identity.issuers[0].oidc'),
+    # as an oidc issuer's: an empty list was read as leaving "audiences" out (any the
+    # apiserver accepts), the opposite of what it says
+    ("  identity:\n    issuers:\n      - kubernetes: {audiences: []}\n"
+     "    allow: [{group: x}]\n    rules: [{verbs: [get]}]\n",
+     "ident.yaml:7: spec.identity.issuers[0].kubernetes.audiences: is empty, which accepts no "
+     'token (leave "audiences" out for those the apiserver accepts)'),
     ("  identity:\n    issuers: [{kubernetes: {}, oidc: {issuer: 'https://d', audiences: [a]}}]\n"
      "    allow: [{group: x}]\n    rules: [{verbs: [get]}]\n",
      'an issuer is exactly one of "kubernetes: {}" or "oidc: {...}"'),
