@@ -133,7 +133,9 @@ def build_parser() -> argparse.ArgumentParser:
              "(redis://, rediss:// with ?ssl_ca_certs=/path/ca.crt, unix://, redis+sentinel://, "
              "redis+cluster://); default: in-process")
     add_flag(g, "--redis-password-file", metavar="FILE",
-             help="file holding the Redis password (a mounted Secret), when the URL has none")
+             help="file holding the Redis password (a mounted Secret), when the URL has none; "
+             "without it, the password is $OPGATE_REDIS_PASSWORD (no flag: it would show in "
+             "the process's arguments)")
     add_flag(g, "--redis-timeout", kind=positive_seconds, default="0.05", metavar="SECONDS",
              help="timeout of one Redis call before the rule's failure mode applies")
     add_flag(g, "--replicas", kind=positive_int, default="1", metavar="N",
