@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import fnmatch
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from proxy.engine.requestinfo import RequestInfo
-from proxy.engine.schema import Fields, Located, PolicyError
+from proxy.engine.schema import CallerField, Fields, Located, PolicyError
 
 __all__ = ["NAMESPACE_NAME", "Match", "Patterns", "never_a_namespace", "parse_match"]
 
@@ -85,7 +85,9 @@ def _compile(globs: list[str]) -> re.Pattern[str]:
 @dataclass(frozen=True, slots=True)
 class Match:
     """What a rule applies to. ``named`` = subresources and verbs spelled out literally, the only
-    way long-running calls (exec, attach, port-forward, log, proxy) are rate limited."""
+    way long-running calls (exec, attach, port-forward, log, proxy) are rate limited.
+    ``caller_fields``: where ``users`` is written, for the policy set's check that some policy
+    verifies callers."""
 
     verbs: Patterns = Patterns()
     groups: Patterns = Patterns()
@@ -93,6 +95,7 @@ class Match:
     namespaces: Patterns = Patterns()
     users: Patterns = Patterns()
     named: frozenset[str] = frozenset()
+    caller_fields: tuple[CallerField, ...] = field(default=(), compare=False)
 
     def matches(self, info: RequestInfo, verb: str, user: str | None) -> bool:
         """``user=None``: any user (before identity is known, e.g. to decide on reading a body)."""
@@ -158,6 +161,7 @@ def parse_match(node: Located | None, what: str, errors: list[PolicyError]) -> M
     resources = _patterns(f, "resources", errors)
     namespaces = _patterns(f, "namespaces", errors)
     users = _patterns(f, "users", errors)
+    callers = (f.caller_field("users"),) if users else ()
     f.finish()
     named = {r.split("/", 1)[1] for r in resources if "/" in r}
     named.update(verbs)
@@ -165,4 +169,4 @@ def parse_match(node: Located | None, what: str, errors: list[PolicyError]) -> M
     return Match(verbs=Patterns.of(verbs), groups=Patterns.of(groups),
                  resources=Patterns.of(resources, segments=True),
                  namespaces=Patterns.of(namespaces), users=Patterns.of(users),
-                 named=frozenset(named))
+                 named=frozenset(named), caller_fields=callers)

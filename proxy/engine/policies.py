@@ -5,8 +5,9 @@ The engine validates the envelope of each YAML document (``apiVersion``, ``kind`
 each section of ``spec`` belongs to the middleware that enforces it and is validated by that
 middleware's :data:`~proxy.engine.schema.SectionParser`, passed in ``parsers`` (so a new
 middleware brings its schema with it). A parsed section may also have to agree with the same
-section of earlier policies (its ``check_against``). Every problem in every file is collected,
-then reported together.
+section of earlier policies (its ``check_against``), and a field about the verified caller (a
+spec's ``caller_fields``: ``users``) needs a policy of the set with ``spec.identity``, without
+which no call has a user. Every problem in every file is collected, then reported together.
 
 :class:`PolicyStore` holds the active set. A reload reads every file, validates, and replaces
 ``store.current`` with one attribute assignment, only when everything is valid: the last good set
@@ -23,7 +24,7 @@ import os
 import re
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -32,7 +33,14 @@ from typing import Any, Generic, TypeVar
 
 from proxy.engine import telemetry
 from proxy.engine.logformat import KEEP_LINES
-from proxy.engine.schema import Fields, Located, PolicyError, SectionParser, describe_type
+from proxy.engine.schema import (
+    CallerField,
+    Fields,
+    Located,
+    PolicyError,
+    SectionParser,
+    describe_type,
+)
 from proxy.engine.yamlload import parse_yaml_documents, read_error
 
 log = logging.getLogger("opgate.policies")
@@ -280,6 +288,7 @@ def build_policy_set(files: Sequence[tuple[str, bytes]], *, parsers: Mapping[str
     errors = [] if errors is None else list(errors)
     policies: list[Policy] = []
     first_seen: dict[str, str] = {}
+    identified = False  # a document declares spec.identity (valid or not)
     for raw, data in files:
         file = _shown(raw)
         before = len(errors)
@@ -296,6 +305,7 @@ def build_policy_set(files: Sequence[tuple[str, bytes]], *, parsers: Mapping[str
         for doc in documents:
             if doc.value is None:
                 continue  # an empty document between others
+            identified = identified or _declares_identity(doc)
             policy = _parse_policy(doc, parsers=parsers, errors=errors)
             if policy is None:
                 continue
@@ -307,6 +317,8 @@ def build_policy_set(files: Sequence[tuple[str, bytes]], *, parsers: Mapping[str
             first_seen[policy.name] = f"{file}:{line}"
             policies.append(policy)
     _check_across(policies, errors)
+    if not identified:
+        _check_callers(policies, errors)
     if errors:
         order = {_shown(file): index for index, (file, _) in enumerate(files)}
         errors.sort(key=lambda e: (order.get(e.file, -1), e.line))
@@ -326,6 +338,39 @@ def _check_across(policies: Sequence[Policy], errors: list[PolicyError]) -> None
             if check is not None and key in earlier:
                 errors.extend(check(tuple(earlier[key])))
             earlier.setdefault(key, []).append(spec)
+
+
+def _declares_identity(doc: Located) -> bool:
+    """Whether a Policy document has a ``spec.identity`` (a broken one too: its own errors say
+    what is wrong, not that no policy verifies callers)."""
+    top = doc.value if isinstance(doc.value, dict) else {}
+    kind, spec = top.get("kind"), top.get("spec")
+    return (kind is not None and kind.value == KIND and spec is not None
+            and isinstance(spec.value, dict) and spec.value.get("identity") is not None
+            and spec.value["identity"].value is not None)
+
+
+def _caller_fields(spec: object) -> Iterator[CallerField]:
+    """Every field of a parsed section about the verified caller: the spec's own
+    ``caller_fields``, or, for a list of rules, each rule's (or its ``match``'s)."""
+    for item in spec if isinstance(spec, tuple) else (spec,):
+        found = getattr(item, "caller_fields", None)
+        if found is None:  # a rule whose match block holds them
+            found = getattr(getattr(item, "match", None), "caller_fields", ())
+        yield from found
+
+
+def _check_callers(policies: Sequence[Policy], errors: list[PolicyError]) -> None:
+    """A set without ``spec.identity`` verifies no caller: every call's user is empty, so a
+    field naming users matches no call (``{user}`` in a rate-limit key is ``-``, one bucket for
+    all, which is allowed). What never matches is an error, as an empty list or an upper-case
+    verb is, rather than a rule that silently applies to nobody."""
+    for policy in policies:
+        for spec in policy.sections.values():
+            for where in _caller_fields(spec):
+                errors.append(PolicyError(where.file, where.line, (
+                    f"{where.path} never matches: no policy of the set has spec.identity, "
+                    "so no caller is verified")))
 
 
 def load_policy_set(paths: Sequence[str | Path], *,

@@ -79,6 +79,18 @@ class Located:
         return self.value
 
 
+@dataclass(frozen=True, slots=True)
+class CallerField:
+    """Where a parsed section names the verified caller (a match's ``users``, an audit rule's
+    ``userGroups``). Such a field matches only when some policy of the set has
+    ``spec.identity`` (else no call has a user), which one section cannot see: a spec lists
+    them as ``caller_fields`` and :mod:`proxy.engine.policies` checks them against the set."""
+
+    file: str
+    line: int
+    path: str
+
+
 SectionParser = Callable[[Located, list[PolicyError]], object]
 """Validates one section of ``spec`` (given its node), appends every problem to the list, and
 returns an immutable spec object for the middleware (any value when there were errors)."""
@@ -150,6 +162,10 @@ class Fields:
     def fail(self, key: _Str, message: _Str) -> None:
         """Record ``message`` about ``key`` (at the key's line), for checks beyond the getters."""
         self.errors.append(self.located.error(f"{self.path(key)}: {message}", line=self._line(key)))
+
+    def caller_field(self, key: _Str) -> CallerField:
+        """Where ``key``, a field about the verified caller, is (see :class:`CallerField`)."""
+        return CallerField(self.located.file, self._line(key), self.path(key))
 
     def _get(self, key: _Str, required: _Bool) -> Located | None:
         self._seen.add(key)

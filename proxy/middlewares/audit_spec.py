@@ -38,13 +38,13 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from proxy.engine.context import Identity
 from proxy.engine.nonresource import url_matches, url_problem
 from proxy.engine.requestinfo import RequestInfo
-from proxy.engine.schema import Fields, Located, PolicyError, sequence
+from proxy.engine.schema import CallerField, Fields, Located, PolicyError, sequence
 
 __all__ = ["LEVELS", "SECTION", "STAGES", "AuditPlan", "AuditRule", "AuditSpec", "Decision",
            "GroupResources", "at_least", "build_plan", "parse_section"]
@@ -84,6 +84,7 @@ class AuditRule:
     omit_stages: frozenset[str] = frozenset()
     omit_managed_fields: bool | None = None
     source: str = ""
+    caller_fields: tuple[CallerField, ...] = field(default=(), compare=False)  # users, userGroups
 
     @property
     def about_users(self) -> bool:
@@ -144,6 +145,11 @@ class AuditSpec:
     omit_stages: frozenset[str] = frozenset()
     omit_managed_fields: bool = False
     source: str = ""
+
+    @property
+    def caller_fields(self) -> tuple[CallerField, ...]:
+        """Where its rules name the verified caller (they match only a caller opgate verified)."""
+        return tuple(c for rule in self.rules for c in rule.caller_fields)
 
 
 def _stages(f: Fields, key: str) -> frozenset[str]:
@@ -226,7 +232,9 @@ def parse_rule(node: Located, what: str, errors: list[PolicyError]) -> AuditRule
     return AuditRule(level=level, users=frozenset(users), user_groups=frozenset(groups),
                      verbs=frozenset(verbs), resources=tuple(resources),
                      namespaces=frozenset(namespaces), non_resource_urls=urls,
-                     omit_stages=omit, omit_managed_fields=omit_mf, source=node.where())
+                     omit_stages=omit, omit_managed_fields=omit_mf, source=node.where(),
+                     caller_fields=tuple(f.caller_field(k) for k, given in
+                                         (("users", users), ("userGroups", groups)) if given))
 
 
 def parse_section(node: Located, errors: list[PolicyError]) -> AuditSpec:

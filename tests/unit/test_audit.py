@@ -53,11 +53,17 @@ OBJECT_REF_FIELDS = ["resource", "namespace", "name", "uid", "apiGroup", "apiVer
                      "resourceVersion", "subresource"]
 
 
-def policies(audit: str = "", *, impersonation: bool = False) -> PolicySet:
+IDENTITY = ("  identity:\n    allow: [{group: system:authenticated}]\n"
+            "    rules: [{verbs: ['*'], resources: ['*']}]\n")  # users need one in the set
+
+
+def policies(audit: str = "", *, impersonation: bool = False, identity: bool = False
+             ) -> PolicySet:
     if not audit and not impersonation:
         return EMPTY
     text = ("apiVersion: opgate.dev/v1alpha1\nkind: Policy\nmetadata: {name: p}\nspec:\n"
             + ("  allowImpersonation: true\n" if impersonation else "")
+            + (IDENTITY if identity else "")
             + ("  audit:\n" + audit if audit else ""))
     return build_policy_set([("p.yaml", text.encode())], parsers=section_parsers())
 
@@ -300,7 +306,7 @@ def test_joined_lines_follow_each_caller_and_the_policy_set_in_force(wire: bool)
         (SA, {**kubectl, "Audit-ID": "b7e2-client"}, "127.0.0.1", ""),
     ]
     rules = policies("    rules:\n      - level: Metadata\n        users: [jane]\n"
-                     "    level: None\n")
+                     "    level: None\n", identity=True)
     for pset in (EMPTY, rules, policies(impersonation=True), EMPTY):
         for _ in range(2):
             for identity, headers, remote, query in variants:

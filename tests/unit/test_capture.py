@@ -40,9 +40,13 @@ TOKEN = "eyJhbGciOiJSUzI1NiJ9.c2VjcmV0LXRva2Vu.c2lnbmF0dXJl"
 UPSTREAM = "https://10.0.0.1:6443"
 
 
-def policies(capture: str) -> PolicySet:
+IDENTITY = ("  identity:\n    allow: [{group: system:authenticated}]\n"
+            "    rules: [{verbs: ['*'], resources: ['*']}]\n")  # users need one in the set
+
+
+def policies(capture: str, *, identity: bool = False) -> PolicySet:
     text = ("apiVersion: opgate.dev/v1alpha1\nkind: Policy\nmetadata: {name: p}\nspec:\n"
-            "  capture:\n" + capture)
+            + (IDENTITY if identity else "") + "  capture:\n" + capture)
     return build_policy_set([("p.yaml", text.encode())], parsers=section_parsers())
 
 
@@ -126,9 +130,10 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "policies" / "examples" / "captu
 
 
 async def test_the_example_policy_is_valid_and_does_what_it_says() -> None:
-    example = EXAMPLE
-    assert check([str(example)], parsers=section_parsers()) == []
-    pset = build_policy_set([(str(example), example.read_bytes())], parsers=section_parsers())
+    example, identity = EXAMPLE, EXAMPLE.with_name("identity.yaml")  # its users need one
+    assert check([str(example), str(identity)], parsers=section_parsers()) == []
+    pset = build_policy_set([(str(f), f.read_bytes()) for f in (example, identity)],
+                            parsers=section_parsers())
     cap = Capture(write=lambda call: None, rng=lambda: 0.5)
     cases = [("PUT", "/apis/coordination.k8s.io/v1/namespaces/a/leases/op", None),
              ("PATCH", "/apis/apps/v1/namespaces/a/deployments/d", 262144),
@@ -154,7 +159,7 @@ async def test_without_a_section_every_call_is_tapped() -> None:
 async def test_first_matching_rule_decides_and_unmatched_calls_are_not_tapped() -> None:
     pset = policies("    - {name: skip-leases, match: {resources: [leases]}, sample: 0}\n"
                     "    - {match: {verbs: [create]}, maxBodyBytes: 10}\n"
-                    "    - {match: {users: ['system:serviceaccount:ops:*']}}\n")
+                    "    - {match: {users: ['system:serviceaccount:ops:*']}}\n", identity=True)
     cap = Capture(write=lambda call: None)
     cases = [("POST", "/apis/coordination.k8s.io/v1/namespaces/a/leases", "", None),
              ("POST", "/api/v1/namespaces/a/configmaps", "", 10),

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from proxy.app import section_parsers
 from proxy.engine.check import check
 from tests.unit.test_policies import GOOD, PARSERS, policy_doc
 
@@ -113,3 +114,51 @@ def test_missing_paths(tmp_path: Path) -> None:
         f"{tmp_path}/nope.yaml: no such file or directory"]
     assert check([tmp_path], parsers=PARSERS) == [
         f"{tmp_path}: no policy files (*.yaml, *.yml) here"]
+
+
+# --- fields about the verified caller need an identity section somewhere in the set -----
+
+_NO_CALLER = "never matches: no policy of the set has spec.identity, so no caller is verified"
+_IDENTITY = ("  identity:\n    allow: [{group: system:authenticated}]\n"
+             "    rules: [{verbs: ['*'], resources: ['*']}]\n")
+_ABOUT_USERS = (
+    "  rateLimits:\n    - name: ops\n      match: {users: [alice]}\n      key: '{user}'\n"
+    "      qps: 1\n      burst: 1\n"
+    "  faults:\n    - match:\n        users: [bob]\n      probability: 1\n"
+    "      respond: {code: 409}\n"
+    "  capture:\n    - match: {verbs: [get], users: ['system:serviceaccount:ops:*']}\n"
+    "  audit:\n    rules:\n      - {level: Request, users: [carol]}\n"
+    "      - {level: Request, userGroups: ['system:masters']}\n")
+
+
+def test_users_without_any_identity_section_are_an_error_each(tmp_path: Path) -> None:
+    """Without spec.identity no caller is verified: a rule naming users applies to no call,
+    which the README counts among what never matches (an error), not a silent no-op."""
+    (tmp_path / "a.yaml").write_text(policy_doc("alpha", _ABOUT_USERS))
+    done = subprocess.run([sys.executable, "-m", "proxy", "check", str(tmp_path)],
+                          capture_output=True, text=True)
+    assert done.returncode == 1, done
+    assert done.stdout.splitlines() == check([tmp_path], parsers=section_parsers()) == [
+        f"{tmp_path}/a.yaml:8: spec.rateLimits[0].match.users {_NO_CALLER}",
+        f"{tmp_path}/a.yaml:14: spec.faults[0].match.users {_NO_CALLER}",
+        f"{tmp_path}/a.yaml:18: spec.capture[0].match.users {_NO_CALLER}",
+        f"{tmp_path}/a.yaml:21: spec.audit.rules[0].users {_NO_CALLER}",
+        f"{tmp_path}/a.yaml:22: spec.audit.rules[1].userGroups {_NO_CALLER}"]
+
+
+def test_users_are_fine_with_an_identity_section_in_any_policy(tmp_path: Path) -> None:
+    (tmp_path / "a.yaml").write_text(policy_doc("alpha", _ABOUT_USERS))
+    (tmp_path / "b.yaml").write_text(policy_doc("beta", _IDENTITY))
+    assert check([tmp_path], parsers=section_parsers()) == []
+    # a broken identity section is its own error: not also "no policy has spec.identity"
+    (tmp_path / "b.yaml").write_text(policy_doc("beta", _IDENTITY.replace("rules", "rulez")))
+    assert [e for e in check([tmp_path], parsers=section_parsers()) if _NO_CALLER in e] == []
+
+
+def test_a_user_key_without_identity_is_one_bucket_not_an_error(tmp_path: Path) -> None:
+    """``key: "{user}"`` is ``-`` for every call without identity (one bucket for all, as the
+    README says): the chart's default policy uses it, with or without identity."""
+    (tmp_path / "a.yaml").write_text(policy_doc("alpha", (
+        "  rateLimits:\n    - {name: reads, match: {verbs: [get]}, key: '{user}/{resource}',"
+        " qps: 1, burst: 1}\n")))
+    assert check([tmp_path], parsers=section_parsers()) == []

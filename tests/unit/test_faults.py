@@ -16,10 +16,11 @@ from proxy.engine.check import check
 from proxy.engine.context import Delay, Deny, RequestContext
 from proxy.engine.policies import load_policy_set
 from proxy.engine.requestinfo import parse_request_info
-from proxy.middlewares import faults
+from proxy.middlewares import faults, identity_spec
 from proxy.middlewares.faults import Faults
 
-PARSERS = {faults.SECTION: faults.parse_section}
+PARSERS = {faults.SECTION: faults.parse_section,
+           identity_spec.SECTION: identity_spec.parse_section}  # users need an identity section
 HEAD = "apiVersion: opgate.dev/v1alpha1\nkind: Policy\nmetadata: {name: chaos}\nspec:\n"
 
 

@@ -19,7 +19,7 @@ from proxy.engine.chain import settle
 from proxy.engine.context import RequestContext
 from proxy.engine.policies import PolicySet, build_policy_set
 from proxy.engine.requestinfo import parse_request_info
-from proxy.middlewares import instance
+from proxy.middlewares import identity_spec, instance
 from proxy.middlewares.instance import InstanceResolver, MemoryInstanceOverrides
 from proxy.middlewares.ratelimit import RateLimit, parse_section
 from proxy.relay import UpstreamConfig
@@ -153,7 +153,11 @@ def pset(rules: str) -> PolicySet:
     indented = "\n".join("    " + line for line in rules.strip("\n").splitlines())
     doc = ("apiVersion: opgate.dev/v1alpha1\nkind: Policy\nmetadata: {name: op}\n"
            f"spec:\n  rateLimits:\n{indented}\n")
-    return build_policy_set([("rl.yaml", doc.encode())], parsers={"rateLimits": parse_section})
+    if "users:" in rules:  # users match only callers verified by an identity section
+        doc += ("  identity:\n    allow: [{group: system:authenticated}]\n"
+                "    rules: [{verbs: ['*'], resources: ['*']}]\n")
+    parsers = {"rateLimits": parse_section, identity_spec.SECTION: identity_spec.parse_section}
+    return build_policy_set([("rl.yaml", doc.encode())], parsers=parsers)
 
 
 INSTANCE_WRITES = pset(

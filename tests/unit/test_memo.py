@@ -157,6 +157,9 @@ def test_identity_tokens_that_are_no_jwt_go_to_tokenreview(tmp_path: Path, token
 # --- faults --------------------------------------------------------------------------------
 
 USERS_FAULT = """\
+  identity:
+    allow: [{group: system:authenticated}]
+    rules: [{verbs: ['*'], resources: ['*']}]
   faults:
     - name: alice-conflicts
       match: {verbs: [update], resources: [widgets], users: [alice]}
