@@ -20,6 +20,8 @@ FINALIZER = "demo.opgate.dev/cleanup"
 MANAGED_BY = "opgate-sample-operator"
 WIDGET_LABEL = "demo.opgate.dev/widget"
 COLOR_ANNOTATION = "demo.opgate.dev/color"
+# The ConfigMaps this operator watches: those it labelled when it made them, not every one.
+CONFIGMAP_SELECTOR = f"app.kubernetes.io/managed-by={MANAGED_BY}"
 
 Obj = dict[str, Any]
 
@@ -75,6 +77,20 @@ def controller_of(obj: Obj) -> Obj | None:
         if ref.get("controller"):
             return dict(ref)
     return None
+
+
+def owner_key(obj: Obj) -> str | None:
+    """The key of the Widget controlling ``obj`` (a ConfigMap), or ``None`` if none does.
+
+    As controller-runtime's ``Owns()``: an event about an owned object is work for its owner.
+    The group is compared, not the version, so a Widget served at another version still counts.
+    """
+    ref = controller_of(obj)
+    if ref is None or ref.get("kind") != KIND or not ref.get("name"):
+        return None
+    if str(ref.get("apiVersion") or "").partition("/")[0] != GROUP:
+        return None
+    return f"{(obj.get('metadata') or {}).get('namespace', '')}/{ref['name']}"
 
 
 def is_controlled_by(obj: Obj, widget: Obj) -> bool:

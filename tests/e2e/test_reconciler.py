@@ -42,6 +42,8 @@ GROUP_PATH = "/apis/demo.opgate.dev/v1"
 THROTTLED_NAMESPACE = "widgets-e2e-throttled"
 CHART_NAMESPACE = "widgets-e2e-chart"
 EMPTY_NAMESPACE = "widgets-e2e-empty"
+OWNED_NAMESPACE = "widgets-e2e-owned"
+RESTORED_WITHIN = 10.0  # seconds: a watch event and one reconcile, not a resync
 FINALIZER = "demo.opgate.dev/cleanup"
 COLORS = ("red", "green", "blue", "amber", "violet")
 # every Widget gets its own write budget, keyed by the Opgate-Instance header the operator sends
@@ -75,7 +77,7 @@ def operator_token(cluster: LocalCluster) -> str:
     cluster.install_crd((EXAMPLE / "widget-crd.yaml").read_text())
     for doc in yaml.safe_load_all((EXAMPLE / "rbac.yaml").read_text()):
         cluster.apply(doc)
-    for namespace in (NAMESPACE, THROTTLED_NAMESPACE, EMPTY_NAMESPACE):
+    for namespace in (NAMESPACE, THROTTLED_NAMESPACE, EMPTY_NAMESPACE, OWNED_NAMESPACE):
         cluster.create_namespace(namespace)
     return cluster.token_request("opgate-demo", "sample-operator", expiration_seconds=3600)
 
@@ -169,10 +171,11 @@ def leftovers(cluster: LocalCluster, namespace: str) -> list[str]:
             + [f"configmap {c['metadata']['name']} still there" for c in cms])
 
 
-def wait_for(check: Callable[[], list[str]], *, what: str, env: Env, proc: Proc) -> float:
+def wait_for(check: Callable[[], list[str]], *, what: str, env: Env, proc: Proc,
+             deadline: float = DEADLINE) -> float:
     started = time.monotonic()
     left = check()
-    while left and time.monotonic() - started < DEADLINE:
+    while left and time.monotonic() - started < deadline:
         if not proc.alive():
             break
         time.sleep(0.5)
@@ -469,3 +472,58 @@ def test_a_widget_without_data_is_not_written_again_and_again(
     puts = [c.get("name") for c in calls if (c["verb"], c.get("resource")) == (
         "update", "configmaps")]
     assert puts == ["cleared"], puts
+
+
+def ready_condition(cluster: LocalCluster, namespace: str, name: str) -> dict[str, Any]:
+    widget = cluster.call("GET", f"{widgets_path(namespace)}/{name}").ok().json()
+    [ready] = [c for c in widget["status"]["conditions"] if c["type"] == "Ready"]
+    return {**ready, "widgetObservedGeneration": widget["status"]["observedGeneration"],
+            "generation": widget["metadata"]["generation"]}
+
+
+def test_a_deleted_or_edited_configmap_is_put_back_without_a_widget_change(
+    cluster: LocalCluster, operator_token: str, opgate_factory: Callable[..., Opgate],
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """The operator watches the ConfigMaps it owns (controller-runtime's Owns()): one deleted,
+    one whose data is edited, one whose managed-by label is taken off (it leaves the label
+    selector the operator watches with: a DELETED event) are each put back within seconds,
+    with no change of their Widget and no resync. They stayed as left, for as long as the
+    Widget did not change, while its status went on saying Ready / up to date."""
+    gate = opgate_factory()
+    env = make_env(cluster, gate, operator_token, tmp_path_factory.mktemp("op-owned"))
+    ns = OWNED_NAMESPACE
+    with running_operator(env, "--namespace", ns) as operator:
+        specs = {name: {"data": {"owner": name}} for name in ("deleted", "edited", "unlabelled")}
+        create_widgets(cluster, ns, specs)
+        wait_for(lambda: problems(cluster, specs, ns), what="after creating", env=env,
+                 proc=operator)
+        before = {name: ready_condition(cluster, ns, name) for name in specs}
+        cms = configmaps_path(ns)
+        cluster.call("DELETE", f"{cms}/deleted").ok()
+        cluster.call("PATCH", f"{cms}/edited", body={"data": {"owner": "someone", "x": "y"}},
+                     content_type="application/merge-patch+json").ok()
+        cluster.call("PATCH", f"{cms}/unlabelled", body={"metadata": {"labels": {
+            "app.kubernetes.io/managed-by": None}}},
+            content_type="application/merge-patch+json").ok()
+
+        def not_restored() -> list[str]:
+            out = problems(cluster, specs, ns)
+            for cm in cluster.call("GET", cms).ok().json()["items"]:
+                labels = cm["metadata"].get("labels") or {}
+                if labels.get("app.kubernetes.io/managed-by") != "opgate-sample-operator":
+                    out.append(f"{cm['metadata']['name']}: labels {labels}")
+            return out
+
+        wait_for(not_restored, what="after deleting / editing the ConfigMaps", env=env,
+                 proc=operator, deadline=RESTORED_WITHIN)
+        # Ready all along (the ConfigMap is back as it should be): no flip, no new generation
+        assert {name: ready_condition(cluster, ns, name) for name in specs} == before
+        delete_all_and_wait(cluster, ns, specs, env=env, proc=operator)
+        stop_cleanly(operator)
+    writes = sorted((e["widget"].split("/")[1], action) for e in reconciles_of(operator)
+                    for action in e["result"].split(",")
+                    if action in ("configmap-created", "configmap-updated"))
+    assert writes == [("deleted", "configmap-created"), ("deleted", "configmap-created"),
+                      ("edited", "configmap-created"), ("edited", "configmap-updated"),
+                      ("unlabelled", "configmap-created"), ("unlabelled", "configmap-updated")]

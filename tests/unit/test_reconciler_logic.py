@@ -14,7 +14,7 @@ import pytest
 
 from examples.reconciler import resources as r
 from examples.reconciler.config import ConfigError, TokenSource, load_kubeconfig
-from examples.reconciler.controller import Controller
+from examples.reconciler.controller import Controller, Informer
 from examples.reconciler.kube import ApiError, KubeClient
 from examples.reconciler.reconciler import Outcome, Reconciler
 from examples.reconciler.retry import (
@@ -560,19 +560,22 @@ def w_obj(name: str, rv: str) -> dict[str, Any]:
 class ScriptedApi:
     """Answers lists from ``lists`` and watches from ``watches`` (events, or an error to raise)."""
 
-    def __init__(self, lists: list[list[dict[str, Any]]], watches: list[Any]) -> None:
+    def __init__(self, lists: list[Any], watches: list[Any]) -> None:
         self.lists = lists
         self.watches = watches
         self.list_queries: list[dict[str, str]] = []
         self.watch_queries: list[dict[str, str]] = []
+        self.paths: set[str] = set()
         self.exhausted = asyncio.Event()
 
     async def request(self, method: str, path: str, **kw: Any) -> dict[str, Any]:
+        self.paths.add(path)
         self.list_queries.append(dict(kw["query"]))
         return self.lists.pop(0)
 
     async def watch(self, path: str, *, query: dict[str, str], read_timeout: float,
                     instance: str | None = None) -> Any:
+        self.paths.add(path)
         self.watch_queries.append(dict(query))
         if not self.watches:
             self.exhausted.set()
@@ -582,6 +585,18 @@ class ScriptedApi:
             raise script
         for event in script:
             yield event
+
+
+def run_informer(informer: Informer, api: ScriptedApi) -> None:
+    """Run ``informer`` until ``api`` has nothing more to answer."""
+    async def scenario() -> None:
+        task = asyncio.create_task(informer.run())
+        await asyncio.wait_for(api.exhausted.wait(), 5)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    asyncio.run(scenario())
 
 
 def page(items: list[dict[str, Any]], rv: str, cont: str = "") -> dict[str, Any]:
@@ -602,22 +617,15 @@ def test_informer_lists_watches_resumes_and_relists_on_410() -> None:
             ApiError(code=429, reason="TooManyRequests", message="slow down", retry_after=0.01),
         ])
     api.lists = [item for pages in api.lists for item in pages]  # one answer per GET
-
-    async def scenario() -> Controller:
-        ctl = Controller(api, namespace="ns")  # type: ignore[arg-type]
-        task = asyncio.create_task(ctl._informer())
-        await asyncio.wait_for(api.exhausted.wait(), 5)
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-        return ctl
-
-    ctl = asyncio.run(scenario())
+    ctl = Controller(api, namespace="ns")  # type: ignore[arg-type]
+    run_informer(ctl.widgets, api)
     assert [q.get("continue", "") for q in api.list_queries] == ["", "c1", "", ""]
     assert [q["resourceVersion"] for q in api.watch_queries] == ["10", "15", "20", "30", "30"]
     assert all(q["watch"] == "true" and q["allowWatchBookmarks"] == "true"
                for q in api.watch_queries)
-    assert ctl.relists == 3
+    assert ctl.widgets.relists == 3
+    assert api.paths == {"/apis/demo.opgate.dev/v1/namespaces/ns/widgets"}
+    assert not any("labelSelector" in q for q in api.list_queries + api.watch_queries)
     assert set(ctl.cache) == {"ns/b"}
     assert ctl.cache["ns/b"]["kind"] == "Widget"  # list items get apiVersion/kind back
     assert sorted(drain(ctl.queue)) == ["ns/a", "ns/b", "ns/z"]
@@ -635,15 +643,85 @@ def test_informer_lists_watches_resumes_and_relists_on_410() -> None:
 )
 def test_watch_event_handling(event, rv, queued) -> None:
     ctl = Controller(None, namespace=None)  # type: ignore[arg-type]
-    ctl.resource_version = "1"
-    ctl._handle(event)
-    assert ctl.resource_version == rv
+    ctl.widgets.resource_version = "1"
+    ctl.widgets.handle(event)
+    assert ctl.widgets.resource_version == rv
     assert drain(ctl.queue) == queued
-    assert ctl.path == "/apis/demo.opgate.dev/v1/widgets"
+    assert ctl.widgets.path == "/apis/demo.opgate.dev/v1/widgets"
+    assert ctl.configmaps.path == "/api/v1/configmaps"
 
 
 def test_watch_error_event_raises_its_code() -> None:
     ctl = Controller(None)  # type: ignore[arg-type]
     with pytest.raises(ApiError) as info:
-        ctl._handle({"type": "ERROR", "object": {"code": 410, "reason": "Expired"}})
+        ctl.widgets.handle({"type": "ERROR", "object": {"code": 410, "reason": "Expired"}})
     assert info.value.code == 410
+
+
+# -- the ConfigMaps it owns: a second informer, events mapped to the owning Widget -----------
+
+def cm_obj(name: str, rv: str, *, owner: dict[str, Any] | None = None) -> dict[str, Any]:
+    refs = [owner] if owner is not None else []
+    return {"metadata": {"name": name, "namespace": "ns", "resourceVersion": rv,
+                         "ownerReferences": refs}}
+
+
+def widget_ref(name: str, api_version: str = "demo.opgate.dev/v1") -> dict[str, Any]:
+    return {"apiVersion": api_version, "kind": "Widget", "name": name, "uid": f"uid-{name}",
+            "controller": True, "blockOwnerDeletion": True}
+
+
+@pytest.mark.parametrize(
+    ("refs", "want"),
+    [
+        ([widget_ref("w1")], "ns/w1"),
+        ([widget_ref("w1", "demo.opgate.dev/v2")], "ns/w1"),  # another version, same owner
+        ([{**widget_ref("w1"), "controller": False}], None),  # an owner, not the controller
+        ([OTHER_REF, widget_ref("w2")], "ns/w2"),
+        ([OTHER_CTRL], None),
+        ([{**widget_ref("w1"), "apiVersion": "other.example/v1"}], None),  # someone's Widget
+        ([], None),
+    ],
+    ids=["ours", "other-version", "not-controller", "among-others", "foreign", "other-group",
+         "none"],
+)
+def test_owner_key_of_a_configmap(refs, want) -> None:
+    assert r.owner_key({"metadata": {"name": "c", "namespace": "ns",
+                                     "ownerReferences": refs}}) == want
+
+
+def test_a_changed_or_deleted_configmap_queues_its_owning_widget() -> None:
+    """Someone deletes or edits a Widget's ConfigMap: the Widget is reconciled again (and its
+    ConfigMap put back) at once, not at its next change. Only the operator's own ConfigMaps
+    are listed and watched (label selector), and events are mapped to the controlling Widget
+    by its ownerReference; one the operator's Widgets do not control queues nothing."""
+    api = ScriptedApi(
+        lists=[page([cm_obj("w1", "5", owner=widget_ref("w1")),
+                     cm_obj("w2", "6", owner=widget_ref("w2"))], "10"),
+               page([cm_obj("w1", "30", owner=widget_ref("w1"))], "40")],
+        watches=[[{"type": "DELETED", "object": cm_obj("w1", "11", owner=widget_ref("w1"))},
+                  {"type": "MODIFIED", "object": cm_obj("other", "12", owner=OTHER_CTRL)}],
+                 ApiError(code=410, reason="Gone", message="too old resource version")])
+    ctl = Controller(api, namespace="ns")  # type: ignore[arg-type]
+    ctl.configmaps.cache["ns/w3"] = cm_obj("w3", "1", owner=widget_ref("w3"))  # a past list
+
+    async def first_list() -> list[str]:
+        await ctl.configmaps._list()
+        return drain(ctl.queue)
+
+    assert sorted(asyncio.run(first_list())) == ["ns/w1", "ns/w2", "ns/w3"]  # w3: gone since
+    for key in ("ns/w1", "ns/w2", "ns/w3"):
+        ctl.queue.done(key)
+    run_informer(ctl.configmaps, api)
+    assert api.paths == {"/api/v1/namespaces/ns/configmaps"}
+    selector = "app.kubernetes.io/managed-by=opgate-sample-operator"
+    assert [q.get("labelSelector") for q in api.list_queries + api.watch_queries] == [
+        selector] * 5
+    assert sorted(drain(ctl.queue)) == ["ns/w1", "ns/w2"]  # the deletion, then the relist's w2
+    assert set(ctl.configmaps.cache) == {"ns/w1"}
+    assert ctl.cache == {}  # the Widget cache is the Widgets' alone
+
+
+def test_the_desired_configmap_carries_the_label_it_is_watched_by() -> None:
+    key, _, value = r.CONFIGMAP_SELECTOR.partition("=")
+    assert r.desired_configmap(widget())["metadata"]["labels"][key] == value
