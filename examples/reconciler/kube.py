@@ -2,15 +2,22 @@
 
 The only module of the sample operator that imports aiohttp. Every call can carry the
 ``Opgate-Instance`` header naming the Widget it is made for, so opgate can rate-limit and account
-per custom-resource instance. Failed calls are sent again as client-go would: after the server's
-``Retry-After`` on 429 (and on 5xx when given), after exponential backoff with jitter on other
-5xx and connection errors, with a fresh token after a 401 when the token comes from a file.
-409 is never retried here: the caller must re-read the object first.
+per custom-resource instance. Failed calls are sent again as client-go's ``rest.Request`` does
+it (``retry.resend_delay``): any verb after the server's ``Retry-After`` on a 429 or 5xx; a GET
+(only) after its connection was reset or closed under it, 1 s later; once with a fresh token
+after a 401 when the token comes from a file. Nothing else: a write whose connection went, or
+that timed out, may have been applied, and a create with ``generateName`` sent twice makes two
+objects; a 5xx without ``Retry-After``, a 409 and the rest go to the caller, whose own backoff
+(the work queue's, the informer's) or fresh read decides. (aiohttp itself sends a PUT or a
+DELETE, idempotent in HTTP, once more when its connection is cut, where Go's transport would
+not: the operator's PUT carries a ``resourceVersion`` and its DELETE a UID precondition, so a
+second copy can only be refused.)
 """
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import logging
 from collections.abc import AsyncGenerator, Mapping
@@ -19,7 +26,7 @@ from typing import Any
 import aiohttp
 
 from .config import ClusterConfig
-from .retry import parse_retry_after, retry_delay
+from .retry import CONNECTION_RETRY_DELAY, parse_retry_after, resend_delay
 
 log = logging.getLogger("reconciler.kube")
 
@@ -27,6 +34,7 @@ INSTANCE_HEADER = "Opgate-Instance"
 USER_AGENT = "opgate-sample-operator/0.1"
 MERGE_PATCH = "application/merge-patch+json"
 MAX_LINE = 16 * 1024 * 1024
+RESET_ERRNOS = frozenset({errno.ECONNRESET, errno.EPIPE})
 
 
 class ApiError(Exception):
@@ -58,6 +66,16 @@ class ApiError(Exception):
     def from_watch_event(cls, status: Mapping[str, Any]) -> ApiError:
         return cls(code=int(status.get("code") or 500), reason=str(status.get("reason") or ""),
                    message=str(status.get("message") or "watch error")[:500])
+
+
+def is_reset(exc: BaseException) -> bool:
+    """The connection was reset or closed after the request went out: client-go's
+    ``IsConnectionReset`` / ``IsProbableEOF``. Not a refused connection, not a timeout."""
+    if isinstance(exc, TimeoutError | aiohttp.ClientConnectorError):
+        return False
+    if isinstance(exc, aiohttp.ServerDisconnectedError | aiohttp.ClientPayloadError):
+        return True
+    return isinstance(exc, aiohttp.ClientOSError) and exc.errno in RESET_ERRNOS
 
 
 class KubeClient:
@@ -114,6 +132,7 @@ class KubeClient:
         attempt = 0
         while True:
             headers = self._headers(instance, content_type if data is not None else None)
+            reset = False
             try:
                 async with self._session.request(
                     method, self._url(path), params=query, data=data, headers=headers,
@@ -124,13 +143,15 @@ class KubeClient:
                         return json.loads(raw) if raw else {}
                     error = ApiError.from_status(resp.status, raw, resp.headers)
             except (TimeoutError, aiohttp.ClientError) as exc:
+                reset = is_reset(exc)
                 error = ApiError(code=0, reason="ConnectionError",
                                  message=type(exc).__name__ + (f": {exc}" if str(exc) else ""))
             if error.code == 401 and self._config.tokens.from_file and not refreshed:
                 self._config.tokens.reload()
                 refreshed = True
                 continue
-            delay = retry_delay(error.code, attempt=attempt, retry_after=error.retry_after)
+            delay = resend_delay(method, error.code, retry_after=error.retry_after, reset=reset,
+                                 reset_delay=CONNECTION_RETRY_DELAY)
             attempt += 1
             if delay is None or attempt >= self._max_attempts:
                 raise error

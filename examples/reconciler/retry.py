@@ -1,9 +1,17 @@
 """When to call the apiserver again: ``Retry-After`` parsing, backoff with jitter, retry policy.
 
 Pure functions, kept apart from the transport so the unit tests can pin them down with tables.
-client-go retries a ``429`` (and a ``5xx`` that carries ``Retry-After``) after the server's delay;
-connection errors and other ``5xx`` get an exponential backoff with jitter so that many workers
-do not hammer a recovering apiserver in lockstep.
+Two policies:
+
+* one call (:func:`resend_delay`, used by ``kube.py``), as client-go's ``rest.Request``: sent
+  again, whatever its verb, when the answer is a ``429`` or a ``5xx`` that carries
+  ``Retry-After`` (the server did not do it and says when to come back); a ``GET`` also after
+  its connection was reset or closed under it. Nothing else: a write whose connection went may
+  have been applied (a create with ``generateName`` would make a second object), and a ``5xx``
+  without ``Retry-After`` may have done the work; the caller's own backoff decides.
+* a list/watch loop (:func:`retry_delay`, used by the informers): every failure is retried, after
+  ``Retry-After`` when given, else after an exponential backoff with jitter, so that many
+  workers do not hammer a recovering apiserver in lockstep.
 """
 
 from __future__ import annotations
@@ -18,8 +26,10 @@ MAX_RETRY_AFTER = 60.0
 BASE_DELAY = 0.2
 MAX_DELAY = 30.0
 
-# Status codes a request is sent again for (``0`` stands for "no response at all").
+# Status codes a list/watch is tried again for (``0`` stands for "no response at all").
 RETRYABLE = frozenset({0, 429, 500, 502, 503, 504})
+# client-go's fixed wait before sending a GET again after a reset connection.
+CONNECTION_RETRY_DELAY = 1.0
 
 
 def parse_retry_after(
@@ -81,3 +91,23 @@ def retry_delay(
         return retry_after
     return backoff_delay(attempt, rand=rand)
 
+
+
+def resend_delay(
+    method: str,
+    code: int,
+    *,
+    retry_after: float | None,
+    reset: bool,
+    reset_delay: float = CONNECTION_RETRY_DELAY,
+) -> float | None:
+    """How long to wait before sending one call again, or ``None`` not to: client-go's rule.
+
+    ``code`` is the HTTP status, ``0`` when no answer came; ``reset`` says that the connection
+    was reset or closed after the request went out (not a refused connection, not a timeout).
+    """
+    if code == 0:
+        return reset_delay if reset and method.upper() == "GET" else None
+    if (code == 429 or code >= 500) and retry_after is not None:
+        return retry_after
+    return None

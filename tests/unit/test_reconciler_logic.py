@@ -12,8 +12,9 @@ from typing import Any
 
 import pytest
 
+from examples.reconciler import kube
 from examples.reconciler import resources as r
-from examples.reconciler.config import ConfigError, TokenSource, load_kubeconfig
+from examples.reconciler.config import ClusterConfig, ConfigError, TokenSource, load_kubeconfig
 from examples.reconciler.controller import Controller, Informer
 from examples.reconciler.kube import ApiError, KubeClient
 from examples.reconciler.reconciler import Outcome, Reconciler
@@ -21,6 +22,7 @@ from examples.reconciler.retry import (
     MAX_RETRY_AFTER,
     backoff_delay,
     parse_retry_after,
+    resend_delay,
     retry_delay,
 )
 from examples.reconciler.workqueue import ShutDown, WorkQueue
@@ -261,6 +263,27 @@ def test_backoff_grows_and_stays_bounded() -> None:
 )
 def test_retry_delay(code, retry_after, want) -> None:
     assert retry_delay(code, attempt=2, retry_after=retry_after, rand=lambda: 0.0) == want
+
+
+@pytest.mark.parametrize(
+    ("method", "code", "retry_after", "reset", "want"),
+    [
+        ("POST", 429, 3.0, False, 3.0),  # the server said: not done, come back then
+        ("POST", 503, 2.0, False, 2.0),
+        ("PATCH", 500, 0.0, False, 0.0),
+        ("GET", 429, None, False, None),  # no Retry-After: client-go gives up too
+        ("GET", 503, None, False, None),
+        ("POST", 409, 1.0, False, None),
+        ("GET", 404, 1.0, False, None),
+        ("GET", 0, None, True, 1.0),  # reset / EOF after sending: a read is safe to redo
+        ("get", 0, None, True, 1.0),
+        ("POST", 0, None, True, None),  # a write may have been applied
+        ("DELETE", 0, None, True, None),
+        ("GET", 0, None, False, None),  # refused, timed out: not client-go's reset
+    ],
+)
+def test_resend_delay_is_client_gos_rule(method, code, retry_after, reset, want) -> None:
+    assert resend_delay(method, code, retry_after=retry_after, reset=reset) == want
 
 
 # -- work queue -----------------------------------------------------------------------------
@@ -725,3 +748,154 @@ def test_a_changed_or_deleted_configmap_queues_its_owning_widget() -> None:
 def test_the_desired_configmap_carries_the_label_it_is_watched_by() -> None:
     key, _, value = r.CONFIGMAP_SELECTOR.partition("=")
     assert r.desired_configmap(widget())["metadata"]["labels"][key] == value
+
+
+# -- which failed calls kube.py sends again: client-go's rest.Request rules -----------------
+
+CUT = b""  # the script's "read the request, then close the connection without an answer"
+
+
+def answer(code: int, *, retry_after: str | None = None, body: bytes = b"{}") -> bytes:
+    head = f"HTTP/1.1 {code} X\r\nContent-Type: application/json\r\n"
+    if retry_after is not None:
+        head += f"Retry-After: {retry_after}\r\n"
+    return head.encode() + f"Content-Length: {len(body)}\r\n\r\n".encode() + body
+
+
+class ScriptedServer:
+    """A raw HTTP/1.1 server on 127.0.0.1: each request gets the next answer of ``script``
+    (:data:`CUT`: the connection is closed once the request was read, as a server that died
+    while handling it, or ``None``: no answer ever); every request received is recorded."""
+
+    def __init__(self, script: list[bytes | None]) -> None:
+        self.script = script
+        self.received: list[tuple[str, bytes]] = []
+        self._server: asyncio.Server | None = None
+        self._hung: list[asyncio.StreamWriter] = []
+
+    async def __aenter__(self) -> ScriptedServer:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._server is not None
+        for writer in self._hung:
+            writer.close()
+        self._server.close()
+
+    @property
+    def url(self) -> str:
+        assert self._server is not None
+        return f"http://127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            try:
+                head = await reader.readuntil(b"\r\n\r\n")
+            except (asyncio.IncompleteReadError, ConnectionError):
+                break
+            lines = head.decode().split("\r\n")
+            length = next((int(line.split(":", 1)[1]) for line in lines
+                           if line.lower().startswith("content-length:")), 0)
+            body = await reader.readexactly(length) if length else b""
+            self.received.append((lines[0].split(" ", 1)[0], body))
+            reply = self.script.pop(0)
+            if reply is None:
+                self._hung.append(writer)
+                return
+            if reply == CUT:
+                break
+            writer.write(reply)
+            await writer.drain()
+        writer.close()
+
+
+def call(server_script: list[bytes | None], method: str, *, body: Any = None,
+         request_timeout: float = 30.0) -> tuple[dict[str, Any] | ApiError, list[str]]:
+    """Send one call through :class:`KubeClient`; its result (or error) and the methods the
+    server received."""
+    async def scenario() -> tuple[dict[str, Any] | ApiError, list[str]]:
+        async with ScriptedServer(server_script) as server:
+            config = ClusterConfig(server=server.url, tokens=TokenSource(token="t"),
+                                   ssl_context=None, namespace=None)
+            async with KubeClient(config, request_timeout=request_timeout) as client:
+                try:
+                    result: dict[str, Any] | ApiError = await client.request(
+                        method, "/api/v1/namespaces/ns/configmaps", body=body)
+                except ApiError as err:
+                    result = err
+            return result, [m for m, _ in server.received]
+
+    return asyncio.run(scenario())
+
+
+@pytest.fixture
+def no_reset_wait(monkeypatch: pytest.MonkeyPatch) -> None:
+    """client-go waits 1 s before sending a GET again after a reset connection; not here."""
+    monkeypatch.setattr(kube, "CONNECTION_RETRY_DELAY", 0.0)
+
+
+GENERATE_NAME = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"generateName": "cm-"}}
+
+
+@pytest.mark.parametrize("code", [500, 503, 504])
+def test_a_5xx_without_retry_after_is_not_sent_again(code: int) -> None:
+    """client-go sends a call again after a 5xx only when it carries Retry-After: without one
+    the server may have done the work (a create with generateName would make a second
+    object); the caller's own backoff (the work queue, the informer) decides."""
+    result, received = call([answer(code), answer(201)], "POST", body=GENERATE_NAME)
+    assert isinstance(result, ApiError) and result.code == code
+    assert received == ["POST"]
+
+
+@pytest.mark.parametrize("method", ["POST", "PATCH"])
+def test_a_write_whose_connection_is_cut_is_not_sent_again(no_reset_wait: None,
+                                                           method: str) -> None:
+    """The request was sent, then the connection went: the apiserver may have applied it."""
+    result, received = call([CUT, answer(201)], method, body=GENERATE_NAME)
+    assert isinstance(result, ApiError) and result.code == 0
+    assert received == [method]
+
+
+@pytest.mark.parametrize("method", ["PUT", "DELETE"])
+def test_a_put_or_delete_whose_connection_is_cut_is_resent_once_by_aiohttp_only(
+    no_reset_wait: None, method: str
+) -> None:
+    """aiohttp itself sends an HTTP-idempotent PUT or DELETE once more when its connection
+    is cut (RFC 9112 9.3.1; Go's transport does not); kube.py's loop adds nothing. The
+    operator's PUT carries the resourceVersion it read and its DELETE a UID precondition, so
+    a second copy can only get a 409 or a 404."""
+    result, received = call([CUT, CUT, answer(200)], method, body={"metadata": {}})
+    assert isinstance(result, ApiError) and result.code == 0
+    assert received == [method, method]
+
+
+def test_a_get_whose_connection_is_cut_is_sent_again(no_reset_wait: None) -> None:
+    result, received = call([CUT, answer(200, body=b'{"items": []}')], "GET")
+    assert result == {"items": []}
+    assert received == ["GET", "GET"]
+
+
+def test_a_call_that_times_out_is_not_sent_again() -> None:
+    """A timeout is no reset: client-go gives up (its context deadline), GET or not."""
+    result, received = call([None, answer(201)], "POST", body=GENERATE_NAME,
+                            request_timeout=0.3)
+    assert isinstance(result, ApiError) and result.code == 0
+    assert received == ["POST"]
+
+
+@pytest.mark.parametrize(("code", "retry_after"), [(429, "0"), (503, "0"), (500, "0")])
+def test_any_verb_is_sent_again_after_the_servers_retry_after(code: int,
+                                                              retry_after: str) -> None:
+    """With Retry-After the server says it did not do it and when to come back."""
+    result, received = call([answer(code, retry_after=retry_after),
+                             answer(201, body=b'{"kind": "ConfigMap"}')], "POST",
+                            body=GENERATE_NAME)
+    assert result == {"kind": "ConfigMap"}
+    assert received == ["POST", "POST"]
+
+
+def test_a_429_without_retry_after_is_not_sent_again() -> None:
+    result, received = call([answer(429), answer(201)], "POST", body=GENERATE_NAME)
+    assert isinstance(result, ApiError) and result.code == 429
+    assert received == ["POST"]
