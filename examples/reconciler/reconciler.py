@@ -1,9 +1,12 @@
 """Reconcile one Widget: finalizer, owned ConfigMap, status; or clean up when it is deleted.
 
 Level-triggered: every call compares the cluster with what ``resources.py`` says it should be
-and makes only the calls needed. Every write carries the ``resourceVersion`` it was computed
-from, so a stale read ends in ``409 Conflict``; the object is then read again and the pass
-repeated (a few times at most). Every call is sent with ``Opgate-Instance: <ns>/Widget/<name>``.
+and makes only the calls needed. A ConfigMap write the server refuses (403, 422, ...) is put in
+the Widget's status (``Ready=False``, reason ``ConfigMapRefused``) before the reconcile fails
+and is retried, so the status never goes on saying Ready for a ConfigMap that is not. Every
+write carries the ``resourceVersion`` it was computed from, so a stale read ends in ``409
+Conflict``; the object is then read again and the pass repeated (a few times at most). Every
+call is sent with ``Opgate-Instance: <ns>/Widget/<name>``.
 """
 
 from __future__ import annotations
@@ -38,6 +41,16 @@ def widget_path(namespace: str, name: str, subresource: str = "") -> str:
 def configmap_path(namespace: str, name: str = "") -> str:
     path = f"/api/v1/namespaces/{namespace}/configmaps"
     return f"{path}/{name}" if name else path
+
+
+def is_refusal(err: ApiError) -> bool:
+    """A write the server will go on refusing until something changes (a quota, an admission
+    webhook, opgate's policy, an invalid ``spec.data`` key): worth telling in the status.
+
+    Not a conflict or a missing object (``reconcile`` reads again), not a throttled call (a
+    status write would spend the same budget), a 401, a 5xx or a lost connection (passing).
+    """
+    return 400 <= err.code < 500 and err.code not in (401, 404, 409, 429)
 
 
 class Reconciler:
@@ -91,14 +104,24 @@ class Reconciler:
                 "finalizers": [*r.finalizers(widget), r.FINALIZER],
                 "resourceVersion": meta["resourceVersion"]}}, instance=instance)
             outcome.actions.append("finalizer-added")
-        ready, reason, message = await self._ensure_configmap(widget, instance=instance,
-                                                               outcome=outcome)
+        refused: ApiError | None = None
+        try:
+            ready, reason, message = await self._ensure_configmap(widget, instance=instance,
+                                                                   outcome=outcome)
+        except ApiError as err:
+            if not is_refusal(err):
+                raise
+            refused = err
+            ready, reason, message = False, "ConfigMapRefused", (
+                f"writing ConfigMap {name} was refused: {err}")
         status = r.desired_status(widget, ready=ready, reason=reason, message=message)
         if r.status_needs_update(widget, status):
             await self._patch(widget_path(namespace, name, "status"), {
                 "metadata": {"resourceVersion": widget["metadata"]["resourceVersion"]},
                 "status": status}, instance=instance)
             outcome.actions.append("status")
+        if refused is not None:
+            raise refused  # still a failure: the work queue tries again later
 
     async def _ensure_configmap(
         self, widget: r.Obj, *, instance: str, outcome: Outcome

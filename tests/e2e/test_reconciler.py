@@ -43,6 +43,7 @@ THROTTLED_NAMESPACE = "widgets-e2e-throttled"
 CHART_NAMESPACE = "widgets-e2e-chart"
 EMPTY_NAMESPACE = "widgets-e2e-empty"
 OWNED_NAMESPACE = "widgets-e2e-owned"
+REFUSED_NAMESPACE = "widgets-e2e-refused"
 RESTORED_WITHIN = 10.0  # seconds: a watch event and one reconcile, not a resync
 FINALIZER = "demo.opgate.dev/cleanup"
 COLORS = ("red", "green", "blue", "amber", "violet")
@@ -77,7 +78,8 @@ def operator_token(cluster: LocalCluster) -> str:
     cluster.install_crd((EXAMPLE / "widget-crd.yaml").read_text())
     for doc in yaml.safe_load_all((EXAMPLE / "rbac.yaml").read_text()):
         cluster.apply(doc)
-    for namespace in (NAMESPACE, THROTTLED_NAMESPACE, EMPTY_NAMESPACE, OWNED_NAMESPACE):
+    for namespace in (NAMESPACE, THROTTLED_NAMESPACE, EMPTY_NAMESPACE, OWNED_NAMESPACE,
+                      REFUSED_NAMESPACE):
         cluster.create_namespace(namespace)
     return cluster.token_request("opgate-demo", "sample-operator", expiration_seconds=3600)
 
@@ -527,3 +529,37 @@ def test_a_deleted_or_edited_configmap_is_put_back_without_a_widget_change(
     assert writes == [("deleted", "configmap-created"), ("deleted", "configmap-created"),
                       ("edited", "configmap-created"), ("edited", "configmap-updated"),
                       ("unlabelled", "configmap-created"), ("unlabelled", "configmap-updated")]
+
+
+def test_a_configmap_the_apiserver_refuses_is_reported_not_ready(
+    cluster: LocalCluster, operator_token: str, opgate_factory: Callable[..., Opgate],
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """A Widget whose spec.data has a key no ConfigMap can hold: the apiserver answers the
+    create 422, again at every retry. The Widget had no status at all (or, after a change,
+    the Ready=True of the last generation that worked); now it says Ready=False,
+    ConfigMapRefused, with the apiserver's reason, and is Ready again once the key is fixed."""
+    gate = opgate_factory()
+    env = make_env(cluster, gate, operator_token, tmp_path_factory.mktemp("op-refused"))
+    ns = REFUSED_NAMESPACE
+    with running_operator(env, "--namespace", ns) as operator:
+        create_widgets(cluster, ns, {"bad-key": {"data": {"not a key!": "x"}}})
+
+        def not_reported() -> list[str]:
+            widget = cluster.call("GET", f"{widgets_path(ns)}/bad-key").ok().json()
+            status = widget.get("status") or {}
+            ready = [c for c in status.get("conditions") or [] if c["type"] == "Ready"]
+            if ready and (ready[0]["status"], ready[0]["reason"]) == ("False",
+                                                                      "ConfigMapRefused"):
+                return [] if "422" in ready[0]["message"] else [f"message {ready[0]}"]
+            return [f"status {status}"]
+
+        wait_for(not_reported, what="after creating a Widget with a bad key", env=env,
+                 proc=operator, deadline=RESTORED_WITHIN)
+        patch_widget(cluster, ns, "bad-key", {"spec": {"data": {"not a key!": None,
+                                                                "good-key": "x"}}})
+        specs = {"bad-key": {"data": {"good-key": "x"}}}
+        wait_for(lambda: problems(cluster, specs, ns), what="after fixing the key", env=env,
+                 proc=operator)
+        delete_all_and_wait(cluster, ns, specs, env=env, proc=operator)
+        stop_cleanly(operator)  # the refusals were warnings, not errors

@@ -899,3 +899,55 @@ def test_a_429_without_retry_after_is_not_sent_again() -> None:
     result, received = call([answer(429), answer(201)], "POST", body=GENERATE_NAME)
     assert isinstance(result, ApiError) and result.code == 429
     assert received == ["POST"]
+
+
+class RefusingApi(FakeApi):
+    """A FakeApi whose ConfigMap writes are refused with ``refusal`` while it is set (a quota,
+    an admission webhook, opgate's own policy, an invalid key)."""
+
+    def __init__(self, refusal: ApiError) -> None:
+        super().__init__()
+        self.refusal: ApiError | None = refusal
+
+    async def request(self, method: str, path: str, **kw: Any) -> dict[str, Any]:
+        if self.refusal is not None and method in ("POST", "PUT") and "/configmaps" in path:
+            self.calls.append((method, path, kw.get("instance")))
+            raise self.refusal
+        return await super().request(method, path, **kw)
+
+
+@pytest.mark.parametrize("code", [403, 422])
+def test_a_refused_configmap_write_is_reported_in_the_status_then_retried(code: int) -> None:
+    """The ConfigMap cannot be written (403: a quota, a webhook, opgate's policy; 422: a
+    spec.data key a ConfigMap cannot hold): the Widget says so, Ready=False with the server's
+    reason, instead of no status at all (a new Widget) or a Ready=True of the last generation
+    that worked; the reconcile still fails, so the work queue tries again later, and the
+    status flips back once the write goes through."""
+    refusal = ApiError(code=code, reason="Forbidden" if code == 403 else "Invalid",
+                       message='configmaps "w1" is forbidden: exceeded quota')
+    api = RefusingApi(refusal)
+    w = stored_widget(api, data={"a": "1"})
+    with pytest.raises(ApiError) as info:
+        run_reconcile(api, w)
+    assert info.value is refusal
+    status = api.objects[W_PATH]["status"]
+    [ready] = status["conditions"]
+    assert (ready["status"], ready["reason"]) == ("False", "ConfigMapRefused")
+    assert "exceeded quota" in ready["message"] and str(code) in ready["message"]
+    assert status["observedGeneration"] == 1 and CM_PATH not in api.objects
+    api.refusal = None
+    assert run_reconcile(api, copy.deepcopy(api.objects[W_PATH])).actions == [
+        "configmap-created", "status"]
+    [ready] = api.objects[W_PATH]["status"]["conditions"]
+    assert (ready["status"], ready["reason"]) == ("True", "Reconciled")
+
+
+@pytest.mark.parametrize("code", [0, 429, 500, 409])
+def test_a_passing_configmap_failure_leaves_the_status_alone(code: int) -> None:
+    """A connection error, a throttled call (a status write would spend the same budget), a
+    5xx, a conflict: nothing to tell the user, the retry will do."""
+    api = RefusingApi(ApiError(code=code, reason="X", message="m"))
+    w = stored_widget(api, data={"a": "1"})
+    with pytest.raises(ApiError):
+        run_reconcile(api, w)
+    assert "status" not in api.objects[W_PATH]
