@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from examples.reconciler import kube
 from examples.reconciler import resources as r
@@ -951,3 +952,16 @@ def test_a_passing_configmap_failure_leaves_the_status_alone(code: int) -> None:
     with pytest.raises(ApiError):
         run_reconcile(api, w)
     assert "status" not in api.objects[W_PATH]
+
+
+def test_the_charts_default_rules_are_rbac_yamls() -> None:
+    """The chart's default ClusterRole is the sample's: a rule added to one (list/watch on
+    configmaps for the informer of the ConfigMaps it owns) and not the other leaves the chart's
+    operator failing with 403s its README's RBAC does not have."""
+    repo = Path(__file__).resolve().parents[2]
+    [role] = [d for d in yaml.safe_load_all((repo / "examples/reconciler/rbac.yaml").read_text())
+              if d["kind"] == "ClusterRole"]
+    values = yaml.safe_load((repo / "helm/opgate/values.yaml").read_text())
+    assert values["rbac"]["rules"] == role["rules"]
+    [configmaps] = [rule for rule in role["rules"] if rule["resources"] == ["configmaps"]]
+    assert {"list", "watch"} <= set(configmaps["verbs"])
