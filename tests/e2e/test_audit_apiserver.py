@@ -93,20 +93,37 @@ class Setup:
     reviewed_log: Path
 
 
-@pytest.fixture(scope="module")
-def setup(kube_binaries: KubeBinaries,
-          tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
-    base = tmp_path_factory.mktemp("audit-cmp")
+def audited_cluster(binaries: KubeBinaries, base: Path, policy_text: str,
+                    *extra_args: str) -> tuple[LocalCluster, Path]:
+    """A started kube-apiserver writing its audit log (the path returned) by the audit
+    policy ``policy_text``; ``base`` holds both files."""
     policy = base / "apiserver-audit-policy.yaml"
-    policy.write_text(APISERVER_POLICY)
+    policy.write_text(policy_text)
     apiserver_log = base / "apiserver-audit.log"
-    cluster = LocalCluster(binaries=kube_binaries, extra_apiserver_args=(
-        f"--audit-log-path={apiserver_log}", f"--audit-policy-file={policy}",
-        f"--api-audiences={DEFAULT_ISSUER},{REVIEWED_AUDIENCE}"))
+    cluster = LocalCluster(binaries=binaries, extra_apiserver_args=(
+        f"--audit-log-path={apiserver_log}", f"--audit-policy-file={policy}", *extra_args))
     try:
         cluster.start()
     except RuntimeError as exc:
         pytest.fail(f"the audited kube-apiserver did not start: {exc}", pytrace=False)
+    return cluster, apiserver_log
+
+
+def admin_token_file(cluster: LocalCluster, base: Path) -> Path:
+    """The cluster admin's token in a file only its owner reads: opgate's own credentials."""
+    token_file = base / "opgate-token"
+    token_file.write_text(cluster.admin_token)
+    token_file.chmod(0o600)
+    return token_file
+
+
+@pytest.fixture(scope="module")
+def setup(kube_binaries: KubeBinaries,
+          tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
+    base = tmp_path_factory.mktemp("audit-cmp")
+    cluster, apiserver_log = audited_cluster(
+        kube_binaries, base, APISERVER_POLICY,
+        f"--api-audiences={DEFAULT_ISSUER},{REVIEWED_AUDIENCE}")
     gate = reviewing = None
     try:
         cluster.create_namespace(NS)
@@ -118,9 +135,7 @@ def setup(kube_binaries: KubeBinaries,
                  {"apiGroups": ["authentication.k8s.io"], "verbs": ["impersonate"],
                   "resources": ["userextras/scopes", "userextras/example.com/team"]}]
         cluster.create_service_account_with_rbac(NS, SA_NAME, rules, cluster_wide=True)
-        token_file = base / "opgate-token"
-        token_file.write_text(cluster.admin_token)
-        token_file.chmod(0o600)
+        token_file = admin_token_file(cluster, base)
         opgate_log = base / "opgate-audit.log"
         gate = start_opgate(cluster, base / "opgate", policies={"audit.yaml": OPGATE_POLICY},
                             extra_args=["--token-file", str(token_file),

@@ -25,6 +25,7 @@ import pytest
 from proxy.envtest.binaries import KubeBinaries
 from proxy.envtest.cluster import LocalCluster
 from tests.e2e.conftest import Opgate, start_opgate
+from tests.e2e.test_audit_apiserver import admin_token_file, audited_cluster
 
 pytestmark = pytest.mark.e2e
 
@@ -170,23 +171,13 @@ class Compared:
 def compared(kube_binaries: KubeBinaries,
              tmp_path_factory: pytest.TempPathFactory) -> Iterator[Compared]:
     base = tmp_path_factory.mktemp("audit-pol")
-    policy = base / "apiserver-audit-policy.yaml"
-    policy.write_text(APISERVER_POLICY)
-    apiserver_log = base / "apiserver-audit.log"
-    cluster = LocalCluster(binaries=kube_binaries, extra_apiserver_args=(
-        f"--audit-log-path={apiserver_log}", f"--audit-policy-file={policy}"))
-    try:
-        cluster.start()
-    except RuntimeError as exc:
-        pytest.fail(f"the audited kube-apiserver did not start: {exc}", pytrace=False)
+    cluster, apiserver_log = audited_cluster(kube_binaries, base, APISERVER_POLICY)
     gate = None
     try:
         cluster.create_service_account_with_rbac(NS, SA_NAME, [
             {"apiGroups": ["*"], "resources": ["*"], "verbs": ["*"]},
             {"nonResourceURLs": ["*"], "verbs": ["*"]}], cluster_wide=True)
-        token_file = base / "opgate-token"
-        token_file.write_text(cluster.admin_token)
-        token_file.chmod(0o600)
+        token_file = admin_token_file(cluster, base)
         opgate_log = base / "opgate-audit.log"
         gate = start_opgate(cluster, base / "opgate", policies={"audit.yaml": OPGATE_POLICY},
                             extra_args=["--token-file", str(token_file),
