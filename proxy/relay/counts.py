@@ -78,6 +78,7 @@ class _Counted:
     namespaces: Callable[[str], bool]
     tally: Tally = field(default_factory=Tally)
     path: str = ""
+    problem: str = ""  # why its resource cannot be found (/readyz?verbose says it)
     task: asyncio.Task[None] | None = None
     terminal_task: asyncio.Task[None] | None = None  # pods: the watch of Tally.finished
 
@@ -234,7 +235,8 @@ class QuotaCounts:
 
     def describe(self) -> str:
         """One line for ``/readyz?verbose``: what is synced."""
-        parts = [f"{c.label}={'synced' if c.synced else 'syncing'}"
+        parts = [f"{c.label}=synced" if c.synced else
+                 f"{c.label}=syncing ({c.problem})" if c.problem else f"{c.label}=syncing"
                  for c in self._counted.values()]
         if self._want_rq:
             parts.append(f"resourcequotas={'synced' if self._rq_synced else 'syncing'}")
@@ -346,7 +348,12 @@ class QuotaCounts:
 
         async def path() -> str:
             if not c.path:
-                c.path = await self._resource_path(c.group, c.resource)
+                try:  # a resource not served (a group left out) never syncs: say why
+                    c.path = await self._resource_path(c.group, c.resource)
+                except Failed as exc:
+                    c.problem = str(exc)
+                    raise
+                c.problem = ""
             return c.path
 
         await self._list_watch(c.label, path, replace, event, metadata_only=True)

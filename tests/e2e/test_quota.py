@@ -741,3 +741,23 @@ def redis_keys(server: RedisServer) -> list[str]:
         return sorted(k.decode() for k in client.keys("opgate:quota:*"))
     finally:
         client.close()
+
+
+def test_readyz_says_why_a_quota_of_a_resource_not_served_never_syncs(
+        opgate_factory: Callable[..., Opgate], token_file: Path) -> None:
+    """A quota of ``deployments`` without ``apiGroups: [apps]`` counts a core resource the
+    apiserver does not serve: it can never sync, and ``/readyz?verbose`` says why next to
+    ``syncing`` (it said ``syncing`` for ever, the reason only in one log line)."""
+    wrong_group = ("apiVersion: opgate.dev/v1alpha1\nkind: Policy\n"
+                   "metadata: {name: wrong-group}\nspec:\n  quotas:\n"
+                   f"    - {{resources: [deployments], namespaces: [{BARE}], max: 1}}\n")
+    opgate = opgate_factory(policies={"quota.yaml": wrong_group},
+                            extra_args=["--token-file", str(token_file)])
+
+    def said() -> str:
+        _, body = opgate.admin_get("/readyz?verbose")
+        return next((x for x in body.splitlines() if "quota-counts" in x), "")
+
+    wait_for("/readyz to say why deployments never sync",
+             lambda: "the apiserver serves no deployments in /api/v1" in said(), timeout=30)
+    assert "deployments=syncing (the apiserver serves no deployments in /api/v1)" in said()
