@@ -220,6 +220,20 @@ class Manager:
             if line is not None:
                 self.lines.append(line)
 
+    def settle(self, quiet: float, why: str, timeout: float = TIMEOUT) -> None:
+        """Take the lines until the manager has printed none for ``quiet`` seconds (it made
+        no call: each watch it has open is older than that)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                line = self._queue.get(timeout=quiet)
+            except queue.Empty:
+                return
+            if line is None:
+                pytest.fail(f"the manager exited ({self.proc.wait()}) before {why}")
+            self.lines.append(line)
+        pytest.fail(f"the manager did not settle within {timeout:.0f}s before {why}")
+
     def reconciled(self, names: set[str], why: str) -> None:
         """Wait until each of ``names`` was reconciled (since the manager started)."""
         def missing() -> set[str]:
@@ -471,11 +485,12 @@ def test_leader_keeps_the_lease_across_an_opgate_restart(
     (setup.gate.policies_dir / "policy.yaml").write_text(policy(setup.suffix))
     mgr = manager(setup.ns, "--lease-duration", "30s", "--renew-deadline", "20s",
                   "--retry-period", "2s")
-    # both informers streaming events (a watch ended within 1 s of its start without one is
-    # one client-go lists again after, whoever ended it)
+    # both informers streaming events, and every watch older than a second: a watch ended
+    # within 1 s of its start without an event is one client-go lists again after, whoever
+    # ends it (the reconcile's status update starts one more, just before the restart)
     create_widgets(setup.cluster, setup.ns, ["before-restart"])
     mgr.reconciled({"before-restart"}, "a Widget created before the restart")
-    mgr.drain()
+    mgr.settle(1.5, "the restart")
     since = len(mgr.lines)
     name = f"widgets-{setup.ns}"
     before = lease(setup.cluster, setup.ns, name)
