@@ -30,6 +30,7 @@ import pytest
 from proxy.envtest.binaries import KUBERNETES_VERSION
 from proxy.envtest.cluster import LocalCluster
 from tests.e2e.conftest import Opgate, start_opgate
+from tests.e2e.waiting import wait_for
 from tests.integration.redis_server import RedisServer
 
 pytestmark = pytest.mark.e2e
@@ -159,15 +160,6 @@ def ready(gate: Opgate) -> bool:
         return gate.admin_get("/readyz", timeout=3)[0] == 200
     except OSError:  # not listening yet
         return False
-
-
-def wait_for(what: str, check: Callable[[], bool], timeout: float = TIMEOUT) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if check():
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
 class Manager:
@@ -431,7 +423,7 @@ def test_quota_denies_apply_creates_as_the_apiserver_and_the_manager_requeues(
         '"Reconciler error"' in line and "exceeded quota: widget-configmaps" in line
         for line in mgr.log.read_text().splitlines()), 30)
     wait_for("the quota'd ConfigMaps",
-             lambda: len(configmaps(setup.cluster, setup.quota_ns)) == QUOTA_MAX)
+             lambda: len(configmaps(setup.cluster, setup.quota_ns)) == QUOTA_MAX, TIMEOUT)
     # the requeue: the same Widget is tried again (with backoff) and denied again
     mgr.wait_for(lambda ln: ln["kind"] == "error" and ln["name"] == denied["name"]
                  and ln is not denied, "the requeued apply")

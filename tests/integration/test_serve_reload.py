@@ -144,6 +144,16 @@ async def _until_active(admin: aiohttp.ClientSession, url: str, expected: list[s
         await asyncio.sleep(0.05)
 
 
+async def _until_failing(admin: aiohttp.ClientSession, url: str,
+                         within: float) -> dict[str, object]:
+    """The /debug/policies state once it says the files fail; fails after ``within`` s."""
+    deadline = asyncio.get_running_loop().time() + within
+    while not (state := await _active(admin, url))["failing"]:
+        assert asyncio.get_running_loop().time() < deadline, state
+        await asyncio.sleep(0.05)
+    return state
+
+
 @pytest.mark.asyncio
 async def test_policy_directory_deleted_and_recreated(upstream: str, tmp_path: Path) -> None:
     """QA's repro: ``rm -rf pd; sleep 2.5; mkdir pd; sleep 0.5; cp v2/* pd/`` while a log file
@@ -202,12 +212,7 @@ async def test_emptied_policy_file_is_an_error(upstream: str, tmp_path: Path) ->
         async with aiohttp.ClientSession() as admin:
             await _until_active(admin, opgate.admin_url, ["version-0", "version-1"], within=2.0)
             (policy_dir / "b.yaml").write_text("")
-            for _ in range(40):
-                await asyncio.sleep(0.05)
-                state = await _active(admin, opgate.admin_url)
-                if state["failing"]:
-                    break
-            assert state["failing"], state
+            state = await _until_failing(admin, opgate.admin_url, within=2.0)
             assert state["last_error"] == f"{policy_dir}/b.yaml:1: no policy document in this file"
             assert [p["name"] for p in state["policies"]] == [  # type: ignore[attr-defined]
                 "version-0", "version-1"]
@@ -280,12 +285,7 @@ async def test_a_sighup_that_finds_nothing_new_says_what_stays(upstream: str,
             await _until_logged(opgate, f"SIGHUP: the policy files are unchanged; the active "
                                         f"set stays (sha256 {digest})", within=2)
             target.write_text(INVALID[0])
-            state = await _active(admin, opgate.admin_url)
-            deadline = asyncio.get_running_loop().time() + 5
-            while not state["failing"]:
-                assert asyncio.get_running_loop().time() < deadline, state
-                await asyncio.sleep(0.05)
-                state = await _active(admin, opgate.admin_url)
+            await _until_failing(admin, opgate.admin_url, within=5)
             opgate.proc.send_signal(signal.SIGHUP)
             err = await _until_logged(opgate, "SIGHUP: the policy files are unchanged and "
                                               "still fail to validate", within=2)
