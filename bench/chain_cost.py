@@ -65,7 +65,8 @@ class _Issuer:
     async def cluster_issuer(self) -> str:
         return ISSUER
 
-    async def keys_for(self, issuer: str, kid: str | None) -> tuple[jwt.PyJWK, ...]:
+    async def keys_for(self, issuer: str, kid: str | None, *,
+                       refresh: bool = False) -> tuple[jwt.PyJWK, ...]:
         key = self._keys.get(kid or "")
         return (key,) if key is not None else ()
 

@@ -4,7 +4,8 @@ A JWT of an accepted issuer is verified here (asymmetric signatures only, ``iss`
 the time claims as the apiserver checks them: :func:`_check_times`) with the keys the
 :class:`Authenticator` fetches; any other token goes to the apiserver (a TokenReview) and the
 apiserver decides, and so does a service-account token of a key opgate has not fetched (yet: it
-fetches at most every ``retry_seconds``), so a signing-key rotation refuses no valid token, or
+fetches at most every ``retry_seconds``; a signature none of the keys it has verifies makes it
+fetch again too, as go-oidc does), so a signing-key rotation refuses no valid token, or
 of an audience opgate does not know (``--api-audiences`` may name others than the issuer); the
 verdict on such a token is then the one opgate's own verification would give
 (:meth:`TokenVerifier._vouched`), as on a service-account token of another issuer the apiserver
@@ -50,7 +51,9 @@ class Authenticator(Protocol):
     raises means "cannot tell now" (503, or the call goes on under ``failure: open``)."""
 
     async def cluster_issuer(self) -> str | None: ...
-    async def keys_for(self, issuer: str, kid: str | None) -> Sequence[Any]: ...  # PyJWK-like
+    # PyJWK-like; refresh: those given before did not verify the token (fetch again if allowed)
+    async def keys_for(self, issuer: str, kid: str | None, *,
+                       refresh: bool = False) -> Sequence[Any]: ...
     async def token_review(self, token: str) -> tuple[Identity, tuple[str, ...]] | None: ...
     async def access_review(self, attrs: Mapping[str, Any]) -> tuple[bool, str]: ...
 
@@ -109,6 +112,25 @@ def _check_times(claims: Mapping[str, Any], *, oidc: bool, now: float) -> None:
         raise Invalid("the token is not valid yet (nbf)")
     if not oidc and iat is not None and now + LEEWAY < iat:
         raise Invalid("the token is issued in the future (iat)")
+
+
+def _signed_claims(token: str, keys: Sequence[Any], alg: str,
+                   iss: str) -> dict[str, Any] | None:
+    """The claims of ``token`` if one of ``keys`` verifies its signature (``None`` if none
+    does); raises :class:`Invalid` for a token PyJWT refuses otherwise (``iss``, no ``exp``)."""
+    import jwt
+
+    for key in keys:
+        try:
+            claims: dict[str, Any] = jwt.decode(token, getattr(key, "key", key),
+                                                algorithms=[alg], issuer=iss, options=_DECODE)
+            return claims
+        except (jwt.InvalidSignatureError, jwt.InvalidAlgorithmError, jwt.InvalidKeyError,
+                TypeError, ValueError):  # not this key (or not a key of this type)
+            continue
+        except jwt.PyJWTError as exc:
+            raise Invalid(f"{type(exc).__name__}: {exc}") from None
+    return None
 
 
 def _audiences(claims: Mapping[str, Any]) -> tuple[str, ...]:
@@ -179,8 +201,6 @@ class TokenVerifier:
 
     async def _verify_jwt(self, token: str, header: Mapping[str, Any],
                           unverified: Mapping[str, Any], issuer: Issuer, iss: str) -> Verified:
-        import jwt
-
         alg = header.get("alg")
         if alg not in ALGORITHMS:
             raise Invalid(f"signing algorithm {str(alg)[:20]!r} is not accepted")
@@ -191,17 +211,12 @@ class TokenVerifier:
                 # retry_seconds of its last fetch): the apiserver knows its keys, ask it
                 return await self._vouched(token, unverified, iss)
             raise Invalid(f"no signing key of issuer {iss} matches the token's key id")
-        claims: dict[str, Any] | None = None
-        for key in keys:
-            try:
-                claims = jwt.decode(token, getattr(key, "key", key), algorithms=[alg],
-                                    issuer=iss, options=_DECODE)
-                break
-            except (jwt.InvalidSignatureError, jwt.InvalidAlgorithmError, jwt.InvalidKeyError,
-                    TypeError, ValueError):  # not this key (or not a key of this type)
-                continue
-            except jwt.PyJWTError as exc:
-                raise Invalid(f"{type(exc).__name__}: {exc}") from None
+        claims = _signed_claims(token, keys, alg, iss)
+        if claims is None:  # the issuer may have replaced a key under the same kid (or none):
+            # as go-oidc, fetch its keys again (rate-limited) and try those that are new
+            fresh = [k for k in await self.auth.keys_for(iss, kid, refresh=True)
+                     if not any(k is old for old in keys)]
+            claims = _signed_claims(token, fresh, alg, iss) if fresh else None
         if claims is None:
             raise Invalid(f"the signature does not verify with the keys of issuer {iss}")
         _check_times(claims, oidc=issuer.kind != KUBERNETES, now=time.time())

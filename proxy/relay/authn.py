@@ -10,8 +10,11 @@ credentials (like :mod:`proxy.relay.informer`), never the caller's token:
 - ``keys_for(issuer, kid)``: the issuer's signing keys. Other issuers are found by OIDC
   discovery at ``<issuer>/.well-known/openid-configuration`` → ``jwks_uri`` (system CAs). A key
   set is kept for ``jwks_ttl`` seconds (then refreshed; the old keys stay if that fails) and
-  fetched again at once, at most every ``retry_seconds``, when a token names an unknown ``kid``
-  (a call with an unknown ``kid`` while a fetch is under way waits for it). No key to verify
+  fetched again at once, at most every ``retry_seconds``, when a token names an unknown ``kid``,
+  has none while no key is known, or ``refresh`` says the keys given did not verify it (a
+  provider that replaced a key under the same ``kid``, or its unnamed one: go-oidc fetches
+  again then too); a call for which a fetch under way may bring keys waits for it. Every key
+  of a ``kid`` is kept (a JWKS may list several, as go-oidc tries them all). No key to verify
   with while the latest fetch failed (an OIDC provider unreachable since opgate started, or
   during a rotation) raises :class:`AuthnUnavailable`: a 503, not a 401 for a good token.
 - ``token_review(token)``: ``POST /apis/authentication.k8s.io/v1/tokenreviews``: the apiserver
@@ -62,7 +65,7 @@ class AuthnUnavailable(Exception):
 
 @dataclass(slots=True, eq=False)
 class _KeySet:
-    keys: dict[str, jwt.PyJWK] = field(default_factory=dict)
+    keys: dict[str, tuple[jwt.PyJWK, ...]] = field(default_factory=dict)  # by kid
     unnamed: tuple[jwt.PyJWK, ...] = ()
     fetched: float = -1e9  # monotonic time of the last successful fetch
     attempted: float = -1e9
@@ -117,23 +120,26 @@ class UpstreamAuthenticator:
                                 "issuer go to TokenReview meanwhile", exc)
         return self._cluster_issuer
 
-    async def keys_for(self, issuer: str, kid: str | None) -> tuple[jwt.PyJWK, ...]:
+    async def keys_for(self, issuer: str, kid: str | None, *,
+                       refresh: bool = False) -> tuple[jwt.PyJWK, ...]:
+        """The keys to verify a token of ``issuer`` naming ``kid`` with (module docstring);
+        ``refresh``: those given before did not verify it, so fetch again if allowed."""
         ks = self._keysets.setdefault(issuer, _KeySet())
         now = time.monotonic()
         stale = now - ks.fetched >= self.jwks_ttl
-        unknown = kid is not None and kid not in ks.keys
-        # a caller with an unknown kid waits for a fetch under way (another token's, at start
-        # or after a rotation) rather than being refused because one was just attempted
+        unknown = refresh or (kid not in ks.keys if kid is not None
+                              else not (ks.keys or ks.unnamed))
+        # such a caller waits for a fetch under way (another token's, at start or after a
+        # rotation) rather than being refused because one was just attempted
         if (stale or unknown) and (now - ks.attempted >= self.retry_seconds
                                    or (unknown and ks.lock.locked())):
             async with ks.lock:
                 if time.monotonic() - ks.attempted >= self.retry_seconds:  # not just done
                     await self._refresh(issuer, ks)
         if kid is None:
-            keys = (*ks.keys.values(), *ks.unnamed)
+            keys = (*(k for named in ks.keys.values() for k in named), *ks.unnamed)
         else:
-            found = ks.keys.get(kid)
-            keys = (found,) if found is not None else ks.unnamed
+            keys = ks.keys.get(kid, ks.unnamed)
         if not keys and ks.failed and issuer != self._cluster_issuer:
             # the issuer could not be asked: that says nothing of the token (the cluster's
             # tokens go to a TokenReview instead, see identity_verify)
@@ -185,7 +191,7 @@ class UpstreamAuthenticator:
                     raise AuthnUnavailable(f"the discovery document of {issuer} does not name "
                                            "this issuer and a jwks_uri")
                 data = await self._fetch(doc["jwks_uri"], upstream=False, accept=JWKS_ACCEPT)
-            keys: dict[str, jwt.PyJWK] = {}
+            keys: dict[str, tuple[jwt.PyJWK, ...]] = {}
             unnamed: list[jwt.PyJWK] = []
             for raw in data.get("keys") or ():
                 try:
@@ -193,17 +199,17 @@ class UpstreamAuthenticator:
                 except (jwt.PyJWKError, jwt.InvalidKeyError, KeyError, TypeError, ValueError):
                     continue  # a key of a type this build cannot use
                 if key.key_id:
-                    keys[key.key_id] = key
+                    keys[key.key_id] = (*keys.get(key.key_id, ()), key)
                 else:
                     unnamed.append(key)
         except AuthnUnavailable as exc:
             log.warning("cannot refresh the keys of issuer %s (%s); keeping %d known keys",
-                        issuer, exc, len(ks.keys) + len(ks.unnamed))
+                        issuer, exc, sum(map(len, ks.keys.values())) + len(ks.unnamed))
             ks.failed = str(exc)
             return
         ks.keys, ks.unnamed, ks.fetched = keys, tuple(unnamed), time.monotonic()
         ks.failed = ""
-        log.info("keys of issuer %s: %d", issuer, len(keys) + len(unnamed))
+        log.info("keys of issuer %s: %d", issuer, sum(map(len, keys.values())) + len(unnamed))
 
     def _upstream(self) -> UpstreamClient:
         if self._client is None:

@@ -93,8 +93,9 @@ class FakeAuth:
     async def cluster_issuer(self) -> str | None:
         return ISSUER
 
-    async def keys_for(self, issuer: str, kid: str | None) -> Sequence[Any]:
-        self.calls.append(f"keys {kid}")
+    async def keys_for(self, issuer: str, kid: str | None, *,
+                       refresh: bool = False) -> Sequence[Any]:
+        self.calls.append(f"keys {kid}" + (" again" if refresh else ""))
         if self.fail is not None:
             raise self.fail
         return (self.keys[kid],) if kid in self.keys else ()
@@ -974,3 +975,110 @@ def test_an_other_users_review_of_a_service_account_shaped_jwt_is_the_apiservers
     policies = policy_set(tmp_path, audience_policy("{audiences: [opgate]}"))
     ctx = ctx_for(policies, "GET", CM, token)
     assert run(IdentityCheck(authenticator=auth), ctx) is None and ctx.identity == admin
+
+
+def oidc_authenticator(served: list[dict[str, Any]],
+                       fetched: list[str]) -> UpstreamAuthenticator:
+    """The real authenticator, its fetch answering ``served[-1]`` as the provider's JWKS."""
+    auth = UpstreamAuthenticator(UpstreamConfig(url="https://127.0.0.1:1"), retry_seconds=60)
+
+    async def fetch(where: str, *, upstream: bool, accept: str) -> dict[str, Any]:
+        fetched.append(where)
+        if where.endswith("openid-configuration"):
+            return {"issuer": IDP, "jwks_uri": "https://idp.example.com/jwks"}
+        return served[-1]
+
+    auth._fetch = fetch  # type: ignore[method-assign]
+    return auth
+
+
+def unnamed(public: Any) -> dict[str, Any]:
+    """A JWK without ``kid`` (a provider with one signing key need not name it)."""
+    return {k: v for k, v in jwk(public, "", "RS256").items() if k != "kid"}
+
+
+STRANGER_KEY = rsa.generate_private_key(public_exponent=65537, key_size=2048)  # nobody's
+
+
+def signed(key: Any, kid: str | None, sub: str = "alice", alg: str = "RS256") -> str:
+    """An OIDC token of ``IDP`` signed with ``key``, its header naming ``kid`` (or none)."""
+    now = int(time.time())
+    body = {"iss": IDP, "sub": sub, "aud": ["kubernetes"], "iat": now, "exp": now + 600}
+    return jwt.encode(body, key, algorithm=alg, headers={"kid": kid} if kid else None)
+
+
+@pytest.mark.parametrize("kid", [None, "k1"])
+def test_a_key_replaced_under_the_same_kid_or_none_is_fetched_at_once(
+        tmp_path: Path, kid: str | None) -> None:
+    """A provider rotating its key without naming the new one differently (a JWKS of unnamed
+    keys, or the same ``kid`` over a new key): the apiserver (go-oidc) fetches the JWKS again
+    when no cached key verifies the signature, so the new key's tokens pass at once. opgate
+    refused them (401) until its key set was 5 minutes old. The refetch is rate-limited as
+    for an unknown kid: a forged signature right after costs no fetch."""
+    served = [{"keys": [unnamed(RSA_KEY.public_key()) if kid is None
+                        else jwk(RSA_KEY.public_key(), kid, "RS256")]}]
+    fetched: list[str] = []
+    auth = oidc_authenticator(served, fetched)
+    check, policies = IdentityCheck(authenticator=auth), policy_set(tmp_path, OIDC_POLICY)
+    assert run(check, ctx_for(policies, "GET", CM, signed(RSA_KEY, kid))) is None
+    assert fetched.count("https://idp.example.com/jwks") == 1
+    served.append({"keys": [unnamed(OTHER_KEY.public_key()) if kid is None
+                            else jwk(OTHER_KEY.public_key(), kid, "RS256")]})
+    auth._keysets[IDP].attempted -= 61  # a minute after the fetch: the key set is not stale
+    decision = run(check, ctx_for(policies, "GET", CM, signed(OTHER_KEY, kid)))
+    assert decision is None, body(decision)["message"]
+    assert fetched.count("https://idp.example.com/jwks") == 2
+    forged = signed(STRANGER_KEY, kid)
+    decision = run(check, ctx_for(policies, "GET", CM, forged))
+    assert decision is not None and body(decision)["code"] == 401
+    assert fetched.count("https://idp.example.com/jwks") == 2  # within retry_seconds
+
+
+def test_a_token_without_kid_waits_for_the_first_fetch_under_way(tmp_path: Path) -> None:
+    """Two callers with tokens of a provider whose keys have no ``kid``, the second arriving
+    while the first one's fetch (opgate's first) is under way: it waits for the keys, as a
+    token with an unknown ``kid`` does; it was refused (401, "no signing key matches")."""
+    fetched: list[str] = []
+    auth = UpstreamAuthenticator(UpstreamConfig(url="https://127.0.0.1:1"), retry_seconds=60)
+
+    async def go() -> list[Deny | None]:
+        release, under_way = asyncio.Event(), asyncio.Event()
+
+        async def fetch(where: str, *, upstream: bool, accept: str) -> dict[str, Any]:
+            fetched.append(where)
+            if where.endswith("openid-configuration"):
+                return {"issuer": IDP, "jwks_uri": "https://idp.example.com/jwks"}
+            under_way.set()
+            await release.wait()  # the provider is slow to answer
+            return {"keys": [unnamed(RSA_KEY.public_key())]}
+
+        auth._fetch = fetch  # type: ignore[method-assign]
+        check, policies = IdentityCheck(authenticator=auth), policy_set(tmp_path, OIDC_POLICY)
+        first = asyncio.ensure_future(settle(check.entry(
+            ctx_for(policies, "GET", CM, signed(RSA_KEY, None)))))
+        await under_way.wait()
+        second = asyncio.ensure_future(settle(check.entry(
+            ctx_for(policies, "GET", CM, signed(RSA_KEY, None, sub="bob")))))
+        for _ in range(50):  # the second call gets as far as it can
+            await asyncio.sleep(0)
+        release.set()
+        return [await first, await second]  # type: ignore[list-item]
+
+    assert asyncio.run(go()) == [None, None]
+    assert fetched.count("https://idp.example.com/jwks") == 1
+
+
+def test_keys_sharing_a_kid_are_each_tried(tmp_path: Path) -> None:
+    """A JWKS with two keys under one ``kid`` (a provider that keeps the kid across a
+    rotation and publishes both, or an RSA and an EC key named alike): go-oidc tries every key
+    of the token's kid; opgate kept the last one only and refused the other's tokens (401)."""
+    served = [{"keys": [jwk(RSA_KEY.public_key(), "k1", "RS256"),
+                        jwk(OTHER_KEY.public_key(), "k1", "RS256"),
+                        jwk(EC_KEY.public_key(), "k1", "ES256")]}]
+    fetched: list[str] = []
+    check = IdentityCheck(authenticator=oidc_authenticator(served, fetched))
+    policies = policy_set(tmp_path, OIDC_POLICY)
+    for key, alg in ((RSA_KEY, "RS256"), (OTHER_KEY, "RS256"), (EC_KEY, "ES256")):
+        decision = run(check, ctx_for(policies, "GET", CM, signed(key, "k1", alg=alg)))
+        assert decision is None, body(decision)["message"]
+    assert fetched.count("https://idp.example.com/jwks") == 1
