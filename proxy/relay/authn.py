@@ -9,7 +9,8 @@ credentials (like :mod:`proxy.relay.informer`), never the caller's token:
   ``retry_seconds`` while it fails). Its keys come from the upstream's ``/openid/v1/jwks``.
 - ``keys_for(issuer, kid)``: the issuer's signing keys. Other issuers are found by OIDC
   discovery at ``<issuer>/.well-known/openid-configuration`` → ``jwks_uri`` (system CAs). A key
-  set is kept for ``jwks_ttl`` seconds (then refreshed; the old keys stay if that fails) and
+  set is kept for ``jwks_ttl`` seconds (then refreshed in the background, the calls its keys
+  verify not waiting; the old keys stay if that fails) and
   fetched again at once, at most every ``retry_seconds``, when a token names an unknown ``kid``,
   has none while no key is known, or ``refresh`` says the keys given did not verify it (a
   provider that replaced a key under the same ``kid``, or its unnamed one: go-oidc fetches
@@ -91,8 +92,12 @@ class UpstreamAuthenticator:
         self._cluster_attempted = -1e9
         self._cluster_lock = asyncio.Lock()
         self._keysets: dict[str, _KeySet] = {}
+        self._background: set[asyncio.Task[None]] = set()  # refreshes of stale key sets
 
     async def close(self) -> None:
+        for task in self._background:
+            task.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
         if self._client is not None:
             self._client.close()
         if self._external is not None:
@@ -130,12 +135,15 @@ class UpstreamAuthenticator:
         unknown = refresh or (kid not in ks.keys if kid is not None
                               else not (ks.keys or ks.unnamed))
         # such a caller waits for a fetch under way (another token's, at start or after a
-        # rotation) rather than being refused because one was just attempted
-        if (stale or unknown) and (now - ks.attempted >= self.retry_seconds
-                                   or (unknown and ks.lock.locked())):
-            async with ks.lock:
-                if time.monotonic() - ks.attempted >= self.retry_seconds:  # not just done
-                    await self._refresh(issuer, ks)
+        # rotation) rather than being refused because one was just attempted; one whose keys
+        # are merely stale verifies with them while they are fetched again (go-oidc's order:
+        # a slow or unreachable provider holds no call its known keys verify)
+        if unknown and (now - ks.attempted >= self.retry_seconds or ks.lock.locked()):
+            await self._refresh_once(issuer, ks)
+        elif stale and now - ks.attempted >= self.retry_seconds and not ks.lock.locked():
+            task = asyncio.ensure_future(self._refresh_once(issuer, ks))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
         if kid is None:
             keys = (*(k for named in ks.keys.values() for k in named), *ks.unnamed)
         else:
@@ -176,6 +184,12 @@ class UpstreamAuthenticator:
         return bool(status.get("allowed")), str(status.get("reason") or "")
 
     # --- fetching ---------------------------------------------------------------------------
+
+    async def _refresh_once(self, issuer: str, ks: _KeySet) -> None:
+        """Fetch the keys, unless a fetch just done (or under way, awaited) did."""
+        async with ks.lock:
+            if time.monotonic() - ks.attempted >= self.retry_seconds:
+                await self._refresh(issuer, ks)
 
     async def _refresh(self, issuer: str, ks: _KeySet) -> None:
         import jwt  # here: PyJWT and cryptography only once a JWT issuer's keys are needed

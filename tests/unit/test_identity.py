@@ -1082,3 +1082,48 @@ def test_keys_sharing_a_kid_are_each_tried(tmp_path: Path) -> None:
         decision = run(check, ctx_for(policies, "GET", CM, signed(key, "k1", alg=alg)))
         assert decision is None, body(decision)["message"]
     assert fetched.count("https://idp.example.com/jwks") == 1
+
+
+def test_a_stale_key_set_is_refreshed_without_holding_a_call_its_keys_verify(
+        tmp_path: Path) -> None:
+    """Once the key set is ``jwks_ttl`` old it is fetched again, but a token its keys verify
+    does not wait for that (go-oidc tries the cached keys first): with a provider slow or
+    black-holed (a fetch held up to the 10 s timeout, twice with discovery), a call with a new
+    token of a known key was held that long, one every ``retry_seconds``. The refresh goes on
+    meanwhile, and the keys it brings are used once it is done."""
+    fetched: list[str] = []
+    auth = UpstreamAuthenticator(UpstreamConfig(url="https://127.0.0.1:1"), retry_seconds=60)
+
+    async def go() -> None:
+        release = asyncio.Event()
+        served = {"keys": [jwk(RSA_KEY.public_key(), "k1", "RS256")]}
+
+        async def fetch(where: str, *, upstream: bool, accept: str) -> dict[str, Any]:
+            fetched.append(where)
+            if len(fetched) > 2:  # the refresh: the provider is slow now
+                await release.wait()
+            if where.endswith("openid-configuration"):
+                return {"issuer": IDP, "jwks_uri": "https://idp.example.com/jwks"}
+            return served
+
+        auth._fetch = fetch  # type: ignore[method-assign]
+        check, policies = IdentityCheck(authenticator=auth), policy_set(tmp_path, OIDC_POLICY)
+        assert await settle(check.entry(ctx_for(policies, "GET", CM, signed(RSA_KEY, "k1"))))\
+            is None
+        keys = auth._keysets[IDP]
+        keys.fetched -= 301  # five minutes on: stale
+        keys.attempted -= 301
+        async with asyncio.timeout(5):  # (it waited for release, which never came)
+            decision = await settle(check.entry(
+                ctx_for(policies, "GET", CM, signed(RSA_KEY, "k1", sub="bob"))))
+        assert decision is None
+        assert len(fetched) == 3  # the refresh is under way
+        served = {"keys": [*served["keys"], jwk(OTHER_KEY.public_key(), "k2", "RS256")]}
+        release.set()
+        decision = await settle(check.entry(ctx_for(policies, "GET", CM,
+                                                    signed(OTHER_KEY, "k2"))))
+        assert decision is None  # waited for the refresh under way, which brought k2
+        assert len(fetched) == 4
+        await auth.close()
+
+    asyncio.run(go())
