@@ -57,8 +57,7 @@ class FakeIdp:
                     self.end_headers()
                     return
                 docs = {"/.well-known/openid-configuration": idp.discovery(),
-                        "/jwks": {"keys": [{**json.loads(jwt.algorithms.RSAAlgorithm.to_jwk(
-                            KEY.public_key())), "kid": "idp1", "alg": "RS256", "use": "sig"}]}}
+                        "/jwks": {"keys": [idp.jwk()]}}
                 doc = docs.get(self.path)
                 body = json.dumps(doc).encode()
                 self.send_response(200 if doc is not None else 404)
@@ -71,6 +70,7 @@ class FakeIdp:
                 pass
 
         self.down = False
+        self.key, self.kid = KEY, "idp1"  # its signing key, and the kid naming it (or none)
         self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         context.load_cert_chain(str(cert), str(key))
@@ -86,11 +86,17 @@ class FakeIdp:
                 "subject_types_supported": ["public"],
                 "id_token_signing_alg_values_supported": ["RS256"]}
 
+    def jwk(self) -> dict[str, Any]:
+        public = json.loads(jwt.algorithms.RSAAlgorithm.to_jwk(self.key.public_key()))
+        return {**public, **({"kid": self.kid} if self.kid else {}), "alg": "RS256",
+                "use": "sig"}
+
     def token(self, **claims: Any) -> str:
         now = int(time.time())
         body = {"iss": self.issuer, "sub": "alice", "aud": "kubernetes", "iat": now,
                 "exp": now + 600, "groups": ["devs"], **claims}
-        return jwt.encode(body, KEY, algorithm="RS256", headers={"kid": "idp1"})
+        return jwt.encode(body, self.key, algorithm="RS256",
+                          headers={"kid": self.kid} if self.kid else None)
 
     def stop(self) -> None:
         self.server.shutdown()
@@ -233,3 +239,27 @@ def test_a_provider_not_answering_yet_is_a_503_not_a_401(
             started.stop()
     finally:
         fake.down = False
+
+
+@pytest.mark.parametrize("kid", ["idp1", None], ids=["same-kid", "no-kid"])
+def test_a_key_rotated_without_a_new_kid_is_taken_as_the_apiserver_takes_it(
+        oidc_cluster: LocalCluster, gate: Opgate, idp: tuple[FakeIdp, Path],
+        kid: str | None) -> None:
+    """The provider replaces its signing key under the same kid, or serves keys without one
+    (its tokens then name none): the apiserver, whose cached key no longer verifies them,
+    fetches the JWKS again and takes them at once. opgate refused them (401) until its key set
+    was 5 minutes old; it fetches again too (at most every 10 s), so they pass within that."""
+    fake, _ca = idp
+    accepted_by_the_apiserver(oidc_cluster, fake)
+    assert review(oidc_cluster, fake.token(), server=gate.url).status == 201  # keys known
+    try:
+        fake.key, fake.kid = rsa.generate_private_key(public_exponent=65537, key_size=2048), kid
+        token = fake.token()
+        assert review(oidc_cluster, token).status == 201  # the reference: at once
+        deadline = time.monotonic() + 30
+        while (through := review(oidc_cluster, token, server=gate.url)).status == 401:
+            assert time.monotonic() < deadline, through.body
+            time.sleep(0.5)
+        assert through.status == 201, through.body
+    finally:
+        fake.key, fake.kid = KEY, "idp1"
