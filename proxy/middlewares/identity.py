@@ -279,14 +279,22 @@ class IdentityCheck:
             future = asyncio.ensure_future(self._verifier.verify(
                 token, oidc=plan.oidc, kubernetes=plan.kubernetes))
             self._inflight[key] = future
-            future.add_done_callback(
-                lambda done: self._inflight.get(key) is done and self._inflight.pop(key))
+            future.add_done_callback(lambda done: self._settled(key, plan, done))
         result = await asyncio.shield(future)
-        if plan is self._plan:  # not a verdict of a set replaced meanwhile (see _plan_of)
-            self._remember_token(key, result)
         if result.identity is None:
             raise Invalid("the apiserver does not accept it")
         return result
+
+    def _settled(self, key: bytes, plan: _Plan, done: asyncio.Future[Verified]) -> None:
+        """A verification ended: its verdict is cached in the step that takes it out of
+        ``_inflight`` (not when a waiting call resumes, a turn of the loop later, in which a new
+        call of the same token would find neither and verify it again: a second TokenReview)."""
+        if self._inflight.get(key) is not done:  # (a new set cleared it: see _plan_of)
+            return
+        del self._inflight[key]
+        if (plan is self._plan and not done.cancelled()  # not a verdict of a replaced set
+                and done.exception() is None):
+            self._remember_token(key, done.result())
 
     def _remember_token(self, key: bytes, verified: Verified) -> None:
         """Cache a verdict; a full cache first evicts by second chance (module docstring), so

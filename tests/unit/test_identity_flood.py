@@ -158,3 +158,37 @@ def test_a_failing_review_gives_its_slot_back(tmp_path: Path) -> None:
     assert reviews("error") == errors + 30
     assert check._verifier._review_slots._value == identity.REVIEWS_IN_FLIGHT
     assert auth.peak == identity.REVIEWS_IN_FLIGHT
+
+
+def test_a_call_read_as_a_review_answers_waits_for_that_review(tmp_path: Path) -> None:
+    """A call with the token of a TokenReview that is just answering, read in the same turn
+    of the event loop (the order the real relay saw under load: the same bad token from 8
+    clients made 2 TokenReviews at once, and 2 more every 10 s): the verdict left the calls
+    under way before the first of them cached it, so the new call found neither and asked the
+    apiserver again. It gets the verdict that was just given."""
+    auth = ti.FakeAuth()
+    check, policies = IdentityCheck(authenticator=auth), ti.policy_set(tmp_path, ti.policy())
+    second: list[asyncio.Future[Any]] = []
+
+    async def go() -> list[Any]:
+        loop, arrived = asyncio.get_running_loop(), asyncio.Event()
+        answer = ti.FakeAuth.token_review
+
+        async def token_review(token: str) -> tuple[Identity, tuple[str, ...]] | None:
+            def arrive() -> None:  # the second call's request, read as the answer comes
+                second.append(asyncio.ensure_future(
+                    settle(check.entry(ti.ctx_for(policies, "GET", CM, "bad-token")))))
+                arrived.set()
+
+            if not second:
+                loop.call_soon(arrive)
+            return await answer(auth, token)
+
+        auth.token_review = token_review  # type: ignore[method-assign]
+        first = await settle(check.entry(ti.ctx_for(policies, "GET", CM, "bad-token")))
+        await arrived.wait()
+        return [first, await second[0]]
+
+    decisions = asyncio.run(go())
+    assert [ti.body(d)["code"] for d in decisions] == [401, 401]
+    assert auth.calls == ["review"]
