@@ -71,6 +71,7 @@ class _KeySet:
     fetched: float = -1e9  # monotonic time of the last successful fetch
     attempted: float = -1e9
     failed: str = ""  # why the last attempt failed ("" once one succeeds)
+    fetches: int = 0  # attempts ended (a call that waited for one knows it ended)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
 
@@ -186,10 +187,16 @@ class UpstreamAuthenticator:
     # --- fetching ---------------------------------------------------------------------------
 
     async def _refresh_once(self, issuer: str, ks: _KeySet) -> None:
-        """Fetch the keys, unless a fetch just done (or under way, awaited) did."""
+        """Fetch the keys, unless a fetch just done did, or one under way (awaited: its
+        outcome is this call's, even when it took longer than ``retry_seconds``, so a call
+        waits for one fetch at most, not one more of its own after it)."""
+        seen = ks.fetches
         async with ks.lock:
-            if time.monotonic() - ks.attempted >= self.retry_seconds:
-                await self._refresh(issuer, ks)
+            if ks.fetches == seen and time.monotonic() - ks.attempted >= self.retry_seconds:
+                try:
+                    await self._refresh(issuer, ks)
+                finally:
+                    ks.fetches += 1
 
     async def _refresh(self, issuer: str, ks: _KeySet) -> None:
         import jwt  # here: PyJWT and cryptography only once a JWT issuer's keys are needed

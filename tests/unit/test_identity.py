@@ -13,6 +13,7 @@ import hmac
 import json
 import logging
 import time
+import types
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -1127,3 +1128,47 @@ def test_a_stale_key_set_is_refreshed_without_holding_a_call_its_keys_verify(
         await auth.close()
 
     asyncio.run(go())
+
+
+def test_a_call_waiting_for_a_fetch_that_fails_does_not_start_another(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A provider that takes longer than ``retry_seconds`` to fail (answering nothing within
+    the 10 s timeout): a call that waited for that fetch got the lock once it failed, found the
+    last attempt ``retry_seconds`` old and fetched again itself, so it was held for two
+    fetches (and the next waiter likewise), not one. It gets the outcome of the one it waited
+    for: a 503 as soon as that fails."""
+    from proxy.relay import authn
+    from proxy.relay.authn import AuthnUnavailable
+
+    late = [0.0]  # seconds the authenticator's clock is ahead (the loop's keeps time)
+    monkeypatch.setattr(authn, "time", types.SimpleNamespace(
+        monotonic=lambda: time.monotonic() + late[0]))
+    fetched: list[str] = []
+    auth = UpstreamAuthenticator(UpstreamConfig(url="https://127.0.0.1:1"), retry_seconds=60)
+
+    async def go() -> list[Deny | None]:
+        release, under_way = asyncio.Event(), asyncio.Event()
+
+        async def fetch(where: str, *, upstream: bool, accept: str) -> dict[str, Any]:
+            fetched.append(where)
+            under_way.set()
+            await release.wait()
+            raise AuthnUnavailable(f"GET {where}: timed out")
+
+        auth._fetch = fetch  # type: ignore[method-assign]
+        check, policies = IdentityCheck(authenticator=auth), policy_set(tmp_path, OIDC_POLICY)
+        first = asyncio.ensure_future(settle(check.entry(
+            ctx_for(policies, "GET", CM, signed(RSA_KEY, "k1")))))
+        await under_way.wait()
+        second = asyncio.ensure_future(settle(check.entry(
+            ctx_for(policies, "GET", CM, signed(RSA_KEY, "k1", sub="bob")))))
+        for _ in range(50):  # the second call gets as far as it can: waiting for the fetch
+            await asyncio.sleep(0)
+        late[0] = 61  # the fetch takes longer than retry_seconds
+        release.set()
+        async with asyncio.timeout(5):  # (the second fetch never ended)
+            return [await first, await second]  # type: ignore[list-item]
+
+    decisions = asyncio.run(go())
+    assert [d is not None and body(d)["code"] for d in decisions] == [503, 503]
+    assert len(fetched) == 1
