@@ -29,9 +29,11 @@ too), so its reservation can be let go. One whose create failed is not waited fo
 The watch loops follow the informer's: list (pages of ``page_size``) → watch from the list's
 resourceVersion with bookmarks and a server timeout of ~5 min; resume from the last
 resourceVersion; 410 Gone relists; any other failure backs off (1 s doubling up to 60 s, with
-jitter). A resource the apiserver does not serve (yet) is looked for again with the same
-backoff. Until a pair's first list is done, ``observed`` answers ``None`` (the middleware then
-fails as the policy says); until the quotas are listed, ``aligned`` does.
+jitter). A resource the apiserver does not serve (yet) is looked for again within
+``NOT_SERVED_RETRY`` (4 s); its path is discovered at each (re)list (a CRD's upgrade may
+serve another version and stop serving the one discovered before). Until a pair's first list
+is done, ``observed`` answers ``None`` (the middleware then fails as the policy says); until the
+quotas are listed, ``aligned`` does.
 
 Credentials are the upstream's (``--token-file``, the kubeconfig or the pod's ServiceAccount):
 that identity needs ``list`` and ``watch`` on the quota'd resources in every namespace, on
@@ -347,13 +349,14 @@ class QuotaCounts:
             self._report(c, namespace)
 
         async def path() -> str:
-            if not c.path:
-                try:  # a resource not served (a group left out) never syncs: say why
-                    c.path = await self._resource_path(c.group, c.resource)
-                except Failed as exc:
-                    c.problem = str(exc)
-                    raise
-                c.problem = ""
+            # discovered at each (re)list, not once: a CRD's upgrade may serve another version
+            # and stop serving the one found before, whose path would answer 404 for ever
+            try:  # a resource not served (a group left out) never syncs: say why
+                c.path = await self._resource_path(c.group, c.resource)
+            except Failed as exc:
+                c.problem = str(exc)
+                raise
+            c.problem = ""
             return c.path
 
         await self._list_watch(c.label, path, replace, event, metadata_only=True)
@@ -397,7 +400,7 @@ class QuotaCounts:
                 if not res.get("namespaced", False):
                     raise Failed(f"{resource} is cluster-scoped: it has no namespace quota")
                 return f"{base}/{resource}"
-        raise Failed(f"the apiserver serves no {resource} in {base}")
+        raise Absent(f"the apiserver serves no {resource} in {base}")
 
     # --- ResourceQuotas -------------------------------------------------------------------------
 

@@ -5,7 +5,9 @@ The loop is kopf's and client-go's reflector's shape: list in pages (``limit``/`
 watch from the list's resourceVersion with ``allowWatchBookmarks`` and a server
 ``timeoutSeconds`` of ~5 min (jittered), resume a watch that ends or idles from the last
 resourceVersion, relist at once on 410 Gone (the HTTP status or an ERROR event), and back off on
-any other failure (1 s doubling up to ``max_backoff``, with jitter), logging once per streak.
+any other failure (1 s doubling up to ``max_backoff``, with jitter; up to ``NOT_SERVED_RETRY``
+for an API not served, :class:`Absent`: a CRD may be installed any time), logging once per
+streak.
 Requests go over an :class:`~proxy.relay.fast.client.UpstreamClient` (opgate's credentials,
 no aiohttp), opened at the first call.
 """
@@ -45,6 +47,11 @@ WATCH_ACCEPT = "application/json;as=PartialObjectMetadata;g=meta.k8s.io;v=v1,app
 
 Replace = Callable[[list[dict[str, Any]]], None]  # every listed object, at the list's end
 Event = Callable[[str, dict[str, Any]], None]  # ADDED/MODIFIED/DELETED and the object
+
+
+# a resource not served (yet) is looked for again at least this often, however long it was
+# missing: one discovery GET, so a CRD installed after opgate started counts within seconds
+NOT_SERVED_RETRY = 4.0
 
 
 class Gone(Exception):
@@ -203,7 +210,8 @@ class ListWatch:
                 streak += 1
                 if failures is not None:
                     failures(streak)
-                delay = min(self.max_backoff, 2.0 ** (streak - 1)) * (0.5 + random.random() / 2)
+                ceiling = NOT_SERVED_RETRY if isinstance(e, Absent) else self.max_backoff
+                delay = min(ceiling, 2.0 ** (streak - 1)) * (0.5 + random.random() / 2)
                 level = logging.WARNING if streak == 1 else logging.DEBUG
                 log.log(level, "%s failed (%s); retrying in %.1fs", label, reason(e), delay)
                 await asyncio.sleep(delay)

@@ -761,3 +761,60 @@ def test_readyz_says_why_a_quota_of_a_resource_not_served_never_syncs(
     wait_for("/readyz to say why deployments never sync",
              lambda: "the apiserver serves no deployments in /api/v1" in said(), timeout=30)
     assert "deployments=syncing (the apiserver serves no deployments in /api/v1)" in said()
+
+
+GIZMOS = "quota-gizmos"
+GIZMO_GROUP = "qv.example.com"
+
+
+def gizmo_crd(*served: str) -> dict[str, Any]:
+    """Gizmos, served in the versions given; the last one is the storage version."""
+    schema = {"openAPIV3Schema": {"type": "object",
+                                  "x-kubernetes-preserve-unknown-fields": True}}
+    versions = [{"name": v, "served": v in served, "storage": v == served[-1], "schema": schema}
+                for v in ("v1", "v2") if v in served or v < served[-1]]
+    return {"apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
+            "metadata": {"name": f"gizmos.{GIZMO_GROUP}"},
+            "spec": {"group": GIZMO_GROUP, "scope": "Namespaced",
+                     "names": {"plural": "gizmos", "singular": "gizmo", "kind": "Gizmo",
+                               "listKind": "GizmoList"},
+                     "versions": versions}}
+
+
+def test_a_custom_resource_is_counted_on_after_its_served_version_changes(
+        cluster: LocalCluster, opgate_factory: Callable[..., Opgate], token_file: Path) -> None:
+    """An operator's upgrade serves its CRD in v2 and stops serving v1. opgate kept listing
+    and watching the v1 path it had discovered once (404 at every retry, for ever), while
+    ``/readyz`` said synced and the quota went on with the counts of that moment: objects
+    created by others were never counted, so opgate admitted creates past the limit."""
+    cluster.create_namespace(GIZMOS)
+    cluster.install_crd(gizmo_crd("v1"))
+    policy = ("apiVersion: opgate.dev/v1alpha1\nkind: Policy\nmetadata: {name: gizmos}\n"
+              "spec:\n  quotas:\n"
+              f"    - {{resources: [gizmos], apiGroups: [{GIZMO_GROUP}], "
+              f"namespaces: [{GIZMOS}], max: 3}}\n")
+    opgate = opgate_factory(policies={"quota.yaml": policy},
+                            extra_args=["--token-file", str(token_file)])
+
+    def usage() -> float | None:
+        return metric(opgate, "opgate_quota_usage",
+                      {"namespace": GIZMOS, "resource": f"gizmos.{GIZMO_GROUP}"})
+
+    def gizmo(version: str, name: str) -> dict[str, Any]:
+        return {"apiVersion": f"{GIZMO_GROUP}/{version}", "kind": "Gizmo",
+                "metadata": {"name": name, "namespace": GIZMOS}}
+
+    def path(version: str) -> str:
+        return f"/apis/{GIZMO_GROUP}/{version}/namespaces/{GIZMOS}/gizmos"
+
+    assert cluster.call("POST", path("v1"), body=gizmo("v1", "g-0")).status == 201
+    wait_for("opgate to count the v1 gizmo", lambda: usage() == 1, timeout=30)
+    cluster.install_crd(gizmo_crd("v2"))  # v2 served and stored, v1 no longer served
+    wait_for("v1 to be gone", lambda: cluster.call("GET", path("v1")).status == 404)
+    for name in ("g-1", "g-2"):  # made directly: only opgate's watch can count them
+        assert cluster.call("POST", path("v2"), body=gizmo("v2", name)).status == 201
+    wait_for("opgate to count the gizmos made in v2", lambda: usage() == 3, timeout=20)
+    denied = cluster.call("POST", path("v2"), body=gizmo("v2", "g-3"), server=opgate.url)
+    assert denied.status == 403, denied.body
+    assert denied.json()["message"] == quota_message(
+        "g-3", "gizmos", used=3, limit=3, resource=f"gizmos.{GIZMO_GROUP}")
