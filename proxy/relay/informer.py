@@ -27,7 +27,8 @@ Each watch (kopf's shape): list (pages of 500) → watch from the list's resourc
 ``allowWatchBookmarks`` and a server ``timeoutSeconds`` of ~5 min, an inactivity timeout of
 ``idle_seconds``; a watch that ends or idles resumes from the last resourceVersion; 410 Gone (the
 HTTP status or an ERROR event) relists at once; any other failure backs off (1 s doubling up to
-60 s, with jitter), then relists. Failures are logged at warning once per streak.
+60 s, with jitter), then reads the group's preferred version again (a CRD's upgrade may stop
+serving the one watched) and relists. Failures are logged at warning once per streak.
 
 Credentials are the upstream's (token, token file or client certificate; ``opgate serve``'s
 ``--token-file`` / kubeconfig / in-cluster ServiceAccount): that identity needs ``list`` and
@@ -231,12 +232,23 @@ class InformerPool:
             raise Failed(f"the apiserver serves no {r.label} in {r.group}/{r.version}")
         self._by_kind.setdefault(r.kind, []).append(r)
 
+    async def _follow_version(self, r: _Resource) -> None:
+        """After a failed list or watch: the group's preferred version, which a CRD's upgrade
+        changes when it stops serving the old one (the objects' metadata is the same in all)."""
+        found = await self._get_json(f"/apis/{r.group}", accept="application/json")
+        version = str((found.get("preferredVersion") or {}).get("version") or "")
+        if version and version != r.version:
+            log.info("informer: %s is served in %s now, not %s", r.label, version, r.version)
+            r.version = version
+
     # --- one resource: discover, list, watch --------------------------------------------
 
     async def _run(self, r: _Resource) -> None:
         async def path() -> str | None:
             if not r.kind:
                 await self._discover(r)
+            elif r.failures:  # its CRD's upgrade may serve another version now (404 for ever)
+                await self._follow_version(r)
             # the kind is all that is needed until an annotation is wanted
             return r.path if self._annotations else None
 

@@ -471,3 +471,56 @@ async def test_informer_failures_back_off_and_answer_none(caplog: pytest.LogCapt
     warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"
                 and "widgets" in r.getMessage()]
     assert len(warnings) == 1 and "HTTP 403" in warnings[0] and "no list for you" in warnings[0]
+
+
+@pytest.mark.asyncio
+async def test_informer_follows_a_crd_upgrade_to_its_new_version() -> None:
+    """The CRD's upgrade serves v2 and stops serving v1: the informer lists and watches v2
+    from then on. It kept listing the v1 path it had started with (404 at every retry, for
+    ever), so the instances' own qps stayed what they were at that moment: a Widget annotated
+    afterwards kept the old rate, and a new one got the rule's."""
+    served = {"version": "v1", "qps": "20"}
+    lists: list[str] = []
+
+    async def handle(request: web.BaseRequest) -> web.StreamResponse:
+        version = served["version"]
+        if request.path == "/apis/demo.opgate.dev":
+            return web.json_response({"kind": "APIGroup", "name": "demo.opgate.dev",
+                                      "preferredVersion": {"version": version}})
+        if request.path == f"/apis/demo.opgate.dev/{version}":
+            return web.json_response({"kind": "APIResourceList", "resources": [
+                {"name": "widgets", "kind": "Widget", "namespaced": True}]})
+        if request.path != f"/apis/demo.opgate.dev/{version}/widgets":
+            return web.json_response({"kind": "Status", "code": 404}, status=404)
+        if "watch" in request.query:  # ends at once: the loop lists again a second later
+            return web.json_response({"kind": "Status", "code": 410}, status=410)
+        lists.append(request.path)
+        return web.json_response({
+            "kind": "PartialObjectMetadataList", "metadata": {"resourceVersion": "10"},
+            "items": [{"metadata": {"namespace": "a", "name": "w1",
+                                    "annotations": {"opgate.dev/qps": served["qps"]}}}]})
+
+    runner = web.ServerRunner(web.Server(handle, access_log=None), shutdown_timeout=0.5)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    p = InformerPool(UpstreamConfig(url=f"http://127.0.0.1:{runner.addresses[0][1]}"),
+                     max_backoff=0.2)
+    await p.start()
+    try:
+        p.get("a", "Widget", "w1", "opgate.dev/qps")  # wants the annotation
+        p.want("demo.opgate.dev", "v1", "widgets")
+        for _ in range(100):
+            if p.get("a", "Widget", "w1", "opgate.dev/qps") == 20.0:
+                break
+            await asyncio.sleep(0.05)
+        assert p.get("a", "Widget", "w1", "opgate.dev/qps") == 20.0
+        served.update(version="v2", qps="7")
+        for _ in range(100):
+            if p.get("a", "Widget", "w1", "opgate.dev/qps") == 7.0:
+                break
+            await asyncio.sleep(0.05)
+        assert p.get("a", "Widget", "w1", "opgate.dev/qps") == 7.0, lists
+        assert lists[-1] == "/apis/demo.opgate.dev/v2/widgets"
+    finally:
+        await p.close()
+        await runner.cleanup()
