@@ -52,8 +52,19 @@ def raw_selectors(query: str) -> tuple[str, str]:
     return options.get("fieldSelector", ""), options.get("labelSelector", "")
 
 
-def _first_values(query: str) -> dict[str, str]:
-    """First value of each list-option key, with Go's ``url.ParseQuery`` rules.
+_DRY_RUN = frozenset({"dryRun"})
+
+
+def dry_run(query: str) -> bool:
+    """Whether the apiserver takes a write with this raw query for a dry run: it has a
+    ``dryRun`` parameter as Go's ``url.ParseQuery`` reads it (``dry%52un=All`` too; not
+    ``xdryRun=``, nor a pair Go skips). Any value counts: one other than ``All`` is refused
+    (422), so that call makes nothing either."""
+    return "dryRun" in _first_values(query, _DRY_RUN)
+
+
+def _first_values(query: str, keys: frozenset[str] = _OPTION_KEYS) -> dict[str, str]:
+    """First value of each of ``keys`` (the list options), with Go's ``url.ParseQuery`` rules.
 
     Pairs holding a ``;`` or a malformed ``%`` escape are skipped, as Go skips them.
     """
@@ -67,7 +78,7 @@ def _first_values(query: str) -> dict[str, str]:
             if not _escapes_ok(raw_key):
                 continue
             key = unquote_plus(raw_key)
-        if key in _OPTION_KEYS and key not in found and _escapes_ok(raw_value):
+        if key in keys and key not in found and _escapes_ok(raw_value):
             found[key] = unquote_plus(raw_value)
     return found
 

@@ -75,6 +75,7 @@ from proxy.engine import telemetry
 from proxy.engine.chain import Maybe
 from proxy.engine.context import Decision, Deny, RequestContext
 from proxy.engine.protometa import object_names
+from proxy.engine.selectors import dry_run
 from proxy.engine.status import forbidden, object_details, service_unavailable
 from proxy.middlewares.quota_counts import MemoryQuotaCounts, QuotaCounts
 from proxy.middlewares.quota_limits import (
@@ -135,7 +136,7 @@ def _is_apply(ctx: RequestContext) -> bool:
 
 
 def _dry_run(ctx: RequestContext) -> bool:
-    return "dryRun=" in ctx.query
+    return dry_run(ctx.query) if ctx.query else False
 
 
 def _outcome(ctx: RequestContext, apply: bool = False) -> bool | None:

@@ -659,6 +659,27 @@ def test_dry_run_creates_are_checked_but_not_reserved() -> None:
     assert reservations(mw) == {}
 
 
+@pytest.mark.parametrize(("query", "dry"), [
+    ("dryRun=All", True),
+    ("fieldManager=kubectl&dryRun=All", True),
+    ("dry%52un=All", True),  # Go's url.ParseQuery decodes the key: a dry run
+    ("dryRun", True),  # 422 from the apiserver (not 'All'): nothing is made either
+    ("xdryRun=All", False),  # another parameter: the apiserver creates the object
+    ("fieldManager=dryRun=All", False),  # a value
+    ("dryRun=All;x=1", False),  # Go skips a pair holding ';': a real create
+    ("dryRun=%zz", False),  # Go skips a pair whose escape is malformed: a real create
+])
+def test_a_dry_run_is_what_the_apiserver_takes_for_one(query: str, dry: bool) -> None:
+    """The parameter is read as the apiserver reads the query (Go's url.ParseQuery): opgate
+    looked for 'dryRun=' anywhere in it, so a create the apiserver makes for real reserved no
+    room (creates at once could pass the limit together), and a dry run it makes nothing of
+    held room for 30 s (the next creates could be denied early)."""
+    mw = Quota(counts=MemoryQuotaCounts())
+    assert decide(mw, ctx_for(policies(SIMPLE), query=query,
+                              body={"metadata": {"name": "x"}})) is None
+    assert (reservations(mw) == {}) is dry
+
+
 def test_exit_outcomes() -> None:
     counts = MemoryQuotaCounts()
     mw = Quota(counts=counts, settle_seconds=30, reserve_seconds=60)
