@@ -40,6 +40,7 @@ QUANTITY, COMPACT = "quota-quantity", "quota-compact"
 PODS, PODS_BOTH, PODS_COUNT = "quota-pods", "quota-pods-both", "quota-pods-count"
 PODS_STUCK = "quota-pods-stuck"
 CRQ_A, CRQ_B = "quota-crq-a", "quota-crq-b"
+TERMINATING, COLLECTION, DRY_RUNS = "quota-terminating", "quota-collection", "quota-dry-runs"
 POLICY = f"""\
 apiVersion: opgate.dev/v1alpha1
 kind: Policy
@@ -63,6 +64,13 @@ spec:
       alignWith: [ClusterResourceQuota]
     - resources: [pods]
       namespaces: [{PODS}, {PODS_BOTH}, {PODS_COUNT}, {PODS_STUCK}]
+      alignWith: [ResourceQuota]
+    - resources: [configmaps]
+      namespaces: [{TERMINATING}, {COLLECTION}]
+      max: 2
+    - resources: [configmaps]
+      namespaces: [{DRY_RUNS}]
+      max: 3
       alignWith: [ResourceQuota]
 ---
 apiVersion: opgate.dev/v1alpha1
@@ -136,7 +144,7 @@ def start_synced(opgate_factory: Callable[..., Opgate], token_file: Path, crq: s
 @pytest.fixture(scope="module")
 def token_file(cluster: LocalCluster, tmp_path_factory: pytest.TempPathFactory) -> Path:
     for namespace in (BELOW, ABOVE, FREED, DRY, BARE, SSA, SHARED, QUANTITY, PODS, PODS_BOTH,
-                      PODS_COUNT, PODS_STUCK, COMPACT):
+                      PODS_COUNT, PODS_STUCK, COMPACT, TERMINATING, COLLECTION, DRY_RUNS):
         cluster.create_namespace(namespace)
     cluster.create_namespace(CLUSTER, labels={"team": "crq"})
     for namespace in (CRQ_A, CRQ_B):
@@ -299,6 +307,67 @@ def test_deletes_free_room_and_direct_creates_count(
         gate, "opgate_quota_usage", {"namespace": FREED, "resource": "secrets"}) == 1)
     assert cluster.call("POST", path, body=secret("s-2"), server=gate.url).status == 201
     assert cluster.call("POST", path, body=secret("s-3"), server=gate.url).status == 403
+
+
+def test_creates_the_apiserver_refuses_in_a_terminating_namespace_hold_no_room(
+        cluster: LocalCluster, gate: Opgate) -> None:
+    """A namespace being deleted (no controller-manager runs: it stays Terminating): the
+    apiserver refuses every create in it, and each refusal releases the room opgate reserved,
+    so the creates past the limit get the apiserver's refusal, not opgate's quota."""
+    path = f"/api/v1/namespaces/{TERMINATING}/configmaps"
+    assert cluster.call("DELETE", f"/api/v1/namespaces/{TERMINATING}").status == 200
+    for i in range(4):  # twice the limit
+        ours = cluster.call("POST", path, body=configmap(f"t-{i}", TERMINATING), server=gate.url)
+        theirs = cluster.call("POST", path, body=configmap(f"t-{i}", TERMINATING))
+        assert (ours.status, ours.body) == (theirs.status, theirs.body)
+        assert ours.status == 403 and ours.json()["details"]["causes"][0]["reason"] == \
+            "NamespaceTerminating", ours.body
+
+
+def test_a_deletecollection_by_label_frees_room(cluster: LocalCluster, gate: Opgate) -> None:
+    path = f"/api/v1/namespaces/{COLLECTION}/configmaps"
+    for i in range(2):
+        made = dict(configmap(f"c-{i}", COLLECTION))
+        made["metadata"] = dict(made["metadata"], labels={"batch": "one"})
+        assert cluster.call("POST", path, body=made, server=gate.url).status == 201
+    assert cluster.call("POST", path, body=configmap("c-2", COLLECTION),
+                        server=gate.url).status == 403
+    gone = cluster.call("DELETE", f"{path}?labelSelector=batch%3Done", server=gate.url)
+    assert gone.status == 200 and len(gone.json()["items"]) == 2
+    wait_for("the watch to count the deletes", lambda: metric(
+        gate, "opgate_quota_usage", {"namespace": COLLECTION, "resource": "configmaps"}) == 0)
+    for name in ("c-2", "c-3"):
+        assert cluster.call("POST", path, body=configmap(name, COLLECTION),
+                            server=gate.url).status == 201
+    assert cluster.call("POST", path, body=configmap("c-4", COLLECTION),
+                        server=gate.url).status == 403
+
+
+def test_dry_run_creates_take_no_room_and_are_denied_as_the_apiserver_denies_them(
+        cluster: LocalCluster, gate: Opgate) -> None:
+    """``?dryRun=All`` (kubectl --dry-run=server): checked, never reserved; over the limit
+    refused in the words of the apiserver's own ResourceQuota admission, which checks dry
+    runs too."""
+    path = f"/api/v1/namespaces/{DRY_RUNS}/configmaps"
+    resource_quota(cluster, DRY_RUNS, "rq-dry", {"count/configmaps": "2"})  # below max: 3
+    for i in range(4):
+        dry = cluster.call("POST", f"{path}?dryRun=All", body=configmap(f"d-{i}", DRY_RUNS),
+                           server=gate.url)
+        assert dry.status == 201, dry.body
+    for name in ("r-0", "r-1"):  # the dry runs left the room free
+        assert cluster.call("POST", path, body=configmap(name, DRY_RUNS),
+                            server=gate.url).status == 201
+
+    def dry_run() -> Any:
+        return cluster.call("POST", f"{path}?dryRun=All", body=configmap("d-9", DRY_RUNS),
+                            server=gate.url)
+
+    wait_for("opgate to count r-0 and r-1", lambda: dry_run().status == 403)
+    ours = dry_run()
+    theirs = cluster.call("POST", f"{path}?dryRun=All", body=configmap("d-9", DRY_RUNS))
+    assert (ours.status, theirs.status) == (403, 403), (ours.body, theirs.body)
+    assert ours.json()["message"] == theirs.json()["message"] == quota_message(
+        "d-9", "rq-dry", used=2, limit=2)
 
 
 def test_a_burst_through_opgate_does_not_overshoot(cluster: LocalCluster, gate: Opgate) -> None:
