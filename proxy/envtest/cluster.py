@@ -45,6 +45,7 @@ from proxy.envtest import pki
 from proxy.envtest.api import AdminApi, ApiError, ApiResponse
 from proxy.envtest.binaries import KubeBinaries, find_or_build
 from proxy.envtest.procs import Proc, free_port, http_ok, port_open, tail
+from proxy.envtest.reaper import reaper
 
 DEFAULT_ISSUER = "https://kubernetes.default.svc.cluster.local"
 
@@ -83,7 +84,10 @@ class LocalCluster(AdminApi):
 
     def start(self) -> LocalCluster:
         bins = self._binaries or find_or_build()
+        watcher = reaper()  # first: its atexit then runs after this cluster's stop
         self.workdir = Path(tempfile.mkdtemp(prefix="opgate-envtest-"))
+        if not self.keep_workdir:
+            watcher.remove_at_death(self.workdir)  # if this process dies without stop()
         atexit.register(self.stop)
         try:
             self._start(bins)
@@ -232,8 +236,10 @@ class LocalCluster(AdminApi):
             if proc is not None:
                 proc.stop()
         self._apiserver = self._etcd = None
-        if self.workdir != Path() and not self.keep_workdir:
-            shutil.rmtree(self.workdir, ignore_errors=True)
+        if self.workdir != Path():
+            if not self.keep_workdir:
+                shutil.rmtree(self.workdir, ignore_errors=True)
+            reaper().keep(self.workdir)  # removed, or kept for the post-mortem
         atexit.unregister(self.stop)
 
     def __enter__(self) -> LocalCluster:

@@ -1,9 +1,11 @@
 """Child processes for the test tier that never outlive it, and loopback ports to give them.
 
-Every server a test starts (etcd, kube-apiserver, opgate) runs in its own process group and is
-stopped by that group's id: SIGTERM, a grace period, then SIGKILL, so a failing test, a
-Ctrl-C or an exiting interpreter (``atexit``) leaves nothing behind and no name-based kill
-is ever needed. Output goes to a log file whose tail is shown when a start fails.
+Every server a test starts (etcd, kube-apiserver, opgate, redis-server) runs in its own process
+group and is stopped by that group's id: SIGTERM, a grace period, then SIGKILL, so a failing
+test, a Ctrl-C or an exiting interpreter (``atexit``) leaves nothing behind and no name-based
+kill is ever needed. If the starting process dies without any of that running (SIGKILL, an
+unhandled signal), its reaper (``proxy.envtest.reaper``) stops the groups instead. Output goes
+to a log file whose tail is shown when a start fails.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import subprocess
 import urllib.request
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+
+from proxy.envtest.reaper import reaper
 
 
 def free_port() -> int:
@@ -75,12 +79,19 @@ class Proc:
         return self._popen.pid if self._popen else None
 
     def start(self) -> None:
+        watcher = reaper()  # first: its atexit then runs after this Proc's stop
         with open(self.log, "ab") as out:
             self._popen = subprocess.Popen(
                 self.argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                 env=self.env, cwd=self.cwd, start_new_session=True,
             )
+        watcher.watch_group(self._popen.pid)
         atexit.register(self.stop)
+
+    def send_signal(self, sig: signal.Signals) -> None:
+        """Signal the process itself (e.g. SIGSTOP / SIGCONT to freeze it), if it runs."""
+        if self._popen is not None and self._popen.poll() is None:
+            self._popen.send_signal(sig)
 
     def alive(self) -> bool:
         return self._popen is not None and self._popen.poll() is None
@@ -99,6 +110,7 @@ class Proc:
                 self._signal(popen.pid, signal.SIGKILL)
                 popen.wait(timeout=30)
         self._signal(popen.pid, signal.SIGKILL)  # leftover children of the group, if any
+        reaper().forget_process(popen.pid)
         atexit.unregister(self.stop)
         return popen.returncode
 

@@ -1,4 +1,7 @@
-"""Run ``python -m proxy serve`` as a real subprocess for tests, and stop it by its PID."""
+"""Run ``python -m proxy serve`` as a real subprocess for tests, and stop it by its PID.
+
+Each is registered with the test process's reaper (``proxy.envtest.reaper``): if pytest dies
+without stopping it (SIGKILL, or a test that never called ``stop``), the reaper does."""
 
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from proxy.envtest.procs import free_port
+from proxy.envtest.reaper import reaper
 
 
 class OpgateProcess:
@@ -35,6 +39,11 @@ class OpgateProcess:
         # session: a process group of its own, for a test to signal it as a terminal does
         self.proc = subprocess.Popen(cmd, stdout=self._out, stderr=self._err,
                                      env={**os.environ, **(env or {})}, start_new_session=session)
+        # its own group: the whole group; else only it (its group is pytest's own)
+        if session:
+            reaper().watch_group(self.proc.pid)
+        else:
+            reaper().watch_process(self.proc.pid)
 
     def wait_ready(self, timeout: float = 30.0, path: str = "/healthz") -> None:
         deadline = time.monotonic() + timeout
@@ -63,6 +72,7 @@ class OpgateProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(5)
+        reaper().forget_process(self.proc.pid)
         self._out.close()
         self._err.close()
         return self.proc.returncode

@@ -1,6 +1,8 @@
 """A real Redis server for the integration tests: a container when Docker answers, else the local
 ``redis-server`` binary on a free loopback port. It can be stopped, restarted on the same port,
 paused and resumed mid-test (outage tests). If neither way works, the test fails; it never skips.
+The binary runs as a ``proxy.envtest.procs.Proc`` (its own process group, stopped at exit, and
+by the reaper with its temp dir if the test process dies first: nothing outlives the run).
 
 Use it as a context manager from a fixture::
 
@@ -17,12 +19,15 @@ import random
 import shutil
 import signal
 import socket
-import subprocess
 import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
+
+from proxy.envtest.procs import Proc, tail
+from proxy.envtest.reaper import reaper
 
 REDIS_BINARY = os.environ.get("OPGATE_TEST_REDIS_SERVER") or shutil.which("redis-server") or (
     "/usr/bin/redis-server"
@@ -73,9 +78,10 @@ class RedisServer:
     def __init__(self, *, kind: str, port: int | None = None) -> None:
         self.kind = kind
         self.port = port or free_port()
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.proc: Proc | None = None
         self.container: Any = None
         self._dir = tempfile.mkdtemp(prefix="opgate-redis-")
+        reaper().remove_at_death(self._dir)
 
     @property
     def url(self) -> str:
@@ -98,16 +104,18 @@ class RedisServer:
         if self.kind == "container":
             self._start_container()
         else:
-            self.proc = subprocess.Popen(
-                [REDIS_BINARY, "--port", str(self.port), "--bind", "127.0.0.1",
-                 "--save", "", "--appendonly", "no", "--dir", self._dir,
-                 "--loglevel", "warning", *self.extra_args],
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            )
+            self.proc = Proc("redis-server", [
+                REDIS_BINARY, "--port", str(self.port), "--bind", "127.0.0.1",
+                "--save", "", "--appendonly", "no", "--dir", self._dir,
+                "--loglevel", "warning", *self.extra_args,
+            ], log=Path(self._dir) / "redis.log")
+            self.proc.start()
         deadline = time.monotonic() + 15
         while not ping(self.port):
-            if self.proc is not None and self.proc.poll() is not None:
-                pytest.fail(f"redis-server exited with {self.proc.returncode} on port {self.port}")
+            if self.proc is not None and not self.proc.alive():
+                log = Path(self._dir) / "redis.log"
+                pytest.fail(f"redis-server exited with {self.proc.stop()} on port {self.port}:\n"
+                            f"{tail(log)}")
             if time.monotonic() > deadline:
                 self.stop()
                 pytest.fail(f"redis on 127.0.0.1:{self.port} did not answer PING within 15 s")
@@ -125,9 +133,7 @@ class RedisServer:
     def stop(self) -> None:
         """Kill the server (SIGKILL: no goodbye to clients), keep the port for a restart."""
         if self.proc is not None:
-            if self.proc.poll() is None:
-                self.proc.kill()
-            self.proc.wait(timeout=10)
+            self.proc.stop(grace=0)
             self.proc = None
         elif self.container is not None:
             self.container.get_wrapped_container().kill()
@@ -160,6 +166,7 @@ class RedisServer:
             self.container.stop()
             self.container = None
         shutil.rmtree(self._dir, ignore_errors=True)
+        reaper().keep(self._dir)
 
     def __enter__(self) -> RedisServer:
         return self
