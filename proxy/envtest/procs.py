@@ -15,11 +15,33 @@ import os
 import signal
 import socket
 import subprocess
+import threading
 import urllib.request
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from proxy.envtest.reaper import reaper
+
+_sigterm_seen = False
+
+
+def interrupt_on_sigterm() -> None:
+    """Make SIGTERM end this process as Ctrl-C does (``KeyboardInterrupt``), so that a test
+    runner ended by a CI timeout or ``timeout`` still runs its fixtures' teardown and
+    ``atexit``; a second SIGTERM ends it at once (the reaper then cleans up). Only replaces
+    the default action, only from the main thread (where signal handlers run), and never
+    again once a SIGTERM came; calling it again puts it back after code that reset SIGTERM
+    to its default (asyncio's ``remove_signal_handler`` does)."""
+    if (not _sigterm_seen and threading.current_thread() is threading.main_thread()
+            and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL):
+        signal.signal(signal.SIGTERM, _interrupt)
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    global _sigterm_seen
+    _sigterm_seen = True
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
 
 
 def free_port() -> int:

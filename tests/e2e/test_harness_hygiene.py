@@ -1,9 +1,10 @@
 """The harness leaves nothing behind when the pytest that started it dies, however it dies.
 
 A real pytest (in a subprocess) starts etcd + kube-apiserver (``LocalCluster``), a
-``redis-server`` (``RedisServer``) and an opgate (``start_opgate``), then is killed (SIGKILL
-runs nothing in it), so the reaper (``proxy.envtest.reaper``) must stop what it started and
-remove the temp dirs. Every process it started ends within a bound, their ports are
+``redis-server`` (``RedisServer``) and an opgate (``start_opgate``), then is ended from outside:
+SIGTERM (a CI timeout, ``timeout``) must run the fixtures' teardown as Ctrl-C does; SIGKILL
+runs nothing in it, so the reaper (``proxy.envtest.reaper``) must stop what it started and
+remove the temp dirs. Either way every process it started ends within a bound, their ports are
 free and their temp dirs are gone. Processes are identified by parentage (the dead pytest's
 descendants, read from /proc before the kill) and awaited through pidfds; nothing is killed.
 """
@@ -61,7 +62,7 @@ def test_hold(parts):
 '''
 
 
-@pytest.mark.parametrize("sig", [signal.SIGKILL], ids=["sigkill"])
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["sigkill", "sigterm"])
 def test_a_killed_pytest_leaves_no_process_port_or_temp_dir(
     sig: signal.Signals, kube_binaries: KubeBinaries, tmp_path: Path
 ) -> None:
@@ -70,7 +71,7 @@ def test_a_killed_pytest_leaves_no_process_port_or_temp_dir(
                PYTHONPATH=str(REPO))
     env.pop("OPGATE_KEEP_CLUSTER_DIR", None)
     inner = subprocess.Popen(
-        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider",
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "tests.conftest",
          "-q", "-s", "--rootdir", str(tmp_path), str(tmp_path / "test_inner.py")],
         cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, start_new_session=True)
@@ -94,3 +95,5 @@ def test_a_killed_pytest_leaves_no_process_port_or_temp_dir(
     assert not running, [(pid, command(pid)) for pid in running]
     assert [port for port in started["ports"] if port_open(port)] == []
     assert [d for d in started["dirs"] if Path(d).exists()] == []
+    if sig == signal.SIGTERM:
+        assert "TEARDOWN RAN" in said, said
