@@ -150,3 +150,38 @@ def test_a_proc_is_stopped_by_the_reaper_when_its_starter_is_killed(tmp_path: Pa
             starter.wait()
         starter.stdout.close()
     assert _ended(child, reaper_pid)
+
+
+def test_a_forked_child_still_running_does_not_keep_the_reaper_waiting(tmp_path: Path) -> None:
+    """A fork (``multiprocessing``'s default here) copies the line's write end: the reaper would
+    see no EOF while the child lives, and the starter's processes would outlive it."""
+    program = (
+        "import os, sys, threading, pathlib\n"
+        "from proxy.envtest.procs import Proc\n"
+        "from proxy.envtest.reaper import reaper\n"
+        "proc = Proc('sleep', ['sleep', '600'], log=pathlib.Path(sys.argv[1]))\n"
+        "proc.start()\n"
+        "child = os.fork()\n"
+        "if child == 0:\n"
+        "    threading.Event().wait(600)\n"
+        "    os._exit(0)\n"
+        "print(proc.pid, reaper().pid, child, flush=True)\n"
+        "threading.Event().wait(600)\n"
+    )
+    starter = subprocess.Popen([sys.executable, "-c", program, str(tmp_path / "log")],
+                               stdout=subprocess.PIPE, text=True,
+                               cwd=Path(__file__).resolve().parents[2])
+    assert starter.stdout is not None
+    forked = None
+    try:
+        sleeper, reaper_pid, forked = map(int, starter.stdout.readline().split())
+        starter.kill()
+        starter.wait()
+        assert _ended(sleeper, reaper_pid)
+    finally:
+        if starter.poll() is None:
+            starter.kill()
+            starter.wait()
+        starter.stdout.close()
+        if forked is not None:
+            os.kill(forked, signal.SIGKILL)  # the fork this test's program made
