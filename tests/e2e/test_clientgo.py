@@ -37,6 +37,7 @@ import pytest
 
 from proxy.envtest.binaries import KUBERNETES_VERSION
 from proxy.envtest.cluster import LocalCluster
+from proxy.envtest.reaper import reaper
 from proxy.relay.calls import IMPERSONATION_DROPPED
 from tests.e2e.conftest import Kubeconfigs, Opgate
 
@@ -169,6 +170,7 @@ class Informer:
         self.proc = subprocess.Popen(
             [str(clientgo), "informer", "--kubeconfig", str(kubeconfig), *args], env=env,
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        reaper().watch_process(self.proc.pid)  # stopped if pytest dies first
         self.lines: list[Line] = []
         self._queue: queue.Queue[Line | None] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()

@@ -29,6 +29,7 @@ import pytest
 
 from proxy.envtest.binaries import KUBERNETES_VERSION
 from proxy.envtest.cluster import LocalCluster
+from proxy.envtest.reaper import reaper
 from tests.e2e.conftest import Opgate, start_opgate
 from tests.e2e.waiting import wait_for
 from tests.integration.redis_server import RedisServer
@@ -172,6 +173,7 @@ class Manager:
             self.proc = subprocess.Popen(
                 [str(binary), "--kubeconfig", str(setup.kubeconfig), "--namespace", namespace,
                  *args], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=err, text=True)
+        reaper().watch_process(self.proc.pid)  # stopped if pytest dies first
         self.lines: list[Line] = []
         self._queue: queue.Queue[Line | None] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from proxy.envtest.reaper import reaper
 from tests.e2e.waiting import wait_for
 
 pytestmark = pytest.mark.e2e
@@ -27,7 +28,8 @@ pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[2]
 STARTED = "Ctrl-C stops everything."
 SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-STARTS = ("etcd", "kube-apiserver", "redis-server")  # and two Pythons: opgate, the reconciler
+# and three Pythons: opgate, the reconciler and the harness's reaper (proxy/envtest/reaper.py)
+STARTS = ("etcd", "kube-apiserver", "redis-server")
 
 
 def test_demo_runs_and_stops_cleanly() -> None:
@@ -90,10 +92,12 @@ def _read_until(proc: subprocess.Popen[str], text: str, *, timeout: float) -> st
 
 
 def _start_demo() -> subprocess.Popen[str]:
-    return subprocess.Popen(
+    proc = subprocess.Popen(
         [sys.executable, "-m", "proxy", "demo", "--widgets", "1"], cwd=ROOT,
         stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         start_new_session=True)
+    reaper().watch_group(proc.pid)  # stopped (with its cluster) if pytest dies first
+    return proc
 
 
 def _kill(proc: subprocess.Popen[str]) -> None:
@@ -137,7 +141,7 @@ def test_a_stop_signal_once_running_stops_every_process(sig: signal.Signals) -> 
         _kill(proc)
         raise
     others = sorted(name for name in started.values() if not name.startswith("python"))
-    assert others == sorted(STARTS) and len(started) == len(STARTS) + 2, started
+    assert others == sorted(STARTS) and len(started) == len(STARTS) + 3, started
     _stop_and_check(proc, sig, started)
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from proxy.engine.kinds import MAX_BURST, MAX_QPS, MIN_QPS
+from proxy.envtest.reaper import reaper
 from proxy.stores.base import BucketRequest, Verdict
 from proxy.stores.memory import MemoryStore
 from proxy.stores.redis import RedisStore
@@ -171,6 +172,7 @@ def test_sentinel_url(server: RedisServer, tmp_path: Path) -> None:
                     f"sentinel monitor opgate 127.0.0.1 {server.port} 1\n")
     proc = subprocess.Popen([REDIS_BINARY, str(conf), "--sentinel"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    reaper().watch_process(proc.pid)  # stopped if pytest dies first
     try:
         deadline = time.monotonic() + 10
         while not ping(port):
@@ -221,6 +223,8 @@ def test_sentinel_over_tls_with_the_ca_named_in_the_url(tmp_path: Path) -> None:
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL),
              subprocess.Popen([REDIS_BINARY, str(tmp_path / "sentinel.conf"), "--sentinel"],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
+    for proc in procs:
+        reaper().watch_process(proc.pid)  # stopped if pytest dies first
     url = f"rediss+sentinel://127.0.0.1:{sentinel_port}/opgate/0?ssl_ca_certs={files.ca_cert}"
     try:
         deadline = time.monotonic() + 10
