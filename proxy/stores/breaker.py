@@ -92,12 +92,21 @@ class CircuitBreaker:
         return False
 
     def success(self) -> bool:
-        """Record a success; True when this closed an open circuit."""
+        """Record a probe's success; True when this closed an open circuit."""
         self.consecutive = 0
         if self.state != "closed":
             self.state = "closed"
             return True
         return False
+
+    def answered(self) -> None:
+        """A call's success: the failures in a row start again from none while closed. A call
+        sent while closed that a stalled Redis answers after the circuit opened closes
+        nothing: recovery is the probe's (:meth:`success`), which also sets the backend gauge
+        back, drops the leases and logs it; closed by that call, the circuit said ``redis``
+        on ``/readyz`` and ``fallback`` in ``opgate_ratelimit_backend``, with no "back" line."""
+        if self.closed:
+            self.consecutive = 0
 
     def failure(self, error: str) -> bool:
         """Record a failure; True when this opened the circuit."""
@@ -159,7 +168,7 @@ class ResilientStore:
                 if self.breaker.failure(str(exc)):
                     self._opened()
             else:
-                self.breaker.success()
+                self.breaker.answered()
                 return result
         elif self.breaker.probe_due():
             self._probe = asyncio.get_running_loop().create_task(self._run_probe())
@@ -199,7 +208,7 @@ class ResilientStore:
             if self.breaker.failure(str(exc)):
                 self._opened()
         else:
-            self.breaker.success()
+            self.breaker.answered()
 
     async def _run_probe(self) -> None:
         ping = getattr(self.primary, "ping", None)

@@ -570,3 +570,74 @@ def test_close_cancels_a_refill_ahead_in_flight() -> None:
         assert not store._ahead and not store._inflight
 
     run(go())
+
+
+class Gated:
+    """A shared store whose calls fail at once, or hang until the test lets them answer: the
+    calls in flight when Redis stalls for a moment (a fork, another client's slow script)."""
+
+    backend = "redis"
+
+    def __init__(self, clock: Clock) -> None:
+        self.memory = MemoryStore(clock=clock)
+        self.failing = False
+        self.gate = asyncio.Event()
+        self.pings = 0
+
+    async def acquire(self, requests: Sequence[BucketRequest]) -> Verdict:
+        if self.failing:
+            raise StoreUnavailable("unreachable: no answer within 0.05s")
+        await self.gate.wait()
+        return self.memory.acquire_now(requests)
+
+    async def ping(self) -> bool:
+        self.pings += 1
+        return True
+
+    def health(self) -> dict[str, object]:
+        return {"backend": "redis"}
+
+    async def close(self) -> None:
+        return None
+
+
+def test_a_call_answered_after_the_circuit_opened_leaves_its_recovery_to_the_probe(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A call sent while the circuit was closed that Redis answers after the circuit opened
+    (Redis stalled for a moment: the calls before it timed out) does not close it on its way
+    back: the circuit closed so, silently, left ``opgate_ratelimit_backend`` at ``fallback``
+    and no "back" line after the "unavailable" one, while ``/readyz`` said closed. The
+    probe closes it, with the gauge and the log."""
+    clock = Clock()
+    remote = Gated(clock)
+    store = ResilientStore(remote, replicas=1, failures=3, reset_after=1.0, clock=clock)
+    gauge = telemetry.RATELIMIT_BACKEND
+
+    async def go() -> None:
+        late = asyncio.ensure_future(store.acquire([req("k")]))
+        await asyncio.sleep(0)  # it is in flight, Redis holding its answer
+        remote.failing = True
+        for _ in range(3):
+            await store.acquire([req("k")])
+        assert store.breaker.state == "open"
+        remote.failing = False
+        remote.gate.set()
+        assert (await late).allowed
+        assert store.breaker.state == "open"  # the late answer is no probe
+        assert store.health()["backend"] == "fallback"
+        assert gauge.labels("fallback")._value.get() == 1  # type: ignore[attr-defined]
+        clock.now += 1.0
+        for _ in range(100):  # the recovery loop's probe, within its MIN_PROBE_INTERVAL
+            if store.breaker.closed:
+                break
+            await asyncio.sleep(0.01)
+        assert store.breaker.state == "closed" and remote.pings == 1
+        assert gauge.labels("redis")._value.get() == 1  # type: ignore[attr-defined]
+        assert gauge.labels("fallback")._value.get() == 0  # type: ignore[attr-defined]
+        await store.close()
+
+    with caplog.at_level("WARNING", logger="opgate.ratelimit.store"):
+        run(go())
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 2 and "unavailable after 3 failures" in said[0], said
+    assert "is back" in said[1], said
