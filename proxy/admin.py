@@ -178,8 +178,8 @@ def worker_checks(workers: Sequence[WorkerView]) -> list[NamedCheck]:
                 if worker.up:  # it answered: now it is stuck
                     return False, f"pid {pid}: not answering its admin socket"
                 return False, f"pid {pid}: starting (its admin socket does not answer yet)"
-            if status == 200:
-                return True, f"pid {pid}"
+            if status == 200:  # ready, but say what runs degraded (Redis away, say)
+                return True, "; ".join([f"pid {pid}", *_degraded(body)])
             failing = [line for line in body.splitlines() if line.startswith("[-]")]
             return False, f"pid {pid}: " + "; ".join(failing or [f"HTTP {status}"])
 
@@ -187,6 +187,17 @@ def worker_checks(workers: Sequence[WorkerView]) -> list[NamedCheck]:
 
     return [NamedCheck(f"worker-{w.index}", check_of(w), forwards_exclude=True)
             for w in workers]
+
+
+def _degraded(verbose: str) -> list[str]:
+    """``NAME degraded: why`` for each passing check of a verbose ``/readyz`` whose detail
+    says ``degraded`` (a rate-limit store that is down leaves a worker ready)."""
+    found = []
+    for line in verbose.splitlines():
+        name, sep, detail = line.removeprefix("[+]").partition(" ok: degraded")
+        if line.startswith("[+]") and sep:
+            found.append(f"{name} degraded{detail}")
+    return found
 
 
 def worker_policies(workers: Sequence[WorkerView]) -> PolicyView:

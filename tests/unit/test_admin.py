@@ -344,3 +344,29 @@ async def test_supervisor_readyz_says_a_worker_is_starting(tmp_path: Path) -> No
     assert head.startswith("HTTP/1.1 503")
     assert "[-]worker-0 failed: pid 4242: starting (its admin socket does not answer yet)" in (
         body), body
+
+
+async def test_supervisor_readyz_says_which_worker_runs_degraded(tmp_path: Path) -> None:
+    """A worker whose rate-limit store is down stays ready, and its ``ratelimit-store`` line
+    says ``degraded`` with the reason; with --workers the supervisor's /readyz?verbose said
+    only ``pid N`` for it, so Redis being away showed nowhere on /readyz."""
+    async def degraded() -> tuple[bool, str]:
+        return True, "degraded: Redis unavailable (unreachable: refused), breaker open"
+
+    sock = str(tmp_path / "worker-0.sock")
+    worker = await serve_admin(build_admin_app(
+        checks=[NamedCheck("policies", _passes), NamedCheck("ratelimit-store", degraded)],
+        describe_policies=_no_policies, render_metrics=registry_metrics(REGISTRY)),
+        listen=f"unix:{sock}")
+    supervisor = await serve_admin(build_admin_app(
+        checks=worker_checks([FakeWorker(0, sock)]), describe_policies=_no_policies,
+        render_metrics=registry_metrics(REGISTRY)), listen="127.0.0.1:0")
+    try:
+        head, body = await call(supervisor, "/readyz?verbose")
+    finally:
+        await supervisor.cleanup()
+        await worker.cleanup()
+    assert head.startswith("HTTP/1.1 200"), body
+    assert body.splitlines()[0] == (
+        "[+]worker-0 ok: pid 4242; ratelimit-store degraded: Redis unavailable "
+        "(unreachable: refused), breaker open"), body
