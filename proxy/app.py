@@ -396,7 +396,8 @@ class RedisCheck:
     the policies' failure modes apply while Redis is away (``opgate_ratelimit_backend`` says
     ``fallback``) until the store's own probes find it back. This check re-PINGs quietly every
     ``retry_every`` seconds until Redis answers (logged once, at info), so that ``/readyz``
-    says the store is degraded rather than ok meanwhile."""
+    says the store is degraded rather than ok meanwhile; with a breaker, the breaker says
+    (the store's probes, every second, close it first)."""
 
     retry_every = 5.0
 
@@ -434,7 +435,9 @@ class RedisCheck:
         if breaker not in (None, "closed"):
             return (f"degraded: Redis unavailable ({health.get('last_error')}), breaker "
                     f"{breaker}; the policies' failure modes apply")
-        if self.problem is not None:
+        # a breaker (which ``run`` tripped) closed by the store's own probe: decisions go to
+        # Redis again, whatever this check's PING said up to ``retry_every`` seconds ago
+        if self.problem is not None and breaker is None:
             return f"degraded: Redis {self.problem}; the policies' failure modes apply"
         return ", ".join(f"{k}={v}" for k, v in health.items())
 
