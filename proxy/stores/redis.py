@@ -213,6 +213,10 @@ def _sentinel_master(url: str, common: dict[str, Any]) -> Redis:
     sentinel_kwargs: dict[str, Any] = {
         "socket_timeout": common["socket_timeout"],
         "socket_connect_timeout": common["socket_connect_timeout"],
+        # a Sentinel that fails is skipped for the next one at once: with redis-py's default
+        # (10 tries, with backoff) a first Sentinel that was down or hung took every call's
+        # timeout, and no new connection reached the master (at start, after a restart)
+        "retry": Retry(NoBackoff(), 0),
     }
     if "sentinel_password" in options:
         sentinel_kwargs["password"] = options["sentinel_password"][0]

@@ -414,3 +414,48 @@ def test_connections_from_before_a_redis_restart_are_replaced_not_failed() -> No
         answers, health = run(go(server))
     assert [a.backend for a in answers if a.backend != "redis" or not a.allowed] == []
     assert (health["trips"], health["breaker"]) == (0, "closed"), health
+
+
+def _sentinel(tmp_path: Path, name: str, master_port: int) -> tuple[int, subprocess.Popen[bytes]]:
+    """A ``redis-sentinel`` watching the master on ``master_port``, answering on its port."""
+    port = free_port()
+    work = tmp_path / name
+    work.mkdir()
+    conf = work / "sentinel.conf"
+    conf.write_text(f"port {port}\nbind 127.0.0.1\ndir {work}\n"
+                    f"sentinel monitor opgate 127.0.0.1 {master_port} 1\n")
+    proc = subprocess.Popen([REDIS_BINARY, str(conf), "--sentinel"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 10
+    while not ping(port):
+        assert proc.poll() is None and time.monotonic() < deadline, "sentinel did not start"
+        time.sleep(0.05)
+    return port, proc
+
+
+def test_a_sentinel_that_is_down_is_skipped_for_the_next_one(tmp_path: Path) -> None:
+    """The first Sentinel of the URL down (its pod gone: connections refused): the store asks
+    the next one at once, from the first call on. redis-py's default for the Sentinel clients
+    (10 tries, with backoff) spent every call's timeout, and every probe's, on the one that
+    was down, so opgate never reached a master the other Sentinel named."""
+    from proxy.stores import build_store
+
+    with RedisServer.launch() as master:
+        good_port, good = _sentinel(tmp_path, "good", master.port)
+
+        async def go() -> list[str]:
+            store = build_store(
+                redis_url=f"redis+sentinel://127.0.0.1:{free_port()},127.0.0.1:{good_port}"
+                          "/opgate/0", timeout=0.2)
+            request = BucketRequest(key="down", rate=1000, burst=1000, fail_open=True)
+            try:
+                return [(await store.acquire([request])).backend for _ in range(5)]
+            finally:
+                await store.close()
+
+        try:
+            backends = run(go())
+        finally:
+            good.kill()
+            good.wait()
+    assert backends == ["redis"] * 5
