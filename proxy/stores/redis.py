@@ -64,6 +64,8 @@ DEFAULT_PREFIX = "opgate:rl:"
 DEFAULT_QUOTA_PREFIX = "opgate:quota:"
 WARM_BUDGET = 0.25  # seconds, once per process (see RedisStore._warm_up)
 WARM_CONNECTIONS = 4
+# a probe's first call may take this many timeouts (at least WARM_BUDGET) to connect afresh
+RECONNECT_TIMEOUTS = 5
 MAX_CONNECTIONS = 16  # per process; a call waits for a free one (within its own timeout)
 _FIELDS = 5  # per-key values in the script's reply
 
@@ -395,14 +397,25 @@ class RedisStore:
         ``noeviction``, a read-only replica after a failover), so the circuit would close and
         trip again every probe; one ``gcra.lua`` call that writes (cost 0 on a key of its
         own, expiring at once), as decisions do, and also reloads the script if Redis lost
-        it. Not counted in ``opgate_redis_errors_total``: the breaker counts failed probes."""
+        it. Not counted in ``opgate_redis_errors_total``: the breaker counts failed probes.
+
+        Two such calls: the first may take :data:`RECONNECT_TIMEOUTS` timeouts, to connect
+        afresh after an outage (a Sentinel that hangs is asked first and takes one timeout
+        before the next one is asked, and only an answer puts that one first; TLS, AUTH, the
+        script loaded again): held to one timeout, a probe never got through while a reconnect
+        cost more, and the store stayed "down" with Redis fine. The second is held to one
+        timeout, on the connection just made: a Redis slower than ``timeout`` stays down."""
+        for within in (max(WARM_BUDGET, RECONNECT_TIMEOUTS * self.timeout), self.timeout):
+            await self._probe_call(within)
+        return True
+
+    async def _probe_call(self, within: float) -> None:
         key = f"{self.prefix}{{probe}}:probe"
         try:
-            async with asyncio.timeout(self.timeout):
+            async with asyncio.timeout(within):
                 await self._script(keys=[key], args=["", US, 1, 0, 0])
-            return True
         except (RedisError, OSError, TimeoutError) as exc:
-            raise StoreUnavailable(describe_failure(exc, timeout=self.timeout)) from exc
+            raise StoreUnavailable(describe_failure(exc, timeout=within)) from exc
 
     def health(self) -> dict[str, object]:
         return {"backend": self.backend, "url": self.url, "cluster": self.cluster,

@@ -7,6 +7,7 @@ import asyncio
 import json
 import os
 import random
+import signal
 import socket
 import subprocess
 import sys
@@ -431,6 +432,47 @@ def _sentinel(tmp_path: Path, name: str, master_port: int) -> tuple[int, subproc
         assert proc.poll() is None and time.monotonic() < deadline, "sentinel did not start"
         time.sleep(0.05)
     return port, proc
+
+
+def test_a_sentinel_that_hangs_does_not_keep_a_restarted_master_away(tmp_path: Path) -> None:
+    """Two Sentinels, the one asked first hung (its node gone dark: connections open, nothing
+    answers), then the master restarted: every connection must be made again, and each first
+    asks the hung Sentinel, which takes one call's timeout before the other one is asked. The
+    breaker's probes were bound by that same timeout, so none got through and the store stayed
+    "down" for as long as that Sentinel hung, the master and the other Sentinel fine. A probe
+    may take the time to connect afresh (then the Sentinel that answered is asked first)."""
+    from proxy.stores import build_store
+
+    with RedisServer.launch() as master:
+        dark_port, dark = _sentinel(tmp_path, "dark", master.port)
+        good_port, good = _sentinel(tmp_path, "good", master.port)
+
+        async def go() -> tuple[bool, dict[str, object]]:
+            store = build_store(
+                redis_url=f"redis+sentinel://127.0.0.1:{dark_port},127.0.0.1:{good_port}/opgate/0",
+                timeout=0.1, breaker_reset=0.2)
+            request = BucketRequest(key="dark", rate=1000, burst=1000, fail_open=True)
+            try:
+                assert (await store.acquire([request])).backend == "redis"
+                dark.send_signal(signal.SIGSTOP)
+                await asyncio.to_thread(master.restart)
+                deadline = time.monotonic() + 15
+                while time.monotonic() < deadline:
+                    if (await store.acquire([request])).backend == "redis":
+                        return True, store.health()
+                    await asyncio.sleep(0.05)
+                return False, store.health()
+            finally:
+                await store.close()
+
+        try:
+            back, health = run(go())
+        finally:
+            for proc in (dark, good):
+                proc.send_signal(signal.SIGCONT)
+                proc.kill()
+                proc.wait()
+    assert back, json.dumps(health, default=str)
 
 
 def test_a_sentinel_that_is_down_is_skipped_for_the_next_one(tmp_path: Path) -> None:
