@@ -36,7 +36,7 @@ from urllib.parse import parse_qs, unquote, urlsplit
 from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.retry import Retry
-from redis.asyncio.sentinel import Sentinel
+from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
 from redis.backoff import NoBackoff
 from redis.credentials import CredentialProvider
 from redis.exceptions import AuthenticationError, RedisError, ResponseError
@@ -185,6 +185,13 @@ def _check_options(pool: BlockingConnectionPool, scheme: str) -> None:
                          f"takes{hint}") from None
 
 
+class _BlockingSentinelPool(SentinelConnectionPool, BlockingConnectionPool):
+    """The master's connections through a Sentinel in a bounded pool whose callers wait for a
+    free one, as ``connect`` makes for ``redis://``: redis-py's Sentinel pool opens one per call
+    in flight (each asking a Sentinel first) and refuses the 101st with "Too many
+    connections", which failed calls and tripped the breaker with Redis fine."""
+
+
 def _sentinel_master(url: str, common: dict[str, Any]) -> Redis:
     """``redis+sentinel://[:pw@]h1:p1,h2:p2/master[/db][?sentinel_password=…]``."""
     scheme, rest = url.split("://", 1)
@@ -228,7 +235,9 @@ def _sentinel_master(url: str, common: dict[str, Any]) -> Redis:
         sentinel_kwargs.update({"ssl": True, **{k: v for k, v in common.items()
                                                 if k in _TLS_QUERY}})
     sentinel = Sentinel(nodes, sentinel_kwargs=sentinel_kwargs, **kwargs)  # type: ignore[no-untyped-call]
-    master: Redis = sentinel.master_for(unquote(pieces[0]))
+    master: Redis = sentinel.master_for(
+        unquote(pieces[0]), connection_pool_class=_BlockingSentinelPool,
+        max_connections=MAX_CONNECTIONS, timeout=None)
     return master
 
 

@@ -501,3 +501,34 @@ def test_a_sentinel_that_is_down_is_skipped_for_the_next_one(tmp_path: Path) -> 
             good.kill()
             good.wait()
     assert backends == ["redis"] * 5
+
+
+def test_a_burst_of_first_calls_through_sentinel_shares_a_bounded_pool(
+        server: RedisServer, tmp_path: Path) -> None:
+    """As ``test_a_burst_of_first_calls_shares_a_bounded_pool``, through a Sentinel: the
+    master's pool was redis-py's Sentinel pool, which opens a connection per call (each asking
+    the Sentinel first) and refuses the 101st call in flight with "Too many connections", so a
+    controller's start (or a Redis slow for a moment under load) failed calls and tripped the
+    breaker with Redis fine."""
+    from proxy.stores.redis import MAX_CONNECTIONS
+
+    port, sentinel = _sentinel(tmp_path, "burst", server.port)
+
+    async def burst() -> tuple[list[BaseException], int]:
+        store = RedisStore.from_url(f"redis+sentinel://127.0.0.1:{port}/opgate/0", timeout=1.0)
+        requests = [r(f"sburst-{i % 3}", 1e6, 1000) for i in range(300)]
+        try:
+            answers = await asyncio.gather(*(store.acquire([q]) for q in requests),
+                                           return_exceptions=True)
+            info = await store.client.info("clients")
+        finally:
+            await store.close()
+        return [a for a in answers if isinstance(a, BaseException)], info["connected_clients"]
+
+    try:
+        failed, clients = run(burst())
+    finally:
+        sentinel.kill()
+        sentinel.wait()
+    assert [str(f) for f in failed] == []
+    assert clients <= MAX_CONNECTIONS + 2  # (+2: the Sentinel's own, another test's client)
