@@ -260,6 +260,10 @@ class RedisStore:
         self._script = client.register_script(SCRIPT)
         self._quota_script = client.register_script(QUOTA_SCRIPT)
         self._warm: asyncio.Task[None] | None = None
+        # a Cluster client opens a connection per call in flight to a node and refuses the
+        # 101st (MaxConnectionsError), with no pool that makes callers wait as ``connect``'s
+        # do: calls wait here instead, for one of MAX_CONNECTIONS (within their own timeout)
+        self._slots = asyncio.Semaphore(MAX_CONNECTIONS) if cluster else None
 
     @classmethod
     def from_url(
@@ -330,7 +334,7 @@ class RedisStore:
         self.calls += 1
         try:
             async with asyncio.timeout(self.timeout):
-                reply = await self._script(keys=keys, args=args)
+                reply = await self._run(self._script, keys, args)
         except (RedisError, OSError, TimeoutError) as exc:
             telemetry.REDIS_ERRORS.inc()
             raise StoreUnavailable(describe_failure(exc, timeout=self.timeout)) from exc
@@ -339,6 +343,13 @@ class RedisStore:
             tuple(values[1 + i * _FIELDS: 1 + (i + 1) * _FIELDS]) for i in range(len(requests))
         ]
         return values[0] == 1, results  # type: ignore[return-value]
+
+    async def _run(self, script: Any, keys: list[str], args: list[Any]) -> Any:
+        """``script(keys, args)``, on a Cluster once one of its call slots is free."""
+        if self._slots is None:
+            return await script(keys=keys, args=args)
+        async with self._slots:
+            return await script(keys=keys, args=args)
 
     # --- quota reservations ---------------------------------------------------------------
 
@@ -371,8 +382,8 @@ class RedisStore:
         self.calls += 1
         try:
             async with asyncio.timeout(self.timeout):
-                reply: list[Any] = await self._quota_script(keys=[self.quota_key(scope)],
-                                                            args=args)
+                reply: list[Any] = await self._run(self._quota_script,
+                                                   [self.quota_key(scope)], args)
         except (RedisError, OSError, TimeoutError) as exc:
             telemetry.REDIS_ERRORS.inc()
             raise StoreUnavailable(describe_failure(exc, timeout=self.timeout)) from exc
@@ -422,7 +433,7 @@ class RedisStore:
         key = f"{self.prefix}{{probe}}:probe"
         try:
             async with asyncio.timeout(within):
-                await self._script(keys=[key], args=["", US, 1, 0, 0])
+                await self._run(self._script, [key], ["", US, 1, 0, 0])
         except (RedisError, OSError, TimeoutError) as exc:
             raise StoreUnavailable(describe_failure(exc, timeout=within)) from exc
 

@@ -4,6 +4,7 @@ expiry, script reloads, shards, Sentinel and Cluster URLs, and accuracy across p
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -248,7 +249,9 @@ def test_sentinel_over_tls_with_the_ca_named_in_the_url(tmp_path: Path) -> None:
             proc.wait()
 
 
-def test_cluster_url() -> None:
+@contextlib.contextmanager
+def _cluster() -> Iterator[list[RedisServer]]:
+    """Three redis-server nodes made one Redis Cluster (no replicas), ready."""
     servers = [RedisServer(kind="binary", port=free_port(cluster=True)) for _ in range(3)]
     try:
         for s in servers:
@@ -265,25 +268,53 @@ def test_cluster_url() -> None:
                 capture_output=True, timeout=5).stdout:
             assert time.monotonic() < deadline, "the cluster did not become ready"
             time.sleep(0.1)
-
-        async def go() -> None:
-            store = RedisStore.from_url(f"redis+cluster://127.0.0.1:{servers[0].port}",
-                                        timeout=2.0)
-            try:
-                same = [BucketRequest(key=f"k{i}", rate=1, burst=2, shard="alice")
-                        for i in range(3)]
-                assert (await store.acquire(same)).allowed
-                spread = [BucketRequest(key=f"user-less-{i}", rate=1, burst=1) for i in range(6)]
-                assert (await store.acquire(spread)).allowed  # slots on several nodes
-                assert not (await store.acquire(spread[:2])).allowed
-            finally:
-                await store.close()
-
-        run(go())
+        yield servers
     finally:
         for s in servers:
             s.close()
 
+
+def test_cluster_url() -> None:
+    async def go(port: int) -> None:
+        store = RedisStore.from_url(f"redis+cluster://127.0.0.1:{port}", timeout=2.0)
+        try:
+            same = [BucketRequest(key=f"k{i}", rate=1, burst=2, shard="alice")
+                    for i in range(3)]
+            assert (await store.acquire(same)).allowed
+            spread = [BucketRequest(key=f"user-less-{i}", rate=1, burst=1) for i in range(6)]
+            assert (await store.acquire(spread)).allowed  # slots on several nodes
+            assert not (await store.acquire(spread[:2])).allowed
+        finally:
+            await store.close()
+
+    with _cluster() as servers:
+        run(go(servers[0].port))
+
+
+def test_a_burst_of_calls_on_a_cluster_waits_for_connections_not_fails() -> None:
+    """300 calls at once for buckets on one node (one user's): redis-py's Cluster client
+    refuses the 101st call in flight to a node ("MaxConnectionsError"), so a burst failed
+    calls and tripped the breaker with the Cluster fine; they now wait their turn for one of
+    at most MAX_CONNECTIONS connections per node (within their own timeout)."""
+    from proxy.stores.redis import MAX_CONNECTIONS
+
+    async def go(port: int) -> tuple[list[str], int]:
+        store = RedisStore.from_url(f"redis+cluster://127.0.0.1:{port}", timeout=2.0)
+        requests = [BucketRequest(key=f"cb-{i % 3}", rate=1e6, burst=1000, shard="bob")
+                    for i in range(300)]
+        try:
+            answers = await asyncio.gather(*(store.acquire([q]) for q in requests),
+                                           return_exceptions=True)
+            node = store.client.get_node_from_key(store.redis_key(requests[0]))
+            clients = (await store.client.info("clients", target_nodes=node))["connected_clients"]
+        finally:
+            await store.close()
+        return [str(a) for a in answers if isinstance(a, BaseException)], clients
+
+    with _cluster() as servers:
+        failed, clients = run(go(servers[0].port))
+    assert failed == []
+    assert clients <= MAX_CONNECTIONS + 3  # (+ the other nodes' cluster bus links)
 
 WORKER = r"""
 import asyncio, json, sys, time
