@@ -1172,3 +1172,47 @@ def test_lint_native(helm: Path) -> None:
         out = subprocess.run([str(helm), "lint", "--strict", str(CHART), "--set",
                               f"sidecar.native={native}"], capture_output=True, text=True)
         assert out.returncode == 0, out.stdout + out.stderr
+
+
+# The values added since the chart's first version: a release installed with an older chart
+# holds none of them (helm upgrade --reuse-values renders the new templates with the old
+# release's values, its chart's defaults included, not this chart's values.yaml).
+ADDED_SINCE_THE_FIRST_CHART = (
+    "operator.enabled", "operator.extraVolumeMounts", "rbac.sidecarRules", "sidecar.audit",
+    "sidecar.capture", "sidecar.extraVolumeMounts", "sidecar.native",
+    "sidecar.shutdownDelaySeconds", "sidecar.shutdownGraceSeconds", "sidecar.tmpSizeLimit",
+    "terminationGracePeriodSeconds", "extraVolumes", "imagePullSecrets", "nameOverride",
+    "fullnameOverride")
+
+
+def older_values(paths: tuple[str, ...]) -> dict[str, Any]:
+    """This chart's values.yaml without ``paths`` (dotted): an older chart's defaults."""
+    values: dict[str, Any] = yaml.safe_load((CHART / "values.yaml").read_text())
+    for path in paths:
+        *parents, last = path.split(".")
+        node = values
+        for key in parents:
+            node = node[key]
+        del node[last]
+    return values
+
+
+@pytest.mark.parametrize("absent", [*[(p,) for p in ADDED_SINCE_THE_FIRST_CHART],
+                                    ADDED_SINCE_THE_FIRST_CHART],
+                         ids=[*ADDED_SINCE_THE_FIRST_CHART, "all"])
+def test_values_an_older_release_lacks_render_as_a_fresh_install(
+    helm: Path, tmp_path: Path, absent: tuple[str, ...]
+) -> None:
+    """`helm upgrade --reuse-values` of a release an older chart made: each value added since
+    is absent, and renders as this chart's default would. Absent, operator.enabled removed the
+    operator's Deployment, ServiceAccount, RBAC, kubeconfig and Service (only the policies
+    ConfigMap was left); sidecar.shutdownGraceSeconds rendered --shutdown-grace= (opgate
+    exits 2 at start, a crash loop); sidecar.audit or sidecar.capture failed the upgrade (nil
+    pointer); sidecar.tmpSizeLimit left /tmp's emptyDir without a limit."""
+    import shutil
+
+    chart = tmp_path / "opgate"
+    shutil.copytree(CHART, chart)
+    (chart / "values.yaml").write_text(yaml.safe_dump(older_values(absent)))
+    sets = ("redis.url=redis://redis:6379/0",)
+    assert _render(helm, *sets, chart=chart) == _render(helm, *sets)

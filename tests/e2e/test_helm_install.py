@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ import yaml
 
 from proxy.cli_parser import build_parser
 from proxy.envtest.cluster import LocalCluster
+from tests.e2e.test_helm import ADDED_SINCE_THE_FIRST_CHART, older_values
 
 pytestmark = pytest.mark.e2e
 
@@ -258,3 +260,33 @@ def test_auto_native_follows_the_clusters_version(
     assert "initContainers" not in pod
     assert [c["name"] for c in pod["containers"]] == ["operator", "opgate"]
     kube.run_helm("uninstall", "gate")
+
+
+def test_reuse_values_upgrade_of_a_release_an_older_chart_made(
+    helm: Path, kubectl: Path, cluster: LocalCluster, tmp_path: Path
+) -> None:
+    """A platform team upgrades a release the first chart made with `helm upgrade
+    --reuse-values` (helm then renders with that release's values, its chart's defaults
+    included: none of the values added since). The upgrade leaves the same objects and pod as
+    a fresh install: it removed the operator's Deployment, ServiceAccount, RBAC, kubeconfig and
+    metrics Service (operator.enabled absent), leaving the policies ConfigMap alone."""
+    old = tmp_path / "opgate-old"
+    (old / "templates").mkdir(parents=True)
+    shutil.copy(CHART / "Chart.yaml", old / "Chart.yaml")
+    # the older chart's values and a template reading them; its objects are the new one's
+    (old / "values.yaml").write_text(yaml.safe_dump(older_values(ADDED_SINCE_THE_FIRST_CHART)))
+    (old / "templates" / "configmap.yaml").write_text(
+        "apiVersion: v1\nkind: ConfigMap\nmetadata: {name: {{ .Release.Name }}-opgate-policies}\n"
+        "data: {{- toYaml .Values.policies | nindent 2 }}\n")
+    upgraded = Kube(helm, kubectl, cluster, "helm-reuse-old")
+    upgraded.run_helm("install", "op", str(old), "--set", "redis.url=redis://r:6379/0")
+    upgraded.run_helm("upgrade", "op", str(CHART), "--reuse-values")
+    fresh = Kube(helm, kubectl, cluster, "helm-reuse-new")
+    fresh.run_helm("install", "op", str(CHART), "--set", "redis.url=redis://r:6379/0")
+    assert upgraded.names("deploy,cm,svc,sa") == fresh.names("deploy,cm,svc,sa")
+    template = upgraded.get("deployment", "op-opgate")["spec"]["template"]
+    assert template == fresh.get("deployment", "op-opgate")["spec"]["template"]
+    assert build_parser().parse_args(_sidecar_args({"spec": {"template": template}})).replicas
+    assert upgraded.can_i("op-opgate", "patch", "widgets.demo.opgate.dev")
+    for kube in (upgraded, fresh):
+        kube.run_helm("uninstall", "op")

@@ -1,3 +1,45 @@
+{{/*
+The values added since the chart's first version, each with its default in values.yaml
+(test_helm.py::test_values_an_older_release_lacks_render_as_a_fresh_install holds them to it).
+`helm upgrade --reuse-values` renders these templates with the values of the release being
+upgraded, its own chart's defaults included: in a release an older chart made, a value added
+since is absent, not this chart's default. Absent, operator.enabled removed the operator's
+Deployment, ServiceAccount and RBAC, and sidecar.shutdownGraceSeconds rendered
+--shutdown-grace= (opgate exits 2 at start).
+*/}}
+{{- define "opgate.addedValues" -}}
+operator: {enabled: true}
+sidecar:
+  native: false
+  shutdownDelaySeconds: 5
+  shutdownGraceSeconds: 10
+  tmpSizeLimit: 16Mi
+  audit: {enabled: false, path: /var/log/opgate/audit.log, maxSizeMB: 100, maxBackups: 5, sizeLimit: 1Gi}
+  capture: {enabled: false, path: /var/log/opgate-capture/capture.flows, maxSizeMB: 100, maxBackups: 5, sizeLimit: 1Gi}
+terminationGracePeriodSeconds: 30
+{{- end -}}
+
+{{/*
+Sets in a context's .Values each of opgate.addedValues it lacks, so that an upgrade of an older
+release renders what a fresh install with the same settings would. Only an absent key is set:
+one the values hold, null or false included (policies: null, operator.enabled: false), stays.
+Each template and opgate.context call it first (helm renders the files in no order of ours).
+*/}}
+{{- define "opgate.fillAbsent" -}}
+{{- include "opgate.fillAbsentIn" (list .Values (fromYaml (include "opgate.addedValues" .))) -}}
+{{- end -}}
+
+{{- define "opgate.fillAbsentIn" -}}
+{{- $values := index . 0 -}}
+{{- range $key, $default := index . 1 -}}
+{{- if not (hasKey $values $key) -}}
+{{- $_ := set $values $key $default -}}
+{{- else if and (kindIs "map" $default) (kindIs "map" (get $values $key)) -}}
+{{- include "opgate.fillAbsentIn" (list (get $values $key) $default) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
 {{/* Names, as in charts made by helm create (nameOverride, fullnameOverride) */}}
 {{- define "opgate.name" -}}
 {{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
@@ -136,6 +178,7 @@ chart's root context, they use the opgate subchart's (.Subcharts.opgate: the val
 {{- else -}}
 {{- fail "opgate.sidecar/opgate.volumes: pass a context with opgate's values: the root context of a chart that depends on opgate, .Subcharts.<alias> for an aliased dependency, or (dict \"Values\" .Values.opgate \"Release\" .Release \"Chart\" .Chart)" -}}
 {{- end -}}
+{{- include "opgate.fillAbsent" .out.ctx -}}
 {{- end -}}
 
 {{/*
@@ -143,8 +186,7 @@ chart's root context, they use the opgate subchart's (.Subcharts.opgate: the val
 restartPolicy Always, which kubelet starts (and waits for its startupProbe) before the pod's
 containers and stops after them. sidecar.native: true, false, or auto: on a cluster of 1.29 or
 later (SidecarContainers on by default; .Capabilities.KubeVersion is the apiserver's at helm
-install, --kube-version's or helm's own at helm template). Unset (a release of an older chart
-upgraded with --reuse-values): false, as before.
+install, --kube-version's or helm's own at helm template).
 */}}
 {{- define "opgate.native" -}}
 {{- $native := .Values.sidecar.native -}}
