@@ -11,6 +11,7 @@ import json
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -290,3 +291,44 @@ def test_reuse_values_upgrade_of_a_release_an_older_chart_made(
     assert upgraded.can_i("op-opgate", "patch", "widgets.demo.opgate.dev")
     for kube in (upgraded, fresh):
         kube.run_helm("uninstall", "op")
+
+
+def _notes_command(notes: str, what: str) -> str:
+    """The command NOTES print on the line of ``what`` (e.g. ``policies``)."""
+    [line] = [ln for ln in notes.splitlines() if ln.strip().startswith(what + " ")]
+    return line.strip()[len(what):].strip()
+
+
+def test_the_notes_way_to_change_the_policies_keeps_the_release_upgradable(
+    helm: Path, kubectl: Path, cluster: LocalCluster, tmp_path: Path
+) -> None:
+    """The policy change the install's NOTES tell, run as printed (CHART and FILE filled in):
+    the ConfigMap holds the new policy, the pods stay (opgate reloads it), and the release's
+    next upgrade still goes through and keeps it. The NOTES said `kubectl edit configmap`:
+    the edit took .data from helm's field manager, and every later `helm upgrade` (helm 4
+    applies server-side) failed with 'conflict with "kubectl-edit"' until --force-conflicts,
+    which would put the chart's policies back."""
+    kube = Kube(helm, kubectl, cluster, "helm-notes")
+    out = kube.run_helm("install", "gate", str(CHART))
+    command = _notes_command(out.stdout, "policies")
+    first = kube.get("deployment", "gate-opgate")
+    policy = ("apiVersion: opgate.dev/v1alpha1\nkind: Policy\nmetadata: {name: operator}\n"
+              "spec:\n  mode: observe\n")
+    (tmp_path / "operator.yaml").write_text(policy)
+    editor = tmp_path / "editor.py"  # what a person does in $EDITOR, for a `kubectl edit`
+    editor.write_text("import sys, yaml\nf = sys.argv[1]\ndoc = yaml.safe_load(open(f))\n"
+                      f"doc['data'] = {{'operator.yaml': {policy!r}}}\n"
+                      "open(f, 'w').write(yaml.safe_dump(doc))\n")
+    env = {"PATH": f"{helm.parent}:{kubectl.parent}:/usr/bin:/bin",
+           "KUBECONFIG": cluster.kubeconfig_path, "EDITOR": f"{sys.executable} {editor}",
+           "HOME": str(tmp_path)}
+    ran = subprocess.run(command.replace("CHART", str(CHART)).replace("FILE", "operator.yaml"),
+                         shell=True, cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert ran.returncode == 0, command + "\n" + ran.stdout + ran.stderr
+    assert kube.get("configmap", "gate-opgate-policies")["data"] == {"operator.yaml": policy}
+    assert kube.get("deployment", "gate-opgate")["spec"]["template"] == first["spec"]["template"]
+
+    kube.run_helm("upgrade", "gate", str(CHART), "--reuse-values",
+                  "--set", "sidecar.logLevel=debug")
+    assert kube.get("configmap", "gate-opgate-policies")["data"] == {"operator.yaml": policy}
+    kube.run_helm("uninstall", "gate")
