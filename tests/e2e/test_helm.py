@@ -803,13 +803,19 @@ def test_an_image_tag_written_as_a_number(helm: Path, tmp_path: Path) -> None:
     assert _operator(docs)["image"] == "ghcr.io/opgate/opgate:1.10"
 
 
-@pytest.mark.parametrize("url", ["redis://:s3cret@redis:6379/0", "rediss://app:s3cret@redis:6380/0",
-                                 "redis+sentinel://:s3cret@sentinel:26379/mymaster"])
+@pytest.mark.parametrize("url", [
+    "redis://:s3cret@redis:6379/0", "rediss://app:s3cret@redis:6380/0",
+    "redis+sentinel://:s3cret@sentinel:26379/mymaster",
+    # redis-py reads a password from the query too (opgate authenticates with it)
+    "redis://redis:6379/0?password=s3cret", "unix:///run/redis/redis.sock?db=1&Password=s3cret",
+    "redis+sentinel://sentinel:26379/mymaster?sentinel_password=s3cret"])
 def test_a_redis_password_never_stands_in_the_pods_args(helm: Path, url: str) -> None:
     """The args are in the Deployment, for whoever may read Deployments: the password comes
-    from a Secret (redis.passwordSecret), not from the URL."""
+    from a Secret (redis.passwordSecret, or the whole URL as OPGATE_REDIS_URL), not from the
+    URL. A ?password= or ?sentinel_password= in the query was rendered in clear."""
     err = _render_error(helm, f"redis.url={url}")
-    assert "redis.passwordSecret.name" in err and "s3cret" not in err, err
+    assert "redis.passwordSecret.name" in err and "OPGATE_REDIS_URL" in err, err
+    assert "s3cret" not in err, err
     docs = _render(helm, "redis.url=rediss://app@redis:6380/0",
                    "redis.passwordSecret.name=redis-auth")  # a username stays in the URL
     args = build_parser().parse_args(_sidecar(docs)["args"])

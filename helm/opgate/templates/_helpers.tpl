@@ -248,8 +248,11 @@ it is not.
 {{- if and .Values.redis.passwordSecret.name (not .Values.redis.url) -}}
 {{- fail (printf "redis.passwordSecret.name=%s without redis.url: opgate would not use Redis (nor the password) and the pod would wait for that Secret; set redis.url too, or drop redis.passwordSecret.name" .Values.redis.passwordSecret.name) -}}
 {{- end -}}
-{{- if regexMatch "^[A-Za-z+]+://[^/?#@]*:[^/?#@]+@" (toString .Values.redis.url) -}}
-{{- fail "redis.url holds a password, which would stand in clear in the pod's args (kubectl get deployment -o yaml shows them to whoever may read Deployments): put it in a Secret and give its name in redis.passwordSecret.name (a username stays in the URL: redis://USER@HOST:PORT/DB)" -}}
+{{- /* a password in the userinfo, or in the query, where redis-py reads ?password= (and a
+     Sentinel's ?sentinel_password=; opgate's redacted_url hides every *password there) */ -}}
+{{- $url := toString .Values.redis.url -}}
+{{- if or (regexMatch "^[A-Za-z+]+://[^/?#@]*:[^/?#@]+@" $url) (regexMatch "(?i)[?&][^=&#]*password=[^&#]" $url) -}}
+{{- fail "redis.url holds a password, which would stand in clear in the pod's args (kubectl get deployment -o yaml shows them to whoever may read Deployments): put it in a Secret and give its name in redis.passwordSecret.name (a username stays in the URL: redis://USER@HOST:PORT/DB), or, for a URL that must hold one (a Sentinel's ?sentinel_password=), leave redis.url empty and give the whole URL from a Secret as OPGATE_REDIS_URL in sidecar.env (valueFrom.secretKeyRef)" -}}
 {{- end -}}
 {{- /* the flags rendered from values below: the same flag in sidecar.extraArgs (or a prefix
      of it, which opgate's parser takes as the flag) would win over the value, out of the
