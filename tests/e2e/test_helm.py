@@ -823,6 +823,26 @@ def test_a_redis_password_never_stands_in_the_pods_args(helm: Path, url: str) ->
         "rediss://app@redis:6380/0", "/etc/opgate/redis/password")
 
 
+@pytest.mark.parametrize(("name", "value"), [
+    ("OPGATE_REDIS_PASSWORD", "s3cret"),
+    ("OPGATE_REDIS_URL", "redis://:s3cret@redis:6379/0"),
+    ("OPGATE_REDIS_URL", "redis+sentinel://sentinel:26379/m?sentinel_password=s3cret")])
+def test_a_redis_password_never_stands_in_the_pods_env(helm: Path, name: str, value: str) -> None:
+    """opgate's OPGATE_REDIS_* variables in sidecar.env as plain values put the password in
+    the Deployment (and `kubectl describe pod`) in clear, the chart's refusal of one in
+    redis.url aside; the README's way, valueFrom a Secret, renders."""
+    err = _render_error(helm, strings=(f"sidecar.env[0].name={name}",
+                                       f"sidecar.env[0].value={value}"))
+    assert name in err and "secretKeyRef" in err and "s3cret" not in err, err
+    docs = _render(helm, f"sidecar.env[0].name={name}",
+                   "sidecar.env[0].valueFrom.secretKeyRef.name=redis",
+                   "sidecar.env[0].valueFrom.secretKeyRef.key=k")
+    assert _sidecar(docs)["env"][0]["name"] == name
+    ok = _helm_template(helm, (), "demo", CHART, (
+        "sidecar.env[0].name=OPGATE_REDIS_URL", "sidecar.env[0].value=redis://app@redis:6379/0"))
+    assert ok.returncode == 0, ok.stderr  # a username alone is no secret
+
+
 @pytest.mark.parametrize(("setting", "key"), [
     ("tolerance[0].key=dedicated", "tolerance"),
     ("imagePullSecret[0].name=regcred", "imagePullSecret"),

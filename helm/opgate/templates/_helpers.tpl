@@ -40,6 +40,18 @@ Each template and opgate.context call it first (helm renders the files in no ord
 {{- end -}}
 {{- end -}}
 
+{{/*
+"true" when a Redis URL holds a password: in its userinfo (redis://:PASSWORD@, USER:PASSWORD@), or
+in its query, where redis-py reads ?password= (and a Sentinel's ?sentinel_password=: opgate's
+redacted_url hides every *password option there).
+*/}}
+{{- define "opgate.holdsPassword" -}}
+{{- $url := toString (. | default "") -}}
+{{- if or (regexMatch "^[A-Za-z+]+://[^/?#@]*:[^/?#@]+@" $url) (regexMatch "(?i)[?&][^=&#]*password=[^&#]" $url) -}}
+true
+{{- end -}}
+{{- end -}}
+
 {{/* Names, as in charts made by helm create (nameOverride, fullnameOverride) */}}
 {{- define "opgate.name" -}}
 {{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
@@ -248,11 +260,16 @@ it is not.
 {{- if and .Values.redis.passwordSecret.name (not .Values.redis.url) -}}
 {{- fail (printf "redis.passwordSecret.name=%s without redis.url: opgate would not use Redis (nor the password) and the pod would wait for that Secret; set redis.url too, or drop redis.passwordSecret.name" .Values.redis.passwordSecret.name) -}}
 {{- end -}}
-{{- /* a password in the userinfo, or in the query, where redis-py reads ?password= (and a
-     Sentinel's ?sentinel_password=; opgate's redacted_url hides every *password there) */ -}}
-{{- $url := toString .Values.redis.url -}}
-{{- if or (regexMatch "^[A-Za-z+]+://[^/?#@]*:[^/?#@]+@" $url) (regexMatch "(?i)[?&][^=&#]*password=[^&#]" $url) -}}
+{{- if include "opgate.holdsPassword" .Values.redis.url -}}
 {{- fail "redis.url holds a password, which would stand in clear in the pod's args (kubectl get deployment -o yaml shows them to whoever may read Deployments): put it in a Secret and give its name in redis.passwordSecret.name (a username stays in the URL: redis://USER@HOST:PORT/DB), or, for a URL that must hold one (a Sentinel's ?sentinel_password=), leave redis.url empty and give the whole URL from a Secret as OPGATE_REDIS_URL in sidecar.env (valueFrom.secretKeyRef)" -}}
+{{- end -}}
+{{- range .Values.sidecar.env -}}
+{{- if and (eq (toString .name) "OPGATE_REDIS_PASSWORD") .value -}}
+{{- fail "sidecar.env has OPGATE_REDIS_PASSWORD with a value, which stands in clear in the Deployment (kubectl describe shows it): take it from a Secret (valueFrom.secretKeyRef), or give the Secret's name in redis.passwordSecret.name" -}}
+{{- end -}}
+{{- if and (eq (toString .name) "OPGATE_REDIS_URL") (include "opgate.holdsPassword" .value) -}}
+{{- fail "sidecar.env has OPGATE_REDIS_URL with a value holding a password, which stands in clear in the Deployment (kubectl describe shows it): take the URL from a Secret (valueFrom.secretKeyRef), or put the password in a Secret named by redis.passwordSecret.name" -}}
+{{- end -}}
 {{- end -}}
 {{- /* the flags rendered from values below: the same flag in sidecar.extraArgs (or a prefix
      of it, which opgate's parser takes as the flag) would win over the value, out of the
