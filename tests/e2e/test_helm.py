@@ -287,7 +287,8 @@ def test_audit_and_capture_share_a_directory(
     helm: Path, kubectl: Path, cluster: LocalCluster, tmp_path: Path
 ) -> None:
     docs = _render(helm, "sidecar.audit.enabled=true", "sidecar.capture.enabled=true",
-                   "sidecar.capture.path=/var/log/opgate/capture.flows")
+                   "sidecar.capture.path=/var/log/opgate/capture.flows",
+                   "sidecar.audit.sizeLimit=1200Mi")  # both files' 600Mi
     sidecar = _sidecar(docs)
     args = build_parser().parse_args(sidecar["args"])
     assert (args.audit_log, args.capture) == ("/var/log/opgate/audit.log",
@@ -299,6 +300,56 @@ def test_audit_and_capture_share_a_directory(
     # apart, each has its own volume, as before
     sidecar = _sidecar(_render(helm, "sidecar.audit.enabled=true", "sidecar.capture.enabled=true"))
     assert _mounts(sidecar)["/var/log/opgate-capture"] == "opgate-capture"
+
+
+@pytest.mark.parametrize(("sets", "says"), [
+    (("sidecar.audit.enabled=true", "sidecar.audit.maxSizeMB=500"),
+     "sidecar.audit.sizeLimit=1Gi is less than (5 + 1) x 500Mi x 1 worker = 3000Mi"),
+    (("sidecar.capture.enabled=true", "sidecar.capture.sizeLimit=512Mi"),
+     "sidecar.capture.sizeLimit=512Mi is less than (5 + 1) x 100Mi x 1 worker = 600Mi"),
+    (("sidecar.audit.enabled=true", "redis.url=redis://r:6379/0",
+      "sidecar.extraArgs={--workers,2}"),
+     "sidecar.audit.sizeLimit=1Gi is less than (5 + 1) x 100Mi x 2 workers = 1200Mi"),
+    (("sidecar.capture.enabled=true", "redis.url=redis://r:6379/0",
+      "sidecar.env[0].name=OPGATE_WORKERS", "sidecar.env[0].value=3",
+      "sidecar.capture.sizeLimit=1800M"),
+     "sidecar.capture.sizeLimit=1800M is less than (5 + 1) x 100Mi x 3 workers = 1800Mi"),
+    # one volume for both files: the audit log's sizeLimit holds the two
+    (("sidecar.audit.enabled=true", "sidecar.capture.enabled=true",
+      "sidecar.capture.path=/var/log/opgate/capture.flows"),
+     "sidecar.audit.sizeLimit=1Gi is less than the audit log's (5 + 1) x 100Mi x 1 worker + "
+     "the capture's (5 + 1) x 100Mi x 1 worker = 1200Mi"),
+])
+def test_a_log_volume_its_rotated_files_would_outgrow_is_refused(
+    helm: Path, sets: tuple[str, ...], says: str
+) -> None:
+    """Kubelet evicts the pod (the operator with it) once an emptyDir passes its sizeLimit, and
+    a rotated file takes (maxBackups + 1) x maxSizeMB per worker: the 1Gi default held one
+    worker's audit log, not two workers' (each rotates its own file), nor the audit log and
+    the capture in one directory. values.yaml and the README said so; the chart rendered it."""
+    strings = tuple(s for s in sets if s.startswith("sidecar.env"))
+    err = _render_error(helm, *(s for s in sets if s not in strings), strings=strings)
+    assert says in err and "evict" in err, err
+
+
+@pytest.mark.parametrize("sets", [
+    ("sidecar.audit.enabled=true", "sidecar.capture.enabled=true"),  # the defaults, apart
+    ("sidecar.audit.enabled=true", "sidecar.audit.maxSizeMB=0"),  # never rotated: unbounded
+    ("sidecar.audit.enabled=true", "sidecar.audit.maxBackups=0"),  # every backup kept
+    ("sidecar.audit.enabled=true", "sidecar.audit.path=-"),  # stdout: no volume
+    ("sidecar.audit.enabled=true", "sidecar.audit.sizeLimit=1200Mi",
+     "redis.url=redis://r:6379/0", "sidecar.extraArgs={--workers,2}"),
+    ("sidecar.audit.enabled=true", "sidecar.audit.sizeLimit=1258291200",  # bytes: 1200Mi
+     "redis.url=redis://r:6379/0", "sidecar.extraArgs={--workers=2}"),
+    ("sidecar.capture.enabled=true", "sidecar.capture.sizeLimit=0.6Gi"),
+    ("sidecar.capture.enabled=true", "sidecar.capture.sizeLimit=1e9"),
+    ("sidecar.audit.enabled=true", "sidecar.capture.enabled=true",
+     "sidecar.capture.path=/var/log/opgate/capture.flows", "sidecar.audit.sizeLimit=2Gi"),
+])
+def test_a_log_volume_that_holds_its_rotated_files_renders(
+    helm: Path, sets: tuple[str, ...]
+) -> None:
+    _render(helm, *sets)
 
 
 def test_a_capture_on_another_mount_is_refused(helm: Path) -> None:
@@ -553,6 +604,7 @@ EVERYTHING_ON = (
     "redis.url=rediss://redis.redis:6380/1", "redis.replicas=2",
     "redis.passwordSecret.name=redis-auth", "redis.passwordSecret.key=pw",
     "sidecar.audit.enabled=true", "sidecar.capture.enabled=true",
+    "sidecar.audit.sizeLimit=2Gi", "sidecar.capture.sizeLimit=2Gi",  # two workers' 1200Mi
     "sidecar.extraArgs={--workers,2}", "sidecar.logLevel=debug", "sidecar.accessLog=false",
     "sidecar.adminListen=[::]:9500", "sidecar.env[0].name=PYTHONFAULTHANDLER",
     "sidecar.env[0].value=x", "sidecar.resources.limits.cpu=1",
@@ -1097,7 +1149,8 @@ def test_the_apiserver_keeps_a_native_sidecar(
     allowed on it, not on a plain init container) and keeps the field: an apiserver without
     SidecarContainers would drop it, and the pod would wait on opgate forever in Init."""
     docs = _render(helm, "sidecar.native=true", "sidecar.audit.enabled=true",
-                   "redis.url=redis://r:6379/0", "sidecar.extraArgs={--workers,2}")
+                   "sidecar.audit.sizeLimit=2Gi", "redis.url=redis://r:6379/0",
+                   "sidecar.extraArgs={--workers,2}")
     out = json.loads(_dry_run(kubectl, cluster, tmp_path, docs, "-o", "json"))
     [deployment] = [d for d in out["items"] if d["kind"] == "Deployment"]
     pod = deployment["spec"]["template"]["spec"]

@@ -52,6 +52,21 @@ true
 {{- end -}}
 {{- end -}}
 
+{{/*
+A Kubernetes quantity (1Gi, 512Mi, 2G, 1e9, 1258291200) in bytes, as a float.
+*/}}
+{{- define "opgate.quantityBytes" -}}
+{{- $q := trimPrefix "+" (toString .) -}}
+{{- $num := regexFind "^([0-9]+([.][0-9]*)?|[.][0-9]+)" $q -}}
+{{- $units := dict "" 1.0 "Ki" 1024.0 "Mi" 1048576.0 "Gi" 1073741824.0 "Ti" 1099511627776.0 "Pi" 1125899906842624.0 "Ei" 1152921504606846976.0 "n" 0.000000001 "u" 0.000001 "m" 0.001 "k" 1000.0 "M" 1000000.0 "G" 1000000000.0 "T" 1000000000000.0 "P" 1000000000000000.0 "E" 1000000000000000000.0 -}}
+{{- $unit := trimPrefix $num $q -}}
+{{- if hasKey $units $unit -}}
+{{- mulf (float64 $num) (get $units $unit) -}}
+{{- else -}}
+{{- float64 $q -}}
+{{- end -}}
+{{- end -}}
+
 {{/* Names, as in charts made by helm create (nameOverride, fullnameOverride) */}}
 {{- define "opgate.name" -}}
 {{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
@@ -311,6 +326,37 @@ it is not.
 {{- if hasPrefix "unix:" $listen -}}
 {{- fail (printf "%s %s with sidecar.listen=%s: workers share a TCP port (opgate refuses a unix: socket with them at start); listen on a loopback HOST:PORT, or run one worker" $where $n $listen) -}}
 {{- end -}}
+{{- end -}}
+{{- end -}}
+{{- /* kubelet evicts the pod (the operator with it) once an emptyDir passes its sizeLimit: a
+     rotated file takes (maxBackups + 1) x maxSizeMB MiB per worker (each rotates its own);
+     0 for either (never rotated, every backup kept) is unbounded, and left to the user */ -}}
+{{- $workers := 1 -}}
+{{- range $counts }}{{ $n := trim (index . 1) }}{{ if regexMatch "^[0-9]+$" $n }}{{ $workers = max $workers (atoi $n) }}{{ end }}{{ end -}}
+{{- $volumes := list -}}
+{{- $auditDir := include "opgate.auditDir" . -}}
+{{- if $auditDir -}}
+{{- $files := list (list "the audit log's" .Values.sidecar.audit) -}}
+{{- if and .Values.sidecar.capture.enabled (not (include "opgate.captureVolume" .)) -}}
+{{- $files = append $files (list "the capture's" .Values.sidecar.capture) -}}
+{{- end -}}
+{{- $volumes = append $volumes (list "sidecar.audit.sizeLimit" .Values.sidecar.audit.sizeLimit $files) -}}
+{{- end -}}
+{{- if include "opgate.captureVolume" . -}}
+{{- $volumes = append $volumes (list "sidecar.capture.sizeLimit" .Values.sidecar.capture.sizeLimit (list (list "the capture's" .Values.sidecar.capture))) -}}
+{{- end -}}
+{{- range $volumes -}}
+{{- $value := index . 0 }}{{ $limit := index . 1 }}{{ $files := index . 2 -}}
+{{- $mib := 0 }}{{ $terms := list }}{{ $bounded := true -}}
+{{- range $files -}}
+{{- $size := int (index . 1).maxSizeMB }}{{ $backups := int (index . 1).maxBackups -}}
+{{- if or (eq $size 0) (eq $backups 0) }}{{ $bounded = false }}{{ end -}}
+{{- $mib = add $mib (mul (add1 $backups) $size $workers) -}}
+{{- $term := printf "(%d + 1) x %dMi x %d worker%s" $backups $size $workers (ternary "" "s" (eq $workers 1)) -}}
+{{- $terms = append $terms (ternary $term (printf "%s %s" (index . 0) $term) (eq (len $files) 1)) -}}
+{{- end -}}
+{{- if and $bounded (gt (mulf $mib 1048576.0) (float64 (include "opgate.quantityBytes" $limit))) -}}
+{{- fail (printf "%s=%v is less than %s = %dMi, what the rotated files take: kubelet evicts the pod (the operator with it) once the emptyDir passes its sizeLimit; raise %s, or lower maxSizeMB or maxBackups" $value $limit (join " + " $terms) $mib $value) -}}
 {{- end -}}
 {{- end -}}
 {{- range .Values.sidecar.extraArgs -}}
