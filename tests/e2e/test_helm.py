@@ -774,6 +774,16 @@ def test_an_admin_port_the_probes_cannot_reach_is_refused(
     assert "adminListen" in err and says in err, err
 
 
+def test_the_loopback_refusal_advises_an_address_an_ipv4_pod_ip_reaches(helm: Path) -> None:
+    """The refusal said 'listen on 0.0.0.0:PORT or [::]:PORT', as if the two were alike: opgate
+    binds [::] IPv6 only (asyncio's create_server sets IPV6_V6ONLY), so on an IPv4 cluster,
+    where kubelet probes the pod's IPv4 address, that advice restarted the container for
+    failing its startup and liveness probes."""
+    err = _render_error(helm, "sidecar.adminListen=127.0.0.1:9091")
+    assert "0.0.0.0:PORT" in err, err
+    assert "[::]:PORT" not in err or "IPv6 only" in err, err
+
+
 @pytest.mark.parametrize("listen", ["127.0.0.1:0", "127.0.0.1:99999"])
 def test_an_api_port_out_of_range_is_refused(helm: Path, listen: str) -> None:
     """opgate refuses 99999 at start; 0 is a random port the kubeconfig cannot name."""

@@ -147,7 +147,7 @@ and Prometheus). sidecar.adminPort is deprecated: accepted only when it names th
 {{- fail (printf "sidecar.adminListen=%s: the port must be from 1 to 65535" $listen) -}}
 {{- end -}}
 {{- if regexMatch "^(127\\.[0-9.]+|\\[::1\\]|localhost):" $listen -}}
-{{- fail (printf "sidecar.adminListen=%s is a loopback address: the kubelet's probes (/healthz, /readyz) and Prometheus come to the pod IP, so the container would be restarted for failing its liveness probe; listen on 0.0.0.0:PORT or [::]:PORT (the admin port serves only health, metrics and the active policy set)" $listen) -}}
+{{- fail (printf "sidecar.adminListen=%s is a loopback address: the kubelet's probes (/healthz, /readyz) and Prometheus come to the pod IP, so the container would be restarted for failing its liveness probe; listen on 0.0.0.0:PORT, or on an IPv6 cluster [::]:PORT (opgate binds it IPv6 only: an IPv4 pod IP's probes would be refused) (the admin port serves only health, metrics and the active policy set)" $listen) -}}
 {{- end -}}
 {{- $old := .Values.sidecar.adminPort -}}
 {{- if and $old (ne (toString $old) $port) -}}
