@@ -931,6 +931,11 @@ def test_a_parent_charts_global_values_reach_opgate(helm: Path, tmp_path: Path) 
     ("{--wor=3}", (), "without redis.url"),          # an abbreviation
     ("{--workers,2}", ("redis.url=redis://r:6379/0", "sidecar.listen=unix:/run/opgate/a.sock",
                        "operator.kubeconfig=false"), "TCP port"),
+    # auto without a CPU limit is one worker per CPU of the node (~65 MB each): 64 on a
+    # 64-core node, OOM-killed under the chart's 256Mi memory limit, at every restart
+    ("{--workers,auto}", ("redis.url=redis://r:6379/0",), "sidecar.resources.limits.cpu"),
+    ("{--workers=auto}", ("redis.url=redis://r:6379/0", "sidecar.resources.limits.cpu=null"),
+     "sidecar.resources.limits.cpu"),
 ])
 def test_workers_that_opgate_would_refuse_fail_the_install(
     helm: Path, extra: str, sets: tuple[str, ...], says: str
@@ -953,6 +958,9 @@ def test_workers_with_redis(
         _dry_run(kubectl, cluster, tmp_path, docs)
     docs = _render(helm, "sidecar.extraArgs={--workers,1}")
     assert build_parser().parse_args(_sidecar(docs)["args"]).workers == 1
+    docs = _render(helm, "sidecar.extraArgs={--workers,auto}", "redis.url=redis://r:6379/0",
+                   "sidecar.resources.limits.cpu=1500m")  # auto: 2, as the CPU limit says
+    assert _sidecar(docs)["args"][-2:] == ["--workers", "auto"]
 
 
 def test_fractional_seconds_from_set(helm: Path) -> None:

@@ -317,6 +317,7 @@ it is not.
 {{- $counts = append $counts (list "sidecar.env has OPGATE_WORKERS" (toString .value)) -}}
 {{- end -}}
 {{- end -}}
+{{- $resources := .Values.sidecar.resources | default dict -}}
 {{- range $counts -}}
 {{- $where := index . 0 }}{{ $n := index . 1 -}}
 {{- if ne (trim $n) "1" -}}
@@ -325,6 +326,11 @@ it is not.
 {{- end -}}
 {{- if hasPrefix "unix:" $listen -}}
 {{- fail (printf "%s %s with sidecar.listen=%s: workers share a TCP port (opgate refuses a unix: socket with them at start); listen on a loopback HOST:PORT, or run one worker" $where $n $listen) -}}
+{{- end -}}
+{{- /* auto is one worker per CPU the container may use: without a CPU limit, every CPU of
+     the node (~65 MB each: 64 on a 64-core node, OOM-killed under limits.memory) */ -}}
+{{- if and (eq (lower (trim $n)) "auto") (not (dig "limits" "cpu" "" $resources)) -}}
+{{- fail (printf "%s %s without sidecar.resources.limits.cpu: opgate would start one worker per CPU of the node (~65 MB each, under limits.memory %v), OOM-killed at every start on a large node; set sidecar.resources.limits.cpu (auto: one per CPU of it, rounded up), or a number of workers" $where $n (dig "limits" "memory" "none" $resources)) -}}
 {{- end -}}
 {{- end -}}
 {{- end -}}
