@@ -332,3 +332,21 @@ def test_the_notes_way_to_change_the_policies_keeps_the_release_upgradable(
                   "--set", "sidecar.logLevel=debug")
     assert kube.get("configmap", "gate-opgate-policies")["data"] == {"operator.yaml": policy}
     kube.run_helm("uninstall", "gate")
+
+
+def test_the_notes_know_a_redis_url_from_a_secret(
+    helm: Path, kubectl: Path, cluster: LocalCluster
+) -> None:
+    """The README's way for a URL that must hold a secret (OPGATE_REDIS_URL in sidecar.env from
+    a Secret, redis.url empty) shares the budgets through Redis: the NOTES said 'no
+    redis.url: rate-limit buckets and quota reservations are per pod' all the same."""
+    kube = Kube(helm, kubectl, cluster, "helm-notes-redis")
+    out = kube.run_helm("install", "gate", str(CHART),
+                        "--set", "sidecar.env[0].name=OPGATE_REDIS_URL",
+                        "--set", "sidecar.env[0].valueFrom.secretKeyRef.name=redis-url",
+                        "--set", "sidecar.env[0].valueFrom.secretKeyRef.key=url")
+    assert "per pod" not in out.stdout, out.stdout
+    kube.run_helm("uninstall", "gate")
+    out = kube.run_helm("install", "gate", str(CHART))
+    assert "no redis.url: rate-limit buckets and quota reservations are per pod" in out.stdout
+    kube.run_helm("uninstall", "gate")
