@@ -314,6 +314,10 @@ def test_audit_and_capture_share_a_directory(
       "sidecar.env[0].name=OPGATE_WORKERS", "sidecar.env[0].value=3",
       "sidecar.capture.sizeLimit=1800M"),
      "sidecar.capture.sizeLimit=1800M is less than (5 + 1) x 100Mi x 3 workers = 1800Mi"),
+    # auto: one worker per CPU of limits.cpu, rounded up
+    (("sidecar.audit.enabled=true", "redis.url=redis://r:6379/0",
+      "sidecar.extraArgs={--workers,auto}", "sidecar.resources.limits.cpu=1500m"),
+     "sidecar.audit.sizeLimit=1Gi is less than (5 + 1) x 100Mi x 2 workers = 1200Mi"),
     # one volume for both files: the audit log's sizeLimit holds the two
     (("sidecar.audit.enabled=true", "sidecar.capture.enabled=true",
       "sidecar.capture.path=/var/log/opgate/capture.flows"),

@@ -53,7 +53,7 @@ true
 {{- end -}}
 
 {{/*
-A Kubernetes quantity (1Gi, 512Mi, 2G, 1e9, 1258291200) in bytes, as a float.
+A Kubernetes quantity (1Gi, 512Mi, 2G, 1e9, 1258291200 bytes; 1500m CPUs) in its unit, as a float.
 */}}
 {{- define "opgate.quantityBytes" -}}
 {{- $q := trimPrefix "+" (toString .) -}}
@@ -338,7 +338,11 @@ it is not.
      rotated file takes (maxBackups + 1) x maxSizeMB MiB per worker (each rotates its own);
      0 for either (never rotated, every backup kept) is unbounded, and left to the user */ -}}
 {{- $workers := 1 -}}
-{{- range $counts }}{{ $n := trim (index . 1) }}{{ if regexMatch "^[0-9]+$" $n }}{{ $workers = max $workers (atoi $n) }}{{ end }}{{ end -}}
+{{- range $counts -}}
+{{- $n := lower (trim (index . 1)) -}}
+{{- if regexMatch "^[0-9]+$" $n }}{{ $workers = max $workers (atoi $n) }}{{ end -}}
+{{- if eq $n "auto" }}{{ $workers = max $workers (int (ceil (include "opgate.quantityBytes" (dig "limits" "cpu" "1" $resources)))) }}{{ end -}}
+{{- end -}}
 {{- $volumes := list -}}
 {{- $auditDir := include "opgate.auditDir" . -}}
 {{- if $auditDir -}}
