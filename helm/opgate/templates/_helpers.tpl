@@ -55,7 +55,7 @@ true
 {{/*
 A Kubernetes quantity (1Gi, 512Mi, 2G, 1e9, 1258291200 bytes; 1500m CPUs) in its unit, as a float.
 */}}
-{{- define "opgate.quantityBytes" -}}
+{{- define "opgate.quantity" -}}
 {{- $q := trimPrefix "+" (toString .) -}}
 {{- $num := regexFind "^([0-9]+([.][0-9]*)?|[.][0-9]+)" $q -}}
 {{- $units := dict "" 1.0 "Ki" 1024.0 "Mi" 1048576.0 "Gi" 1073741824.0 "Ti" 1099511627776.0 "Pi" 1125899906842624.0 "Ei" 1152921504606846976.0 "n" 0.000000001 "u" 0.000001 "m" 0.001 "k" 1000.0 "M" 1000000.0 "G" 1000000000.0 "T" 1000000000000.0 "P" 1000000000000000.0 "E" 1000000000000000000.0 -}}
@@ -341,7 +341,7 @@ it is not.
 {{- range $counts -}}
 {{- $n := lower (trim (index . 1)) -}}
 {{- if regexMatch "^[0-9]+$" $n }}{{ $workers = max $workers (atoi $n) }}{{ end -}}
-{{- if eq $n "auto" }}{{ $workers = max $workers (int (ceil (include "opgate.quantityBytes" (dig "limits" "cpu" "1" $resources)))) }}{{ end -}}
+{{- if eq $n "auto" }}{{ $workers = max $workers (int (ceil (include "opgate.quantity" (dig "limits" "cpu" "1" $resources)))) }}{{ end -}}
 {{- end -}}
 {{- $volumes := list -}}
 {{- $auditDir := include "opgate.auditDir" . -}}
@@ -365,7 +365,7 @@ it is not.
 {{- $term := printf "(%d + 1) x %dMi x %d worker%s" $backups $size $workers (ternary "" "s" (eq $workers 1)) -}}
 {{- $terms = append $terms (ternary $term (printf "%s %s" (index . 0) $term) (eq (len $files) 1)) -}}
 {{- end -}}
-{{- if and $bounded (gt (mulf $mib 1048576.0) (float64 (include "opgate.quantityBytes" $limit))) -}}
+{{- if and $bounded (gt (mulf $mib 1048576.0) (float64 (include "opgate.quantity" $limit))) -}}
 {{- fail (printf "%s=%v is less than %s = %dMi, what the rotated files take: kubelet evicts the pod (the operator with it) once the emptyDir passes its sizeLimit; raise %s, or lower maxSizeMB or maxBackups" $value $limit (join " + " $terms) $mib $value) -}}
 {{- end -}}
 {{- end -}}
