@@ -215,6 +215,9 @@ def parse_section(node: Located, errors: list[PolicyError]) -> IdentitySpec:
                   for i, item in enumerate(sequence(issuers_node, what=f"{what}.issuers",
                                                     errors=errors))]
         issuers = tuple(i for i in parsed if i is not None)
+        if issuers_node.value == []:  # no service-account token passes, none is verified here
+            f.fail("issuers", "is empty, which refuses every service-account token (leave "
+                   '"issuers" out for the cluster\'s own: "- kubernetes: {}")')
         keys = [i.key for i in issuers]
         for dup in sorted({k for k in keys if keys.count(k) > 1}):
             f.fail("issuers", f'"{dup}" is listed twice')

@@ -119,6 +119,11 @@ def test_issuers_default_to_the_cluster(tmp_path: Path) -> None:
      "    allow: [{group: x}]\n    rules: [{verbs: [get]}]\n",
      "ident.yaml:7: spec.identity.issuers[0].kubernetes.audiences: is empty, which accepts no "
      'token (leave "audiences" out for those the apiserver accepts)'),
+    # an empty list refused every service-account token (and verified no other token
+    # itself): what no one means by it
+    ("  identity:\n    issuers: []\n    allow: [{group: x}]\n    rules: [{verbs: [get]}]\n",
+     "ident.yaml:6: spec.identity.issuers: is empty, which refuses every service-account token "
+     '(leave "issuers" out for the cluster\'s own: "- kubernetes: {}")'),
     ("  identity:\n    issuers: [{kubernetes: {}, oidc: {issuer: 'https://d', audiences: [a]}}]\n"
      "    allow: [{group: x}]\n    rules: [{verbs: [get]}]\n",
      'an issuer is exactly one of "kubernetes: {}" or "oidc: {...}"'),
