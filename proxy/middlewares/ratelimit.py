@@ -11,10 +11,11 @@ log, proxy) only when a rule spells them out (``pods/exec``, ``*/log``). Over th
 ``RateLimit-*`` headers) and ``wait`` queues the call (FIFO per bucket, at most ``maxQueue``)
 until a token is free or ``maxWait`` has passed; at shutdown (:meth:`RateLimit.stop_waiting`)
 queued calls get their 429 at once; one whose client leaves is recorded ``throttled``. A
-``dryrun`` rule never rejects: it counts, logs and adds a ``Warning``. When the store cannot
-answer, ``failure: open`` rules are decided in-process (see :mod:`proxy.stores.breaker`) and
-``failure: closed`` rules answer 503. Admitted calls get ``RateLimit-*`` headers too: the verdict
-is already at hand, so they cost three tuples.
+``dryrun`` rule never rejects: it logs and adds a ``Warning`` saying what enforce would do
+(reject, counted; or, for a ``wait`` rule whose next token is within ``maxWait``, delay).
+When the store cannot answer, ``failure: open`` rules are decided in-process (see
+:mod:`proxy.stores.breaker`) and ``failure: closed`` rules answer 503. Admitted calls get
+``RateLimit-*`` headers too: the verdict is already at hand, so they cost three tuples.
 
 ``{instance}`` is resolved only for calls that a rule needing it matches
 (:mod:`proxy.middlewares.instance`); to find it in a create/update/apply body this middleware
@@ -395,6 +396,12 @@ class RateLimit:
                      f'"{b.policy}" would answer 503 (dryrun)')
             return
         retry = max(1, math.ceil(verdict.retry_after))
+        waits = _waits(rules, verdict)
+        bound = min((b.rule.max_wait for b, k in zip(rules, verdict.keys, strict=True)
+                     if not k.allowed), default=0.0)
+        if waits and verdict.retry_after <= bound:
+            self._dryrun_delay(ctx, rules, requests, verdict, bound)
+            return
         for b, r, k in zip(rules, requests, verdict.keys, strict=True):
             if k.allowed:
                 continue
@@ -404,7 +411,25 @@ class RateLimit:
                      b.policy, b.rule.name, ctx.method, ctx.path, retry)
             ctx.warn(f'rate limit "{b.rule.name}" of policy "{b.policy}" would reject this call '
                      f"(dryrun): {_num(r.rate)} requests/s, burst {b.rule.burst}, "
-                     f"retry after {retry}s")
+                     f"retry after {retry}s" + (
+                         f" (onExceed: wait, but the next token is {_secs(verdict.retry_after)}"
+                         f" away, past maxWait {_secs(bound)})" if waits else ""))
+
+    @staticmethod
+    def _dryrun_delay(ctx: RequestContext, rules: list[BoundRule],
+                      requests: list[BucketRequest], verdict: Verdict, bound: float) -> None:
+        """What enforce does with a call that only ``wait`` rules deny and whose next token is
+        within their ``maxWait``: hold it, then let it on; so a trial says it would delay it
+        (when the token comes; waiters queued before it, which a trial never holds, would
+        make it later), and counts no denial."""
+        for b, r, k in zip(rules, requests, verdict.keys, strict=True):
+            if k.allowed:
+                continue
+            log.info("dryrun: rate limit %s/%s would delay %s %s by %s", b.policy,
+                     b.rule.name, ctx.method, ctx.path, _secs(k.retry_after))
+            ctx.warn(f'rate limit "{b.rule.name}" of policy "{b.policy}" would delay this call '
+                     f"(dryrun): {_num(r.rate)} requests/s, burst {b.rule.burst}; onExceed: "
+                     f"wait, the next token in {_secs(k.retry_after)} (maxWait {_secs(bound)})")
 
 
 def _waits(rules: list[BoundRule], verdict: Verdict) -> bool:
@@ -432,6 +457,11 @@ def _queued(requests: list[BucketRequest], waiting_on: list[int], ahead: int) ->
 
 def _num(value: float) -> str:
     return f"{value:g}"
+
+
+def _secs(value: float) -> str:
+    """A duration as a person reads it: ``0.5s``, ``10s`` (to the millisecond)."""
+    return f"{round(value, 3):g}s"
 
 
 # the RateLimit-Reset header for the usual few seconds, built once (a str() and a tuple less

@@ -130,6 +130,33 @@ def test_dryrun_warns_counts_and_never_denies(where: str) -> None:
     assert decisions(f"dry-{where}", "dryrun") == 2
 
 
+@pytest.mark.parametrize(("qps", "said"), [
+    # the next token 0.5 s away, within maxWait: enforce would hold the call, then let it on
+    ("2", 'would delay this call (dryrun): 2 requests/s, burst 1; onExceed: wait, the next token '
+          "in 0.5s (maxWait 2s)"),
+    # 10 s away, past maxWait: enforce would answer the 429 (at once: the wait cannot succeed)
+    ("0.1", "would reject this call (dryrun): 0.1 requests/s, burst 1, retry after 10s "
+            "(onExceed: wait, but the next token is 10s away, past maxWait 2s)"),
+])
+def test_dryrun_of_a_wait_rule_says_what_enforce_would_do(qps: str, said: str) -> None:
+    # it said "would reject this call" for a wait rule whose enforce only delays the call
+    pset = policies("- {name: w, qps: " + qps + ", burst: 1, onExceed: wait, maxWait: 2s}",
+                    mode="dryrun", name=f"dry-wait-{qps}")
+    mw, _ = make()
+    dry_before = telemetry.REGISTRY.get_sample_value(
+        "opgate_dryrun_denials_total", {"middleware": "ratelimit"}) or 0.0
+    first, second = ctx_for(pset), ctx_for(pset)
+    assert asyncio.run(settle(mw.entry(first))) is None
+    assert asyncio.run(settle(mw.entry(second))) is None
+    warnings = [v for name, v in second.response_headers if name == "Warning"]
+    assert warnings == ['299 - "opgate: rate limit \\"w\\" of policy \\"dry-wait-' + qps
+                        + '\\" ' + said.replace('"', '\\"') + '"'], warnings
+    rejects = qps == "0.1"  # only a would-be 429 is a would-be denial
+    assert telemetry.REGISTRY.get_sample_value(
+        "opgate_dryrun_denials_total", {"middleware": "ratelimit"}) == dry_before + rejects
+    assert decisions(f"dry-wait-{qps}", "dryrun") == rejects
+
+
 def test_dryrun_rule_does_not_block_enforced_rule() -> None:
     pset = policies("""
 - {name: enforced, qps: 1, burst: 3}
