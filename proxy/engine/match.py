@@ -5,7 +5,10 @@ A match is written in the apiserver's vocabulary and tested against the call's R
 verified user. Every list accepts ``*`` and shell-style globs (``team-*``). Resource entries
 follow RBAC: ``pods`` is the resource without subresource, ``pods/log`` one subresource,
 ``pods/*`` every subresource, ``*/scale`` a subresource of anything and ``*`` everything; in
-a glob, ``*`` never takes a ``/`` (``pod*`` is no ``pods/exec``), as in a shell's.
+a glob, ``*`` never takes a ``/`` (``pod*`` is no ``pods/exec``), as in a shell's. As in RBAC,
+``resources``, ``apiGroups`` and ``namespaces`` are about resource requests whatever they say
+(``["*"]`` included): a non-resource call (``/healthz``, ``/version``, discovery) is matched
+only by a rule that names none of them (or, for an identity rule, by its ``nonResourceURLs``).
 Compiled once per policy load; matching does no allocation beyond an f-string.
 """
 
@@ -86,6 +89,8 @@ def _compile(globs: list[str]) -> re.Pattern[str]:
 class Match:
     """What a rule applies to. ``named`` = subresources and verbs spelled out literally, the only
     way long-running calls (exec, attach, port-forward, log, proxy) are rate limited.
+    ``about_resources``: the rule names groups, resources or namespaces (``*`` too), so it is
+    about resource requests only (RBAC's reading).
     ``caller_fields``: where ``users`` is written, for the policy set's check that some policy
     verifies callers."""
 
@@ -95,6 +100,7 @@ class Match:
     namespaces: Patterns = Patterns()
     users: Patterns = Patterns()
     named: frozenset[str] = frozenset()
+    about_resources: bool = False
     caller_fields: tuple[CallerField, ...] = field(default=(), compare=False)
 
     def matches(self, info: RequestInfo, verb: str, user: str | None) -> bool:
@@ -102,7 +108,7 @@ class Match:
         if not (self.verbs.matches(verb) and (user is None or self.users.matches(user))):
             return False
         if not info.is_resource_request:  # /api, /healthz …: only rules about verbs and users
-            return self.groups.any and self.resources.any and self.namespaces.any
+            return not self.about_resources
         resource = f"{info.resource}/{info.subresource}" if info.subresource else info.resource
         return (self.groups.matches(info.api_group) and self.resources.matches(resource)
                 and self.namespaces.matches(info.namespace))
@@ -169,4 +175,5 @@ def parse_match(node: Located | None, what: str, errors: list[PolicyError]) -> M
     return Match(verbs=Patterns.of(verbs), groups=Patterns.of(groups),
                  resources=Patterns.of(resources, segments=True),
                  namespaces=Patterns.of(namespaces), users=Patterns.of(users),
-                 named=frozenset(named), caller_fields=callers)
+                 named=frozenset(named), about_resources=bool(groups or resources or namespaces),
+                 caller_fields=callers)

@@ -72,7 +72,7 @@ spec:
       - {{name: no-secrets, effect: deny, resources: [secrets]}}
       - {{name: no-posts, effect: deny, verbs: [post]}}
       - {{name: no-rs-scale, effect: deny, apiGroups: [apps], resources: [replicasets/scale]}}
-      - {{name: all, verbs: ["*"], resources: ["*"]}}
+      - {{name: all, verbs: ["*"]}}
   audit:
     level: None
     omitManagedFields: true

@@ -98,7 +98,7 @@ spec:
     issuers: [{{kubernetes: {{}}}}]
     allow: [{{serviceAccount: {NS}/{SA_NAME}}}]
     rules:
-      - {{name: all, verbs: ["*"], resources: ["*"]}}
+      - {{name: all, verbs: ["*"]}}
   audit:
     level: None
     omitStages: [RequestReceived]

@@ -55,7 +55,7 @@ spec:
     issuers: [{{kubernetes: {{}}}}]
     allow: [{{serviceAccount: {sa}}}]
     rules:
-      - {{name: everything, verbs: ["*"], resources: ["*"]}}
+      - {{name: everything, verbs: ["*"]}}
   rateLimits:
     - name: configmap-writes
       match:

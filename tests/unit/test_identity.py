@@ -219,7 +219,10 @@ def test_missing_token_is_401(tmp_path: Path) -> None:
     ("POST", SECRETS, "no-secrets"),        # the deny rule wins over all-secrets below it
     ("POST", "/api/v1/namespaces/prod/configmaps", "no rule"),
     ("PATCH", CM + "/c", "no rule"),
-    ("GET", "/api", None),                  # a non-resource get: rules[0]
+    # resources: ["*"] is about resource requests only, as RBAC reads it: it allowed every
+    # non-resource get (/metrics, /logs …) to a rule meant for "read any resource"
+    ("GET", "/api", "no rule"),
+    ("GET", "/healthz", "no rule"),
 ])
 def test_rules_first_match_wins(tmp_path: Path, method: str, path: str,
                                 verdict: str | None) -> None:
@@ -237,6 +240,15 @@ def test_rules_first_match_wins(tmp_path: Path, method: str, path: str,
         assert "no rule of policy" in got["message"] and "rules at" in got["message"]
     else:
         assert f'rule "{verdict}" (' in got["message"] and "p0.yaml:14)" in got["message"]
+
+
+@pytest.mark.parametrize("path", ["/api", "/apis/apps", "/version", "/healthz"])
+def test_a_rule_naming_no_resources_covers_non_resource_paths(tmp_path: Path, path: str) -> None:
+    # the way (besides nonResourceURLs) to write "read anything": leave resources out
+    everything = policy().replace(', resources: ["*"]}', "}", 1)
+    assert everything != policy()
+    assert run(IdentityCheck(authenticator=FakeAuth()),
+               ctx_for(policy_set(tmp_path, everything), "GET", path, sa_token())) is None
 
 
 POD_GLOB_POLICY = policy().replace(

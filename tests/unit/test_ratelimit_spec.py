@@ -208,6 +208,23 @@ def test_non_resource_requests_match_only_unrestricted_rules() -> None:
         info, "get", "u")
 
 
+@pytest.mark.parametrize("fields", [
+    "resources: ['*']", "apiGroups: ['*']", "groups: ['*']", "namespaces: ['*']",
+    "resources: ['*'], apiGroups: ['*'], namespaces: ['*']", "resources: ['*/*']"])
+@pytest.mark.parametrize("path", ["/healthz", "/version", "/apis", "/api", "/metrics"])
+def test_star_resources_are_about_resource_requests_only(fields: str, path: str) -> None:
+    # RBAC's reading: resources (and groups) are about resource requests, whatever they say;
+    # a non-resource URL is matched only by a rule that names none of them. "resources: ['*']"
+    # matched /healthz, /version and discovery: a fault on "every resource" broke discovery
+    match = one("- {name: a, qps: 1, match: {verbs: [get], " + fields + "}}").match
+    assert not match.matches(parse_request_info("GET", path, ""), "get", "u")
+    call = "/api/v1/namespaces/a/pods/p" + ("/log" if "*/*" in fields else "")
+    assert match.matches(parse_request_info("GET", call, ""), "get", "u")
+    # leaving them out is how a rule covers non-resource paths too
+    assert one("- {name: a, qps: 1, match: {verbs: [get]}}").match.matches(
+        parse_request_info("GET", path, ""), "get", "u")
+
+
 @pytest.mark.parametrize("resources, verbs, path, named", [
     (["pods/exec"], [], "/api/v1/namespaces/a/pods/p/exec", True),
     (["*/exec"], [], "/api/v1/namespaces/a/pods/p/exec", True),
