@@ -164,6 +164,54 @@ def object_ref_fields(body: bytes) -> tuple[str, str, str]:
     return _text_of(found, "name"), _text_of(found, "uid"), _text_of(found, "resourceVersion")
 
 
+_JSON_TYPES = {dict: "object", list: "array", str: "string", bool: "boolean", int: "number",
+               float: "number", type(None): "null"}
+
+
+def _json_type(value: object) -> str:
+    return f"a JSON {_JSON_TYPES.get(type(value), 'value')}"
+
+
+def undecodable(body: bytes | None, *, protobuf: bool) -> str | None:
+    """Why the apiserver could not decode this create body as an object (its 400 BadRequest,
+    answered before any admission), as far as the fields opgate reads tell; ``None`` when it
+    can. A JSON body must be an object whose ``apiVersion``, ``kind``, ``metadata`` (an
+    object), ``metadata.name`` and ``generateName`` have their types (or are null); a protobuf
+    body must have the ``k8s\\x00`` prefix and a readable envelope and ``ObjectMeta``."""
+    if protobuf:
+        if not body:
+            return "empty data"
+        if not body.startswith(MAGIC):
+            return ("provided data does not appear to be a protobuf message, expected prefix "
+                    f"[{' '.join(str(b) for b in MAGIC)}]")
+        try:  # each walk reads every field's length: a field past the end is malformed
+            raw = _field(memoryview(body)[len(MAGIC):], 2)
+            meta = _field(raw, 1) if raw is not None else None
+            for _ in _fields(meta) if meta is not None else ():
+                pass
+        except _Malformed:
+            return "the protobuf message is malformed"
+        return None
+    try:
+        obj = loads(body or b"")
+    except ValueError as e:
+        return f"couldn't get version/kind; json parse error: {e}"
+    if not isinstance(obj, dict):
+        return f"couldn't get version/kind; json parse error: {_json_type(obj)}, not an object"
+    for key in ("apiVersion", "kind"):
+        if obj.get(key) is not None and not isinstance(obj[key], str):
+            return f"couldn't get version/kind; {key}: {_json_type(obj[key])}, not a string"
+    meta = obj.get("metadata")
+    if meta is None:
+        return None
+    if not isinstance(meta, dict):
+        return f"metadata: {_json_type(meta)}, not an object"
+    for key in ("name", "generateName"):
+        if meta.get(key) is not None and not isinstance(meta[key], str):
+            return f"metadata.{key}: {_json_type(meta[key])}, not a string"
+    return None
+
+
 def object_names(body: bytes) -> tuple[str, str]:
     """``(name, generateName)`` of an object body, protobuf or JSON; ``("", "")`` for a body in
     another encoding (CBOR) or one that cannot be read, nested deeper than the apiserver reads

@@ -24,6 +24,9 @@ finished pods), so a create reserves room in both, and a denial prints each key'
 or protobuf (the body is read only for such creates: :meth:`Quota.wants_body`); with
 ``generateName`` the name is generated as the apiserver does (the prefix and five random
 characters); a body in another encoding (CBOR) leaves it out (``configmaps is forbidden: …``).
+At the limit, a JSON or protobuf body the apiserver could not decode gets its 400 BadRequest,
+and one naming no object goes on to its 422 (:func:`_not_an_object`): both come before the
+apiserver's own quota admission.
 
 "Used" is the objects the apiserver holds plus the creates on their way. The objects come from
 the apiserver, not from opgate's own bookkeeping: the :class:`QuotaCounts`
@@ -74,9 +77,10 @@ from typing import Any
 from proxy.engine import telemetry
 from proxy.engine.chain import Maybe
 from proxy.engine.context import Decision, Deny, RequestContext
-from proxy.engine.protometa import object_names
+from proxy.engine.jsonbody import loads
+from proxy.engine.protometa import MAGIC, PROTOBUF, object_names, undecodable
 from proxy.engine.selectors import dry_run
-from proxy.engine.status import forbidden, object_details, service_unavailable
+from proxy.engine.status import bad_request, forbidden, object_details, service_unavailable
 from proxy.middlewares.quota_counts import MemoryQuotaCounts, QuotaCounts
 from proxy.middlewares.quota_limits import (
     AlignedQuota,
@@ -124,6 +128,40 @@ def _names_in_body(ctx: RequestContext) -> bool:
     """Whether the create's body is one whose name :func:`_body_name` reads: JSON, or the
     protobuf that client-go's typed clients send by default."""
     return ctx.media_type in _NAMED_TYPES
+
+
+def _not_an_object(ctx: RequestContext, names: tuple[str, str]) -> Deny | bool | None:
+    """What the apiserver does with a JSON or protobuf create body before any admission runs,
+    where that is not its quota's 403: a body it cannot decode as an object is its ``400
+    BadRequest`` (:func:`undecodable`; ``apiVersion`` another group or version than the URL's
+    too), and one that names no object (neither ``name`` nor ``generateName``) its validation's
+    ``422 Invalid``, left to it (``False``: let the call on; it can never make an object).
+    ``None``: the quota decides."""
+    body = ctx.body
+    problem = undecodable(body, protobuf=ctx.media_type == PROTOBUF)
+    if problem is None and body and not body.startswith(MAGIC):
+        version = loads(body).get("apiVersion")
+        info = ctx.info
+        expected = f"{info.api_group}/{info.api_version}" if info.api_group else info.api_version
+        if version and version != expected:
+            problem = (f"the API version in the data ({version}) does not match the expected "
+                       f"API version ({expected})")
+            return Deny(bad_request(problem))
+    if problem is not None:
+        return Deny(bad_request(
+            f"the object provided is unrecognized (must be a {ctx.info.resource} object): "
+            f"{problem} ({_summary(body or b'')})"))
+    return False if names == ("", "") else None
+
+
+def _summary(data: bytes, length: int = 30) -> str:
+    """The bytes a decode error shows, as the apiserver shows them: ``<empty>``, the text of
+    an object (``{…``), else hex; the first ``length`` bytes, then `` ...``."""
+    if not data:
+        return "<empty>"
+    head = data[:length]
+    shown = head.decode("utf-8", "replace") if data[:1] == b"{" else head.hex()
+    return shown + (" ..." if len(data) > length else "")
 
 
 _APPLY_TYPES = frozenset({"application/apply-patch+yaml", "application/apply-patch+json",
@@ -289,6 +327,10 @@ class Quota:
                 f'opgate: the quota store is unavailable and quota "{b.quota_name}" of policy '
                 f'"{b.policy}" ({b.where}) fails closed; retry later', retry_after=1),
                 "unavailable")
+        if not reserved.allowed and not apply and _names_in_body(ctx):
+            refused = _not_an_object(ctx, names)
+            if refused is not None:  # what the apiserver answers before its quota admission
+                return refused or None
         used = reserved.used
         for b in checked:
             over = exceeded_limit(b, group, resource, used, aligned, shifts)

@@ -39,6 +39,7 @@ SSA, SHARED = "quota-ssa", "quota-shared"
 QUANTITY, COMPACT = "quota-quantity", "quota-compact"
 PODS, PODS_BOTH, PODS_COUNT = "quota-pods", "quota-pods-both", "quota-pods-count"
 PODS_STUCK = "quota-pods-stuck"
+BODIES = "quota-bodies"
 CRQ_A, CRQ_B = "quota-crq-a", "quota-crq-b"
 TERMINATING, COLLECTION, DRY_RUNS = "quota-terminating", "quota-collection", "quota-dry-runs"
 POLICY = f"""\
@@ -48,7 +49,7 @@ metadata: {{name: e2e-quota}}
 spec:
   quotas:
     - resources: [configmaps]
-      namespaces: [{BELOW}, {ABOVE}, {BARE}, {SSA}]
+      namespaces: [{BELOW}, {ABOVE}, {BARE}, {SSA}, {BODIES}]
       max: 3
       alignWith: [ResourceQuota, ClusterResourceQuota]
     - resources: [secrets]
@@ -144,7 +145,8 @@ def start_synced(opgate_factory: Callable[..., Opgate], token_file: Path, crq: s
 @pytest.fixture(scope="module")
 def token_file(cluster: LocalCluster, tmp_path_factory: pytest.TempPathFactory) -> Path:
     for namespace in (BELOW, ABOVE, FREED, DRY, BARE, SSA, SHARED, QUANTITY, PODS, PODS_BOTH,
-                      PODS_COUNT, PODS_STUCK, COMPACT, TERMINATING, COLLECTION, DRY_RUNS):
+                      PODS_COUNT, PODS_STUCK, COMPACT, TERMINATING, COLLECTION, DRY_RUNS,
+                      BODIES):
         cluster.create_namespace(namespace)
     cluster.create_namespace(CLUSTER, labels={"team": "crq"})
     for namespace in (CRQ_A, CRQ_B):
@@ -254,6 +256,44 @@ def test_a_smaller_resource_quota_is_named_exactly_as_the_apiserver_does(
     assert re.fullmatch(r'configmaps "gen-[a-z0-9]{5}" is forbidden: exceeded quota: rq-tight, '
                         r"requested: count/configmaps=1, used: count/configmaps=2, "
                         r"limited: count/configmaps=2", gen.json()["message"]), gen.body
+
+
+PROTO = "application/vnd.kubernetes.protobuf"
+ODD_BODIES = {
+    "json-garbage": (b"{not json", "application/json"),
+    "json-empty": (b"", "application/json"),
+    "json-array": (b"[]", "application/json"),
+    "json-metadata-a-list": (b'{"apiVersion": "v1", "kind": "ConfigMap", "metadata": []}',
+                             "application/json"),
+    "json-name-a-number": (b'{"metadata": {"name": 5}}', "application/json"),
+    "json-another-group": (b'{"apiVersion": "apps/v1", "kind": "ConfigMap", '
+                           b'"metadata": {"name": "odd"}}', "application/json"),
+    "json-no-name": (b'{"apiVersion": "v1", "kind": "ConfigMap"}', "application/json"),
+    "protobuf-cut": (b"k8s\x00\xff\xff\xff", PROTO),
+    "protobuf-no-prefix": (b"hello", PROTO),
+    "protobuf-empty": (b"", PROTO),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ODD_BODIES))
+def test_a_body_the_apiserver_cannot_take_gets_its_answer_not_a_quota_403(
+        cluster: LocalCluster, gate: Opgate, case: str) -> None:
+    """A create body the apiserver cannot decode is its 400 BadRequest, one naming no object
+    its 422 Invalid, before any quota admission: at a full quota opgate answered its 403."""
+    resource_quota(cluster, BODIES, "rq-full", {"count/configmaps": "0"})
+    path = f"/api/v1/namespaces/{BODIES}/configmaps"
+
+    def opgate_denies() -> bool:
+        probe = cluster.call("POST", path + "?dryRun=All", body=configmap("probe", BODIES),
+                             server=gate.url)
+        return probe.status == 403
+    wait_for("opgate to see rq-full through its watch", opgate_denies)
+    body, ctype = ODD_BODIES[case]
+    ours = cluster.call("POST", path, body=body, content_type=ctype, server=gate.url)
+    theirs = cluster.call("POST", path, body=body, content_type=ctype)
+    assert theirs.status in (400, 422), theirs.body
+    assert (ours.status, ours.json()["reason"]) == (theirs.status, theirs.json()["reason"]), (
+        ours.body, theirs.body)
 
 
 def test_a_thousand_reads_as_the_apiserver_prints_it(
