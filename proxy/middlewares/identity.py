@@ -67,6 +67,10 @@ __all__ = ["CACHE_SIZE", "SECTION", "Authenticator", "IdentityCheck", "parse_sec
 
 log = logging.getLogger("opgate.identity")
 
+# a path no rule matches: what RBAC's reading of resources (proxy.engine.match) leaves for it
+_PATH_HINT = ('; a rule naming resources, apiGroups or namespaces ("*" too) is about resource '
+              "requests only: allow a path with nonResourceURLs, or with a rule naming none of "
+              "them")
 CACHE_SIZE = 4096
 ALLOWED_SHAPES = 256  # per cached token: the call shapes every policy allowed
 
@@ -241,7 +245,8 @@ class IdentityCheck:
                                             f' rule "{rule.name}" ({rule.source}) of {where} '
                                             "denies it")
         return 403, "no_rule", (f'user "{identity.user}" cannot {action(info, verb)}: no rule '
-                                f"of {where} matches (spec.identity.rules at {spec.rules_where})")
+                                f"of {where} matches (spec.identity.rules at {spec.rules_where})"
+                                + ("" if info.is_resource_request else _PATH_HINT))
 
     def _unavailable(self, ctx: RequestContext, plan: _Plan, why: str, token: str, *,
                      busy: bool = False) -> Deny | None:

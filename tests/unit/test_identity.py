@@ -251,6 +251,20 @@ def test_a_rule_naming_no_resources_covers_non_resource_paths(tmp_path: Path, pa
                ctx_for(policy_set(tmp_path, everything), "GET", path, sa_token())) is None
 
 
+def test_a_path_no_rule_matches_says_how_to_allow_one(tmp_path: Path) -> None:
+    # resources: ["*"] no longer covers /api: the 403 says what does, where it used to be
+    # enough to read the README
+    decision = run(IdentityCheck(authenticator=FakeAuth()),
+                   ctx_for(policy_set(tmp_path, policy()), "GET", "/apis", sa_token()))
+    assert decision is not None
+    assert body(decision)["message"].endswith(
+        '; a rule naming resources, apiGroups or namespaces ("*" too) is about resource '
+        "requests only: allow a path with nonResourceURLs, or with a rule naming none of them")
+    resource = run(IdentityCheck(authenticator=FakeAuth()), ctx_for(
+        policy_set(tmp_path, policy()), "PATCH", CM + "/c", sa_token()))
+    assert resource is not None and "nonResourceURLs" not in body(resource)["message"]
+
+
 POD_GLOB_POLICY = policy().replace(
     "      - {verbs: [get, list, watch], resources: [\"*\"]}\n",
     "      - {name: pods, verbs: [get, create], resources: [\"pod*\"]}\n")
