@@ -8,7 +8,8 @@ place (a Kubernetes Status with the chosen code: a 409 Conflict, a 429 with ``Re
 as the apiserver's Status of a 504 Timeout has them: client-go retries a 429 or a 5xx after
 it), or delays the call and then relays it, or both (delay, then answer). In a
 ``dryrun`` policy a fault never fires: it says, in a ``Warning`` header and the log, what it
-would have done, and counts it.
+would have done, and counts it as a would-be denial when it would have answered (a fault that
+only delays denies nothing).
 
     faults:
       - name: widget-conflicts
@@ -55,6 +56,16 @@ def _reason(code: int, ctx: RequestContext) -> str:
     if code == 409 and ctx.info.verb == "create":
         return "AlreadyExists"
     return _REASONS.get(code, "")
+
+
+def _would(ctx: RequestContext, fault: Fault) -> str:
+    """What a fault would do to this call, for a dryrun's warning and log line."""
+    answer = (f"answer {fault.code} {fault.reason or _reason(fault.code, ctx) or 'Failure'}"
+              if fault.code else "")
+    if not fault.delay:
+        return f"would {answer}"
+    delay = f"would delay this call by {round(fault.delay, 3):g}s"
+    return f"{delay}, then {answer}" if answer else delay
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,10 +173,12 @@ class Faults:
             if fault.probability < 1.0 and self._rng() >= fault.probability:
                 continue
             if "dryrun" in (fault.mode, policy.mode):  # a dryrun policy never denies
-                telemetry.DRYRUN_DENIALS.labels("faults").inc()
-                log.info("dryrun: fault %s of policy %s would fire (%s %s, trace %s)",
-                         fault.name, policy.name, ctx.method, ctx.path, ctx.trace_id)
-                ctx.warn(f"fault {fault.name} of policy {policy.name} would fire (dryrun)")
+                if fault.code:  # a fault that only delays denies nothing
+                    telemetry.DRYRUN_DENIALS.labels("faults").inc()
+                would = _would(ctx, fault)
+                log.info("dryrun: fault %s of policy %s %s (%s %s, trace %s)", fault.name,
+                         policy.name, would, ctx.method, ctx.path, ctx.trace_id)
+                ctx.warn(f"fault {fault.name} of policy {policy.name} {would} (dryrun)")
                 continue
             return self._fire(ctx, fault, policy.name)
         return None

@@ -190,6 +190,27 @@ def test_dryrun_counts_and_logs_the_fault_it_would_fire(
     assert "dryrun" in message and "widget-conflicts" in message and WIDGET in message
 
 
+@pytest.mark.parametrize(("fault", "said", "denial"), [
+    ("respond: {code: 409}", "would answer 409 Conflict (dryrun)", True),
+    ("delay: 250ms", "would delay this call by 0.25s (dryrun)", False),
+    ("delay: 100ms\n      respond: {code: 503}",
+     "would delay this call by 0.1s, then answer 503 ServiceUnavailable (dryrun)", True),
+])
+def test_a_dryrun_fault_says_what_it_would_do(tmp_path: Path, fault: str, said: str,
+                                              denial: bool) -> None:
+    # it said only "would fire", and counted a fault that only delays as a would-be denial
+    body = f"  faults:\n    - name: f\n      {fault}\n"
+    ctx = ctx_for(policies(tmp_path, body, mode="dryrun"), "PUT", WIDGET)
+    before = telemetry.REGISTRY.get_sample_value(
+        "opgate_dryrun_denials_total", {"middleware": "faults"}) or 0.0
+    assert asyncio.run(settle(Faults().entry(ctx))) is None
+    [(header, value)] = ctx.response_headers
+    assert header == "Warning"
+    assert value == f'299 - "opgate: fault f of policy chaos {said}"', value
+    assert telemetry.REGISTRY.get_sample_value(
+        "opgate_dryrun_denials_total", {"middleware": "faults"}) == before + denial
+
+
 def test_duplicate_names_are_reported_at_the_duplicate(tmp_path: Path) -> None:
     # they were reported at the line of the list, in the order of a set (varying by run)
     path = tmp_path / "chaos.yaml"
