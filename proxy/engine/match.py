@@ -5,10 +5,18 @@ A match is written in the apiserver's vocabulary and tested against the call's R
 verified user. Every list accepts ``*`` and shell-style globs (``team-*``). Resource entries
 follow RBAC: ``pods`` is the resource without subresource, ``pods/log`` one subresource,
 ``pods/*`` every subresource, ``*/scale`` a subresource of anything and ``*`` everything; in
-a glob, ``*`` never takes a ``/`` (``pod*`` is no ``pods/exec``), as in a shell's. As in RBAC,
-``resources``, ``apiGroups`` and ``namespaces`` are about resource requests whatever they say
-(``["*"]`` included): a non-resource call (``/healthz``, ``/version``, discovery) is matched
-only by a rule that names none of them (or, for an identity rule, by its ``nonResourceURLs``).
+a glob, ``*`` never takes a ``/`` (``pod*`` is no ``pods/exec``), as in a shell's.
+
+A non-resource call (a path outside ``/api/{v}/…`` and ``/apis/{g}/{v}/…``) has no group,
+resource or namespace, so a rule naming them is about resource requests, as in RBAC; but one
+about every resource (each of ``apiGroups``, ``resources``, ``namespaces`` left out or holding
+``*``) also matches the discovery paths a client reads to learn those resources (``/api``,
+``/apis``, ``/openapi``, ``/version``: ``DISCOVERY_URLS`` of :mod:`proxy.engine.nonresource`,
+what RBAC's default ``system:discovery`` gives every user), and no other path (``/metrics``,
+``/logs``, ``/healthz``, ``/debug/…`` are not about resources). A rule naming none of them
+matches every non-resource path (by verbs and users); an identity rule's ``nonResourceURLs``
+name paths themselves.
+
 Compiled once per policy load; matching does no allocation beyond an f-string.
 """
 
@@ -89,8 +97,9 @@ def _compile(globs: list[str]) -> re.Pattern[str]:
 class Match:
     """What a rule applies to. ``named`` = subresources and verbs spelled out literally, the only
     way long-running calls (exec, attach, port-forward, log, proxy) are rate limited.
-    ``about_resources``: the rule names groups, resources or namespaces (``*`` too), so it is
-    about resource requests only (RBAC's reading).
+    ``about_resources``: the rule names groups, resources or namespaces (``*`` too), so of the
+    non-resource paths it matches discovery's only, and only when each field is ``*``
+    (``every_resource``).
     ``caller_fields``: where ``users`` is written, for the policy set's check that some policy
     verifies callers."""
 
@@ -101,14 +110,15 @@ class Match:
     users: Patterns = Patterns()
     named: frozenset[str] = frozenset()
     about_resources: bool = False
+    every_resource: bool = True
     caller_fields: tuple[CallerField, ...] = field(default=(), compare=False)
 
     def matches(self, info: RequestInfo, verb: str, user: str | None) -> bool:
         """``user=None``: any user (before identity is known, e.g. to decide on reading a body)."""
         if not (self.verbs.matches(verb) and (user is None or self.users.matches(user))):
             return False
-        if not info.is_resource_request:  # /api, /healthz …: only rules about verbs and users
-            return not self.about_resources
+        if not info.is_resource_request:  # /api, /metrics …: see the module docstring
+            return not self.about_resources or (self.every_resource and info.is_discovery)
         resource = f"{info.resource}/{info.subresource}" if info.subresource else info.resource
         return (self.groups.matches(info.api_group) and self.resources.matches(resource)
                 and self.namespaces.matches(info.namespace))
@@ -172,8 +182,10 @@ def parse_match(node: Located | None, what: str, errors: list[PolicyError]) -> M
     named = {r.split("/", 1)[1] for r in resources if "/" in r}
     named.update(verbs)
     named = {n for n in named if not _GLOB_CHARS & set(n)}
-    return Match(verbs=Patterns.of(verbs), groups=Patterns.of(groups),
-                 resources=Patterns.of(resources, segments=True),
-                 namespaces=Patterns.of(namespaces), users=Patterns.of(users),
-                 named=frozenset(named), about_resources=bool(groups or resources or namespaces),
+    in_groups, of_resources = Patterns.of(groups), Patterns.of(resources, segments=True)
+    in_namespaces = Patterns.of(namespaces)
+    return Match(verbs=Patterns.of(verbs), groups=in_groups, resources=of_resources,
+                 namespaces=in_namespaces, users=Patterns.of(users), named=frozenset(named),
+                 about_resources=bool(groups or resources or namespaces),
+                 every_resource=in_groups.any and of_resources.any and in_namespaces.any,
                  caller_fields=callers)

@@ -16,15 +16,17 @@ the one case where it changes the verb or the name.
 A :class:`RequestInfo` is immutable and depends on nothing but (method, path, query), so
 :func:`parse_request_info` answers repeated calls (an operator asks for the same objects over
 and over) from a bounded cache, the very same object each time. Its ``shape`` is what a policy
-rule can match on besides the user (verbs, group, resource, subresource, namespace): calls that
-differ only by object name share it, which is what the middlewares key their per-call
-decisions on.
+rule can match on besides the user (verbs, group, resource, subresource, namespace, and for a
+non-resource path whether it is discovery): calls that differ only by object name share it,
+as do two paths of one verb that are both discovery or both not, which is what the
+middlewares key their per-call decisions on.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from proxy.engine.nonresource import is_discovery
 from proxy.engine.selectors import list_or_watch
 
 __all__ = [
@@ -61,8 +63,9 @@ CONNECT_SUBRESOURCES = frozenset({"exec", "attach", "portforward"})
 CACHE_SIZE = 4096  # distinct (method, path, query) kept; the cache starts over when full
 
 # (policy_verb, verb, api_group, resource, subresource, namespace, is_resource_request,
-#  is_long_running): everything a rule's match can look at except the user and the name
-Shape = tuple[str, str, str, str, str, str, bool, bool]
+#  is_long_running, is_discovery): everything a rule's match can look at except the user and
+#  the name (and a path other than discovery's, which only nonResourceURLs look at)
+Shape = tuple[str, str, str, str, str, str, bool, bool, bool]
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +90,9 @@ class RequestInfo:
     is_long_running: bool = field(init=False, repr=False, compare=False)
     # the verb to authorize: ``verb``, except pod exec/attach/portforward are always create
     policy_verb: str = field(init=False, repr=False, compare=False)
+    # a non-resource path of RBAC's system:discovery (/api, /apis, /openapi, /version …), which
+    # a match about every resource covers (proxy.engine.nonresource)
+    is_discovery: bool = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.verb in LONG_RUNNING_VERBS:
@@ -105,11 +111,13 @@ class RequestInfo:
             policy_verb = "create"
         else:
             policy_verb = self.verb
+        discovery = not self.is_resource_request and is_discovery(self.path)
         object.__setattr__(self, "shape", (
             policy_verb, self.verb, self.api_group, self.resource, self.subresource,
-            self.namespace, self.is_resource_request, long_running))
+            self.namespace, self.is_resource_request, long_running, discovery))
         object.__setattr__(self, "is_long_running", long_running)
         object.__setattr__(self, "policy_verb", policy_verb)
+        object.__setattr__(self, "is_discovery", discovery)
 
 
 _cache: dict[tuple[str, str, str], RequestInfo] = {}

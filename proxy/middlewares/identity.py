@@ -68,9 +68,9 @@ __all__ = ["CACHE_SIZE", "SECTION", "Authenticator", "IdentityCheck", "parse_sec
 log = logging.getLogger("opgate.identity")
 
 # a path no rule matches: what RBAC's reading of resources (proxy.engine.match) leaves for it
-_PATH_HINT = ('; a rule naming resources, apiGroups or namespaces ("*" too) is about resource '
-              "requests only: allow a path with nonResourceURLs, or with a rule naming none of "
-              "them")
+_PATH_HINT = ("; a rule naming resources, apiGroups or namespaces is about resource requests "
+              'only (and discovery: /api, /apis, /openapi, /version, when each is left out or "*"'
+              "): allow another path with nonResourceURLs, or with a rule naming none of them")
 CACHE_SIZE = 4096
 ALLOWED_SHAPES = 256  # per cached token: the call shapes every policy allowed
 

@@ -219,10 +219,17 @@ def test_missing_token_is_401(tmp_path: Path) -> None:
     ("POST", SECRETS, "no-secrets"),        # the deny rule wins over all-secrets below it
     ("POST", "/api/v1/namespaces/prod/configmaps", "no rule"),
     ("PATCH", CM + "/c", "no rule"),
-    # resources: ["*"] is about resource requests only, as RBAC reads it: it allowed every
-    # non-resource get (/metrics, /logs …) to a rule meant for "read any resource"
-    ("GET", "/api", "no rule"),
+    # resources: ["*"] (rules[0]) is about every resource, which lets a client discover them
+    # (RBAC's system:discovery paths), and about no other path: it allowed /metrics, /logs …
+    # to a rule meant for "read any resource", then (8731376) not even discovery
+    ("GET", "/api", None),
+    ("GET", "/apis/apps/v1", None),
+    ("GET", "/version", None),
+    ("GET", "/openapi/v3", None),
+    ("GET", "/metrics", "no rule"),
+    ("GET", "/logs/", "no rule"),
     ("GET", "/healthz", "no rule"),
+    ("GET", "/debug/pprof/", "no rule"),
 ])
 def test_rules_first_match_wins(tmp_path: Path, method: str, path: str,
                                 verdict: str | None) -> None:
@@ -252,17 +259,31 @@ def test_a_rule_naming_no_resources_covers_non_resource_paths(tmp_path: Path, pa
 
 
 def test_a_path_no_rule_matches_says_how_to_allow_one(tmp_path: Path) -> None:
-    # resources: ["*"] no longer covers /api: the 403 says what does, where it used to be
-    # enough to read the README
+    # resources: ["*"] covers discovery, not /metrics: the 403 says what does
     decision = run(IdentityCheck(authenticator=FakeAuth()),
-                   ctx_for(policy_set(tmp_path, policy()), "GET", "/apis", sa_token()))
+                   ctx_for(policy_set(tmp_path, policy()), "GET", "/metrics", sa_token()))
     assert decision is not None
     assert body(decision)["message"].endswith(
-        '; a rule naming resources, apiGroups or namespaces ("*" too) is about resource '
-        "requests only: allow a path with nonResourceURLs, or with a rule naming none of them")
+        '; a rule naming resources, apiGroups or namespaces is about resource requests only '
+        '(and discovery: /api, /apis, /openapi, /version, when each is left out or "*"): allow '
+        "another path with nonResourceURLs, or with a rule naming none of them")
     resource = run(IdentityCheck(authenticator=FakeAuth()), ctx_for(
         policy_set(tmp_path, policy()), "PATCH", CM + "/c", sa_token()))
     assert resource is not None and "nonResourceURLs" not in body(resource)["message"]
+
+
+def test_a_token_allowed_discovery_is_still_refused_other_paths(tmp_path: Path) -> None:
+    # the allowed shapes a cached token remembers tell /api from /metrics: a GET of a path is
+    # one shape whatever the path, but for the discovery flag
+    auth, token = FakeAuth(), sa_token()
+    check, policies = IdentityCheck(authenticator=auth), policy_set(tmp_path, policy())
+    for _ in range(2):
+        assert run(check, ctx_for(policies, "GET", "/api", token)) is None
+        assert run(check, ctx_for(policies, "GET", "/apis/apps/v1", token)) is None
+    for path in ("/metrics", "/logs/", "/healthz", "/debug/pprof/"):
+        denied = run(check, ctx_for(policies, "GET", path, token))
+        assert denied is not None and denied.decision == "denied", path
+    assert auth.calls == ["keys k1"]  # one verification: the refusals were not a cache miss
 
 
 POD_GLOB_POLICY = policy().replace(

@@ -193,6 +193,22 @@ def test_faults_roll_the_dice_on_every_call(tmp_path: Path) -> None:
     assert fired == [False, True, False, True]
 
 
+def test_faults_on_every_resource_fire_on_discovery_and_no_other_path(tmp_path: Path) -> None:
+    # one fault on every resource: discovery is about them (RBAC's system:discovery), /metrics
+    # is not; a GET of either is one shape but for the discovery flag, so the memo keeps apart
+    pset = tf.policies(tmp_path, "  faults:\n    - match: {verbs: [get], resources: ['*']}\n"
+                                 "      respond: {code: 503}\n")
+    mw = Faults()
+
+    def fires(path: str) -> bool:
+        return isinstance(asyncio.run(settle(mw.entry(tf.ctx_for(pset, "GET", path)))), Deny)
+
+    for _ in range(2):
+        assert [fires(p) for p in ("/api", "/metrics", "/apis/apps/v1", "/logs/", "/version",
+                                   "/healthz", "/openapi/v3")] == [
+            True, False, True, False, True, False, True]
+
+
 # --- rate limits ---------------------------------------------------------------------------
 
 
@@ -216,6 +232,18 @@ def test_ratelimit_keys_with_a_name_or_user_keep_their_own_buckets() -> None:
 
     assert asyncio.run(calls()) == [True, True, False, True, True, False]
     assert store.calls == 6
+
+
+def test_ratelimit_on_every_resource_spends_on_discovery_only() -> None:
+    pset = tr.policies("- {name: reads, match: {verbs: [get], resources: ['*']}, qps: 0.001, "
+                       "burst: 1}")
+    mw, _ = tr.make()
+
+    async def calls() -> list[bool]:
+        return [await settle(mw.entry(tr.ctx_for(pset, path=path))) is None
+                for path in ("/api", "/metrics", "/apis", "/metrics", "/logs/")]
+
+    assert asyncio.run(calls()) == [True, True, False, True, True]
 
 
 def test_ratelimit_dryrun_rules_warn_on_every_call() -> None:

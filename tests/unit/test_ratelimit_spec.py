@@ -208,21 +208,40 @@ def test_non_resource_requests_match_only_unrestricted_rules() -> None:
         info, "get", "u")
 
 
+DISCOVERY = ["/api", "/api/v1", "/apis", "/apis/apps", "/apis/apps/v1", "/version", "/version/",
+             "/openapi", "/openapi/v2", "/openapi/v3", "/openapi/v3/apis/apps/v1"]
+OTHER_PATHS = ["/metrics", "/logs", "/logs/", "/logs/kube-apiserver.log", "/healthz", "/livez",
+               "/readyz", "/debug/pprof/", "/debug/pprof/profile", "/version/x", "/apis-x",
+               "/openapiv2", "/", "/.well-known/openid-configuration"]
+
+
 @pytest.mark.parametrize("fields", [
     "resources: ['*']", "apiGroups: ['*']", "groups: ['*']", "namespaces: ['*']",
-    "resources: ['*'], apiGroups: ['*'], namespaces: ['*']", "resources: ['*/*']"])
-@pytest.mark.parametrize("path", ["/healthz", "/version", "/apis", "/api", "/metrics"])
-def test_star_resources_are_about_resource_requests_only(fields: str, path: str) -> None:
-    # RBAC's reading: resources (and groups) are about resource requests, whatever they say;
-    # a non-resource URL is matched only by a rule that names none of them. "resources: ['*']"
-    # matched /healthz, /version and discovery: a fault on "every resource" broke discovery
+    "resources: ['*'], apiGroups: ['*'], namespaces: ['*']", "resources: ['*', pods]"])
+@pytest.mark.parametrize("path", DISCOVERY + OTHER_PATHS)
+def test_a_rule_about_every_resource_matches_discovery_and_no_other_path(
+        fields: str, path: str) -> None:
+    # the middle reading, RBAC's defaults (system:discovery): a rule about every resource also
+    # lets a client discover them (/api, /apis, /version, /openapi), as DESIGN's own
+    # {verbs: [get, list, watch], resources: ["*"]} needs for client-go; it matched every path
+    # before 8731376 (/metrics, /logs, /debug: none is about a resource), none after it
     match = one("- {name: a, qps: 1, match: {verbs: [get], " + fields + "}}").match
-    assert not match.matches(parse_request_info("GET", path, ""), "get", "u")
-    call = "/api/v1/namespaces/a/pods/p" + ("/log" if "*/*" in fields else "")
-    assert match.matches(parse_request_info("GET", call, ""), "get", "u")
-    # leaving them out is how a rule covers non-resource paths too
+    assert match.matches(parse_request_info("GET", path, ""), "get", "u") is (path in DISCOVERY)
+    assert match.matches(parse_request_info("GET", "/api/v1/namespaces/a/pods/p", ""), "get", "u")
+    assert not match.matches(parse_request_info("POST", "/api", ""), "post", "u")  # verbs still
+    # leaving them out is how a rule covers every non-resource path
     assert one("- {name: a, qps: 1, match: {verbs: [get]}}").match.matches(
         parse_request_info("GET", path, ""), "get", "u")
+
+
+@pytest.mark.parametrize("fields", [
+    "resources: [pods]", "resources: ['*/*']", "resources: ['*/scale']", "apiGroups: ['']",
+    "apiGroups: [apps]", "namespaces: [a]", "resources: ['*'], namespaces: [a]",
+    "resources: ['*'], apiGroups: [apps]", "resources: ['p*']"])
+@pytest.mark.parametrize("path", DISCOVERY + OTHER_PATHS)
+def test_a_rule_naming_some_resources_matches_no_path(fields: str, path: str) -> None:
+    match = one("- {name: a, qps: 1, match: {verbs: [get], " + fields + "}}").match
+    assert not match.matches(parse_request_info("GET", path, ""), "get", "u")
 
 
 @pytest.mark.parametrize("resources, verbs, path, named", [

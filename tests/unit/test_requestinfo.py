@@ -407,6 +407,7 @@ def test_the_cache_stays_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
     ("GET", "/api/v1/pods", "watch=1"),
     ("GET", "/debug/pprof/profile", ""),
     ("GET", "/healthz", ""),
+    ("GET", "/apis/apps/v1", ""),
     ("DELETE", f"{APPS}/deployments", ""),
     ("PUT", f"{CRD}/namespaces/n/widgets/w/status", ""),
 ])
@@ -414,7 +415,7 @@ def test_shape_is_what_rules_match_on(method: str, path: str, query: str) -> Non
     info = parse_request_info(method, path, query)
     assert info.shape == (info.policy_verb, info.verb, info.api_group, info.resource,
                           info.subresource, info.namespace, info.is_resource_request,
-                          info.is_long_running)
+                          info.is_long_running, info.is_discovery)
     built = dataclasses.replace(info)  # built directly, not parsed: derived all the same
     assert built == info and built.shape == info.shape
     assert "shape" not in repr(info)
@@ -425,3 +426,22 @@ def test_calls_that_differ_by_name_share_a_shape() -> None:
     b = parse_request_info("GET", "/api/v1/namespaces/a/configmaps/y")
     assert a != b and a.shape == b.shape
     assert parse_request_info("GET", "/api/v1/namespaces/b/configmaps/x").shape != a.shape
+
+
+@pytest.mark.parametrize(("path", "discovery"), [
+    ("/api", True), ("/api/v1", True), ("/apis", True), ("/apis/apps", True),
+    ("/apis/apps/v1", True), ("/version", True), ("/version/", True), ("/openapi", True),
+    ("/openapi/v2", True), ("/openapi/v3/apis/apps/v1", True),
+    ("/metrics", False), ("/logs/", False), ("/healthz", False), ("/livez", False),
+    ("/readyz", False), ("/debug/flags/v", False), ("/version/x", False), ("/apis-x", False),
+    ("/openapiv2", False), ("/", False),
+    ("/api/v1/namespaces/a/pods", False),  # a resource request is never discovery
+])
+def test_discovery_paths_have_their_own_shape(path: str, discovery: bool) -> None:
+    # RBAC's system:discovery paths (a rule about every resource matches them, no other path):
+    # the flag is in the shape, or the middlewares' memos would answer /metrics as /api
+    info = parse_request_info("GET", path)
+    assert info.is_discovery is discovery
+    if not info.is_resource_request:
+        assert (info.shape == parse_request_info("GET", "/api").shape) is discovery
+        assert (info.shape == parse_request_info("GET", "/metrics").shape) is not discovery
