@@ -34,7 +34,7 @@ spec:
     allow:
       - serviceAccount: {ns}/{sa}
     rules:
-      - {{name: read, verbs: [get, list, watch]}}
+      - {{name: read, verbs: [get, list, watch], resources: ["*"]}}
       - {{name: no-secrets, effect: deny, resources: [secrets]}}
       - {{name: write-configmaps, verbs: [create, update, patch, delete], apiGroups: [""],
          resources: [configmaps], namespaces: [{ns}]}}

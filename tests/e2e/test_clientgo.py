@@ -91,7 +91,7 @@ spec:
     allow: [{{group: "system:masters"}}]
     rules:
       - {{name: no-secrets, effect: deny, resources: [secrets], namespaces: [{ns}]}}
-      - {{name: everything, verbs: ["*"]}}
+      - {{name: everything, verbs: ["*"], resources: ["*"]}}
   rateLimits:
     - name: slow-gets
       match: {{verbs: [get], resources: [configmaps], namespaces: [{ns}]}}
@@ -116,7 +116,7 @@ spec:
     issuers: [{{kubernetes: {{}}}}]
     allow: [{{group: "system:masters"}}]
     rules:
-      - {{name: reads-only, verbs: [get, list, watch]}}
+      - {{name: reads-only, verbs: [get, list, watch], resources: ["*"]}}
 """,
 }
 

@@ -55,7 +55,7 @@ spec:
     issuers: [{{kubernetes: {{}}}}]
     allow: [{{serviceAccount: {sa}}}]
     rules:
-      - {{name: everything, verbs: ["*"]}}
+      - {{name: everything, verbs: ["*"], resources: ["*"]}}
   rateLimits:
     - name: configmap-writes
       match:

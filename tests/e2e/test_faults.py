@@ -98,7 +98,7 @@ spec:
   identity:
     issuers: [{{kubernetes: {{}}}}]
     allow: [{{group: "system:masters"}}]
-    rules: [{{verbs: [get, list, watch, create, update, patch, delete]}}]
+    rules: [{{verbs: [get, list, watch, create, update, patch, delete], resources: ["*"]}}]
   faults:
     - name: update-conflicts
       match: {{verbs: [update], resources: [configmaps], namespaces: [{ORDER_NS}]}}

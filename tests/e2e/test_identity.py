@@ -40,7 +40,7 @@ spec:
       - serviceAccount: {ns}/allowed
       - group: "system:masters"
     rules:
-      - {{name: read, verbs: [get, list, watch]}}
+      - {{name: read, verbs: [get, list, watch], resources: ["*"]}}
       - {{name: no-secrets, effect: deny, resources: [secrets]}}
       - {{name: write-configmaps, verbs: [create, update, patch, delete], apiGroups: [""],
          resources: [configmaps], namespaces: [{ns}]}}
@@ -265,7 +265,7 @@ spec:
   identity:
     issuers: [{oidc: {issuer: "https://idp.example.com", audiences: [kubernetes]}}]
     allow: [{group: "system:authenticated"}]
-    rules: [{verbs: ["*"]}]
+    rules: [{verbs: ["*"], resources: ["*"]}]
 """
 
 
@@ -386,7 +386,7 @@ spec:
       - {{name: discovery, verbs: [get], nonResourceURLs: [/api, "/api/*", /apis, "/apis/*",
                                                           /version]}}
       - {{name: no-other-paths, effect: deny, nonResourceURLs: ["*"]}}
-      - {{name: read, verbs: [get, list, watch]}}
+      - {{name: read, verbs: [get, list, watch], resources: ["*"]}}
 """
 
 

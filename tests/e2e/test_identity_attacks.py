@@ -38,7 +38,7 @@ spec:
     allow:
       - serviceAccount: {NS}/op
     rules:
-      - {{name: read, verbs: [get, list, watch]}}
+      - {{name: read, verbs: [get, list, watch], resources: ["*"]}}
 """
 ATTACKER = rsa.generate_private_key(public_exponent=65537, key_size=2048)
 

@@ -34,7 +34,7 @@ spec:
       - serviceAccount: {ns}/browser
       - group: "system:masters"
     rules:
-      - {{name: read, verbs: [get, list, watch]}}
+      - {{name: read, verbs: [get, list, watch], resources: ["*"]}}
 """
 
 
