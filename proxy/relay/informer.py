@@ -27,7 +27,9 @@ Each watch (kopf's shape): list (pages of 500) → watch from the list's resourc
 ``allowWatchBookmarks`` and a server ``timeoutSeconds`` of ~5 min, an inactivity timeout of
 ``idle_seconds``; a watch that ends or idles resumes from the last resourceVersion; 410 Gone (the
 HTTP status or an ERROR event) relists at once; any other failure backs off (1 s doubling up to
-60 s, with jitter), then reads the group's preferred version again (a CRD's upgrade may stop
+60 s, with jitter; up to ``NOT_SERVED_RETRY``, 4 s, for a resource not served: its group's 404,
+or a group served whose discovery does not show it yet, the moment after its CRD is created),
+then reads the group's preferred version again (a CRD's upgrade may stop
 serving the one watched) and relists. Failures are logged at warning once per streak.
 
 Credentials are the upstream's (token, token file or client certificate; ``opgate serve``'s
@@ -46,7 +48,7 @@ from typing import Any
 
 from proxy.engine.kinds import MIN_QPS, is_custom_group, parse_qps
 from proxy.relay.endpoint import Endpoint, TokenSource, make_ssl_context
-from proxy.relay.listwatch import Failed, ListWatch, reason
+from proxy.relay.listwatch import Absent, Failed, ListWatch, reason
 from proxy.relay.upstream import UpstreamConfig
 
 __all__ = ["InformerPool"]
@@ -228,8 +230,8 @@ class InformerPool:
             if res.get("name") == r.resource:
                 r.kind = str(res.get("kind") or "")
                 r.namespaced = bool(res.get("namespaced", True))
-        if not r.kind:
-            raise Failed(f"the apiserver serves no {r.label} in {r.group}/{r.version}")
+        if not r.kind:  # its group is served, its CRD not yet: as soon back as a 404
+            raise Absent(f"the apiserver serves no {r.label} in {r.group}/{r.version}")
         self._by_kind.setdefault(r.kind, []).append(r)
 
     async def _follow_version(self, r: _Resource) -> None:

@@ -22,9 +22,17 @@ from proxy.engine.requestinfo import parse_request_info
 from proxy.middlewares import identity_spec, instance
 from proxy.middlewares.instance import InstanceResolver, MemoryInstanceOverrides
 from proxy.middlewares.ratelimit import RateLimit, parse_section
-from proxy.relay import UpstreamConfig
-from proxy.relay.informer import InformerPool
-from proxy.relay.listwatch import LIST_ACCEPT, WATCH_ACCEPT, Failed, Gone, apply_event
+from proxy.relay import UpstreamConfig, listwatch
+from proxy.relay.informer import InformerPool, _Resource
+from proxy.relay.listwatch import (
+    LIST_ACCEPT,
+    NOT_SERVED_RETRY,
+    WATCH_ACCEPT,
+    Absent,
+    Failed,
+    Gone,
+    apply_event,
+)
 from proxy.stores.memory import MemoryStore
 from tests.unit.test_protometa import CONFIGMAP_PB, NAMED_PB, deep
 
@@ -524,3 +532,40 @@ async def test_informer_follows_a_crd_upgrade_to_its_new_version() -> None:
     finally:
         await p.close()
         await runner.cleanup()
+
+
+class _Slept(Exception):
+    """Ends the informer's loop once enough of its backoff sleeps are recorded."""
+
+
+@pytest.mark.parametrize("discovered", [
+    pytest.param({"kind": "APIResourceList", "resources": []}, id="group-served-resource-not"),
+    pytest.param(None, id="group-not-served"),
+])
+def test_informer_looks_for_a_resource_not_served_yet_every_few_seconds(
+        monkeypatch: pytest.MonkeyPatch, discovered: dict[str, Any] | None) -> None:
+    """Right after a CRD is created its group is served before its resource shows in the
+    group's discovery: the informer backed off up to 60 s on that (a plain failure), so the
+    instances' own qps applied up to a minute late, where a 404 (and the quota counts' watch,
+    listwatch.py) looks again within NOT_SERVED_RETRY. The loop's sleeps are recorded, not
+    slept."""
+    slept: list[float] = []
+
+    async def sleep(delay: float) -> None:
+        slept.append(delay)
+        if len(slept) >= 12:
+            raise _Slept
+
+    async def get_json(path: str, *, accept: str) -> dict[str, Any]:
+        if discovered is None:
+            raise Absent(f"HTTP 404 for {path}")
+        return discovered
+
+    monkeypatch.setattr(listwatch.asyncio, "sleep", sleep)
+    p = pool()
+    monkeypatch.setattr(p, "_get_json", get_json)
+    r = _Resource("demo.opgate.dev", "v1", "widgets")  # not spawned: run by hand below
+    with pytest.raises(_Slept):
+        asyncio.run(p._run(r))
+    assert not r.kind
+    assert max(slept) <= NOT_SERVED_RETRY and slept[0] < slept[3]
