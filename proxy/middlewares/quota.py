@@ -3,11 +3,14 @@
 A ``create`` of a quota'd resource (no subresource) in a namespace an entry matches is checked
 (and so is a server-side apply that creates: a ``PATCH`` with an ``application/apply-patch+…``
 body to a named object that the counts do not show in the namespace; an apply to an object that
-exists is an update) against the entry's effective limit: the smallest of its ``max`` and,
-with ``alignWith``, the ``count/<resource>[.<group>]`` (or legacy ``configmaps``, ``secrets``…)
-hard limits of every ResourceQuota in that namespace and of every ClusterResourceQuota
-(``quota.openshift.io/v1``, when the cluster serves it) that selects the namespace (less the
-objects in the other namespaces it selects: OpenShift counts them together). Over it,
+exists is an update; and a ``PUT`` that creates: services, endpoints, limitranges, events and
+leases are created by a PUT to a name that does not exist, :data:`UPSERTS`, and the apiserver's
+ResourceQuota admission charges that as a create) against the entry's effective limit: the
+smallest of its ``max`` and, with ``alignWith``, the ``count/<resource>[.<group>]`` (or legacy
+``configmaps``, ``secrets``…) hard limits of every ResourceQuota in that namespace and of every
+ClusterResourceQuota (``quota.openshift.io/v1``, when the cluster serves it) that selects the
+namespace (less the objects in the other namespaces it selects: OpenShift counts them
+together). Over it,
 the call gets the 403 the apiserver's ResourceQuota admission would send, word for word::
 
     configmaps "cm-7" is forbidden: exceeded quota: team-quota, requested: count/configmaps=1,
@@ -173,18 +176,39 @@ def _is_apply(ctx: RequestContext) -> bool:
     return ctx.media_type in _APPLY_TYPES
 
 
+# the quota'd resources whose registry strategy allows create on update (the apiserver answers a
+# PUT to a name that does not exist 201 Created, and its quota admission sees a create); for any
+# other resource (configmaps, pods, custom resources…) such a PUT is a 404
+UPSERTS = frozenset({("", "services"), ("", "endpoints"), ("", "limitranges"), ("", "events"),
+                     ("events.k8s.io", "events"), ("coordination.k8s.io", "leases")})
+
+
+def _may_create(ctx: RequestContext) -> bool:
+    """A create, or a call to a named object that creates it when the counts do not show it:
+    a server-side apply, or a PUT of a resource the apiserver creates on update."""
+    info = ctx.info
+    if info.verb == "create":
+        return True
+    if not info.name:
+        return False
+    if info.verb == "patch":
+        return _is_apply(ctx)
+    return info.verb == "update" and (info.api_group, info.resource) in UPSERTS
+
+
 def _dry_run(ctx: RequestContext) -> bool:
     return dry_run(ctx.query) if ctx.query else False
 
 
-def _outcome(ctx: RequestContext, apply: bool = False) -> bool | None:
+def _outcome(ctx: RequestContext, upsert: bool = False) -> bool | None:
     """Whether a create answered ``ctx.status_code`` made the object (``None``: cannot tell).
-    An apply answered 200 updated an object that existed after all: not a create. When the
+    An apply or a PUT (``upsert``) answered 200 updated an object that existed after all: not a
+    create. When the
     relay answered a 503/504 itself, its ``Retry-After`` says the call never left opgate
     (nothing made); without one the apiserver may have had it (the connection closed after
     the request): as unknown as no answer."""
     code = ctx.status_code
-    if apply and code == 200:
+    if upsert and code == 200:
         return False
     if 200 <= code < 300:
         return True
@@ -197,7 +221,11 @@ def _outcome(ctx: RequestContext, apply: bool = False) -> bool | None:
 
 
 
-_CREATING = frozenset({"create", "patch"})  # the verbs _matched can match (a patch: an apply)
+_CREATING = frozenset({"create", "patch", "update"})  # the verbs _matched can match: see
+# _may_create
+
+
+_CALLED = {"create": "create", "patch": "apply", "update": "update"}  # in dryrun warnings
 
 
 @dataclass(slots=True)
@@ -207,7 +235,7 @@ class _Held:
     scope: str
     member: str
     expected: object
-    apply: bool
+    upsert: bool  # an apply or a PUT: a 200 means it updated an object that existed
     name: str  # "" for a generateName create (or a name the body did not say)
     where: tuple[str, str, str]  # (group, resource, namespace)
 
@@ -217,7 +245,7 @@ class Quota:
     needs_body = True  # narrowed per call by wants_body: JSON creates a quota entry matches
     fail_open = False
     sections = (SECTION,)
-    verbs = _CREATING  # entry counts only creates (and applies); exit settles only what it held
+    verbs = _CREATING  # entry counts only creates (applies, PUTs); exit settles what it held
 
     def __init__(self, *, counts: QuotaCounts | None = None, store: Store | None = None,
                  rng: random.Random | None = None, reserve_seconds: float = RESERVE_SECONDS,
@@ -258,8 +286,7 @@ class Quota:
         info = ctx.info
         if info.subresource or not info.namespace or not info.is_resource_request:
             return None
-        if info.verb != "create" and not (
-                info.verb == "patch" and info.name and _is_apply(ctx)):
+        if not _may_create(ctx):
             return None
         bound = self._plan_of(ctx.policies).get((info.api_group, info.resource))
         if not bound:
@@ -282,12 +309,12 @@ class Quota:
         return self._create(ctx, matched)
 
     async def _create(self, ctx: RequestContext, matched: list[BoundQuota]) -> Decision | None:
-        """``entry`` for a create (or an apply) that quotas count."""
+        """``entry`` for a create (or an apply, a PUT) that quotas count."""
         info = ctx.info
         group, resource, namespace = info.api_group, info.resource, info.namespace
-        apply = info.verb == "patch"
-        if apply and self.counts.exists(group, resource, namespace, info.name):
-            return None  # an apply to an object that exists is an update, not a create
+        upsert = info.verb != "create"
+        if upsert and self.counts.exists(group, resource, namespace, info.name):
+            return None  # an apply or PUT to an object that exists is an update, not a create
         observed = self.counts.observed(group, resource, namespace)
         rq = any(RESOURCE_QUOTA in b.rule.align_with for b in matched)
         crq = any(CLUSTER_RESOURCE_QUOTA in b.rule.align_with for b in matched)
@@ -313,7 +340,7 @@ class Quota:
         enforced = [b for b in checked if not b.dryrun]
         limits = [x for b in enforced
                   if (x := effective_limit(b, group, resource, aligned, shifts)) is not None]
-        names = (info.name, "") if apply else _body_name(ctx)
+        names = (info.name, "") if upsert else _body_name(ctx)
         token = secrets.token_hex(8)
         scope = f"{group}/{resource}/{namespace}"
         member = f"{names[0] or info.name}|{token}"
@@ -327,7 +354,7 @@ class Quota:
                 f'opgate: the quota store is unavailable and quota "{b.quota_name}" of policy '
                 f'"{b.policy}" ({b.where}) fails closed; retry later', retry_after=1),
                 "unavailable")
-        if not reserved.allowed and not apply and _names_in_body(ctx):
+        if not reserved.allowed and not upsert and _names_in_body(ctx):
             refused = _not_an_object(ctx, names)
             if refused is not None:  # what the apiserver answers before its quota admission
                 return refused or None
@@ -344,7 +371,7 @@ class Quota:
                 log.info("dryrun: quota %s of policy %s would deny %s: %s", b.quota_name,
                          b.policy, ctx.path, message)
                 ctx.warn(f'quota "{b.quota_name}" of policy "{b.policy}" would deny this '
-                         f"{'apply' if apply else 'create'} (dryrun): {message}")
+                         f"{_CALLED[info.verb]} (dryrun): {message}")
                 continue
             if reserved.allowed:  # cannot be: the store checked the smallest of these limits
                 log.error("quota %s: the store admitted %s at used=%d", b.quota_name, ctx.path,
@@ -365,7 +392,7 @@ class Quota:
 
             expected = self.counts.expect(group, resource, namespace, names[0], names[1],
                                           token, seen)
-            ctx.state[STATE_KEY] = _Held(scope, member, expected, apply, names[0],
+            ctx.state[STATE_KEY] = _Held(scope, member, expected, upsert, names[0],
                                          (group, resource, namespace))
         return None
 
@@ -401,8 +428,8 @@ class Quota:
         held: _Held | None = state.pop(STATE_KEY, None)
         if held is None:
             return None
-        created = _outcome(ctx, held.apply)
-        if created is False and ctx.status_code == 409 and held.name and not held.apply \
+        created = _outcome(ctx, held.upsert)
+        if created is False and ctx.status_code == 409 and held.name and not held.upsert \
                 and self.counts.exists(*held.where, held.name) is False:
             created = None  # AlreadyExists, and the watch does not show it yet: made just now
         self.counts.settle(held.expected, created)

@@ -814,6 +814,89 @@ def test_a_create_that_lost_the_race_for_its_name_keeps_the_room_of_the_winner()
     assert [m.partition("|")[0] for m in reservations(mw)] == ["same"]
 
 
+UPSERTS = """\
+    - {resources: [services, endpoints, limitranges, events, configmaps], namespaces: ['team-*'],
+       max: 1}
+    - {resources: [leases], apiGroups: [coordination.k8s.io], namespaces: ['team-*'], max: 1}
+    - {resources: [events], apiGroups: [events.k8s.io], namespaces: ['team-*'], max: 1}"""
+UPSERTING = [("", "services"), ("", "endpoints"), ("", "limitranges"), ("", "events"),
+             ("coordination.k8s.io", "leases"), ("events.k8s.io", "events")]
+
+
+def _named(group: str, resource: str, name: str, namespace: str = "team-a") -> str:
+    base = f"/apis/{group}/v1" if group else "/api/v1"
+    return f"{base}/namespaces/{namespace}/{resource}/{name}"
+
+
+@pytest.mark.parametrize(("group", "resource"), UPSERTING)
+def test_a_put_that_creates_is_checked_like_a_create(group: str, resource: str) -> None:
+    """The apiserver creates a service, an endpoints, a limitrange, a lease or an event on a
+    PUT to a name that does not exist (their strategies allow create on update), and its
+    ResourceQuota admission charges it as a create: opgate let every such PUT through, so
+    creates went past the limit that way (client-go's leader election and endpoints
+    controllers create with Update). A PUT to an object the watch shows is an update."""
+    counts = MemoryQuotaCounts()
+    counts.set(group, resource, "team-a", 1)  # existing-0: full
+    mw = Quota(counts=counts)
+    pset = policies(UPSERTS)
+    put = ctx_for(pset, _named(group, resource, "new"), method="PUT",
+                  body={"metadata": {"name": "new"}})
+    decision = decide(mw, put)
+    assert isinstance(decision, Deny), resource
+    key = f"count/{resource}.{group}" if group else f"count/{resource}"
+    shown = f"{resource}.{group}" if group else resource
+    assert decision.status.message == (
+        f'{shown} "new" is forbidden: exceeded quota: team-quota, requested: {key}=1, '
+        f"used: {key}=1, limited: {key}=1")
+    update = ctx_for(pset, _named(group, resource, "existing-0"), method="PUT",
+                     body={"metadata": {"name": "existing-0"}})
+    assert decide(mw, update) is None
+    assert not mw.wants_body(put)  # the name is the path's
+
+
+def test_a_put_that_cannot_create_is_never_counted() -> None:
+    """configmaps (and pods, secrets, custom resources…) answer 404 to a PUT of a name that
+    does not exist: an update only; nor is a PUT to a subresource a create."""
+    counts = MemoryQuotaCounts()
+    counts.set("", "configmaps", "team-a", 1)
+    counts.set("", "services", "team-a", 1)
+    mw = Quota(counts=counts)
+    pset = policies(UPSERTS)
+    assert decide(mw, ctx_for(pset, _named("", "configmaps", "new"), method="PUT")) is None
+    assert decide(mw, ctx_for(pset, _named("", "services", "new") + "/status",
+                              method="PUT")) is None
+    assert reservations(mw, "/configmaps/team-a") == reservations(mw, "/services/team-a") == {}
+
+
+def test_a_put_that_creates_reserves_and_an_update_after_all_frees_it() -> None:
+    counts = MemoryQuotaCounts()
+    mw = Quota(counts=counts)
+    pset = policies("    - {resources: [services], namespaces: ['team-*'], max: 2}")
+    made = ctx_for(pset, _named("", "services", "s1"), method="PUT")
+    assert decide(mw, made) is None
+    (member,) = reservations(mw, "/services/team-a")
+    assert member.startswith("s1|")
+    run(_exit(mw, made, 201))  # created: kept until the watch shows it
+    # one the counts took for a create that the apiserver answered 200: it existed
+    updated = ctx_for(pset, _named("", "services", "s2"), method="PUT")
+    assert decide(mw, updated) is None
+    run(_exit(mw, updated, 200))
+    assert counts.settled == [True, False]
+    assert [m.partition("|")[0] for m in reservations(mw, "/services/team-a")] == ["s1"]
+    assert decide(mw, ctx_for(pset, _named("", "services", "s3"), method="PUT")) is None
+    assert isinstance(decide(mw, ctx_for(pset, _named("", "services", "s4"), method="PUT")),
+                      Deny)
+
+
+def test_not_synced_names_fail_a_put_that_may_create_as_the_policy_says() -> None:
+    counts = MemoryQuotaCounts()
+    counts.unsync("", "services")
+    pset = policies("    - {resources: [services], namespaces: ['team-*'], max: 2}")
+    closed = decide(Quota(counts=counts), ctx_for(pset, _named("", "services", "x"),
+                                                  method="PUT"))
+    assert isinstance(closed, Deny) and closed.status.code == 503
+
+
 def test_not_synced_names_fail_an_apply_as_the_policy_says() -> None:
     counts = MemoryQuotaCounts()
     counts.unsync("", "configmaps")
