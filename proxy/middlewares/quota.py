@@ -23,13 +23,13 @@ only those not Succeeded or Failed nor stuck terminating past their grace period
 (:meth:`QuotaCounts.finished`); the admit-and-reserve is
 still one store call, against the limits in ``count/pods`` terms (a ``pods`` limit plus the
 finished pods), so a create reserves room in both, and a denial prints each key's own used
-(``used: count/pods=3,pods=2``). The object's name is the body's ``metadata.name``, JSON
-or protobuf (the body is read only for such creates: :meth:`Quota.wants_body`); with
-``generateName`` the name is generated as the apiserver does (the prefix and five random
-characters); a body in another encoding (CBOR) leaves it out (``configmaps is forbidden: …``).
-At the limit, a JSON or protobuf body the apiserver could not decode gets its 400 BadRequest,
-and one naming no object goes on to its 422 (:func:`_not_an_object`): both come before the
-apiserver's own quota admission.
+(``used: count/pods=3,pods=2``). The object's name is the body's ``metadata.name``, JSON,
+protobuf or YAML (:mod:`proxy.middlewares.quota_yaml`; the body is read only for such creates:
+:meth:`Quota.wants_body`); with ``generateName`` the name is generated as the apiserver does
+(the prefix and five random characters); a body in another encoding (CBOR) leaves it out
+(``configmaps is forbidden: …``). At the limit, a JSON or protobuf body the apiserver could
+not decode gets its 400 BadRequest, and one naming no object goes on to its 422
+(:func:`_not_an_object`): both come before the apiserver's own quota admission.
 
 "Used" is the objects the apiserver holds plus the creates on their way. The objects come from
 the apiserver, not from opgate's own bookkeeping: the :class:`QuotaCounts`
@@ -104,6 +104,7 @@ from proxy.middlewares.quota_spec import (
     parse_section,
     qualified,
 )
+from proxy.middlewares.quota_yaml import YAML, read_names
 from proxy.stores.base import SHOWN, Reservation, Store
 from proxy.stores.memory import MemoryStore
 
@@ -294,9 +295,10 @@ class Quota:
         return [b for b in bound if b.applies(info.namespace)] or None
 
     def wants_body(self, ctx: RequestContext) -> bool:
-        """The body of a JSON or protobuf create that an entry matches (for the object's
+        """The body of a JSON, protobuf or YAML create that an entry matches (for the object's
         name)."""
-        return ctx.method == "POST" and _names_in_body(ctx) and self._matched(ctx) is not None
+        return ctx.method == "POST" and (_names_in_body(ctx) or ctx.media_type == YAML) \
+            and self._matched(ctx) is not None
 
     # --- hooks ------------------------------------------------------------------------------
 
@@ -340,7 +342,7 @@ class Quota:
         enforced = [b for b in checked if not b.dryrun]
         limits = [x for b in enforced
                   if (x := effective_limit(b, group, resource, aligned, shifts)) is not None]
-        names = (info.name, "") if upsert else _body_name(ctx)
+        names = (info.name, "") if upsert else await _create_names(ctx)
         token = secrets.token_hex(8)
         scope = f"{group}/{resource}/{namespace}"
         member = f"{names[0] or info.name}|{token}"
@@ -449,6 +451,14 @@ class Quota:
 def _namespace_filter(bound: list[BoundQuota]) -> Callable[[str], bool]:
     entries = tuple(bound)
     return lambda namespace: any(b.applies(namespace) for b in entries)
+
+
+async def _create_names(ctx: RequestContext) -> tuple[str, str]:
+    """``(name, generateName)`` of a create's body: JSON or protobuf (:func:`_body_name`), or
+    YAML (:mod:`proxy.middlewares.quota_yaml`, a large body read off the event loop)."""
+    if ctx.media_type == YAML:
+        return await read_names(ctx.body) if ctx.body else ("", "")
+    return _body_name(ctx)
 
 
 def _report_usage(group: str, resource: str, namespace: str, count: int) -> None:

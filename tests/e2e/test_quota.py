@@ -42,7 +42,7 @@ PODS_STUCK = "quota-pods-stuck"
 BODIES = "quota-bodies"
 CRQ_A, CRQ_B = "quota-crq-a", "quota-crq-b"
 TERMINATING, COLLECTION, DRY_RUNS = "quota-terminating", "quota-collection", "quota-dry-runs"
-UPSERT = "quota-upsert"
+UPSERT, YAML_NS = "quota-upsert", "quota-yaml"
 POLICY = f"""\
 apiVersion: opgate.dev/v1alpha1
 kind: Policy
@@ -76,6 +76,10 @@ spec:
       alignWith: [ResourceQuota]
     - resources: [services]
       namespaces: [{UPSERT}]
+      max: 3
+      alignWith: [ResourceQuota]
+    - resources: [configmaps]
+      namespaces: [{YAML_NS}]
       max: 3
       alignWith: [ResourceQuota]
 ---
@@ -152,7 +156,7 @@ def start_synced(opgate_factory: Callable[..., Opgate], token_file: Path, crq: s
 def token_file(cluster: LocalCluster, tmp_path_factory: pytest.TempPathFactory) -> Path:
     for namespace in (BELOW, ABOVE, FREED, DRY, BARE, SSA, SHARED, QUANTITY, PODS, PODS_BOTH,
                       PODS_COUNT, PODS_STUCK, COMPACT, TERMINATING, COLLECTION, DRY_RUNS,
-                      BODIES, UPSERT):
+                      BODIES, UPSERT, YAML_NS):
         cluster.create_namespace(namespace)
     cluster.create_namespace(CLUSTER, labels={"team": "crq"})
     for namespace in (CRQ_A, CRQ_B):
@@ -779,6 +783,37 @@ def test_a_put_that_creates_is_checked_like_a_create(cluster: LocalCluster, gate
     assert cluster.call("PUT", f"{path}/s-1", body=current, server=gate.url).status == 200
     assert cluster.call("GET", f"{path}/s-3").status == 404
     assert len(cluster.call("GET", path).json()["items"]) == 3
+
+
+def yaml_configmap(meta: str) -> str:
+    """A ConfigMap in YAML as kubectl prints it (``data`` before ``metadata``)."""
+    return (f"apiVersion: v1\ndata:\n  k: v\nkind: ConfigMap\nmetadata:\n{meta}"
+            f"  namespace: {YAML_NS}\n")
+
+
+def test_yaml_creates_are_counted_once_and_denied_by_name(
+        cluster: LocalCluster, gate: Opgate) -> None:
+    """``Content-Type: application/yaml``, which the apiserver accepts for a create: opgate
+    read no name from it, so each such create's room was held a second time next to its
+    object until its reservation ended (a create denied at 2 of 3), and its denial named no
+    object where the apiserver's names it."""
+    resource_quota(cluster, YAML_NS, "rq-yaml", {"count/configmaps": "5"})  # above max: 3
+    path = f"/api/v1/namespaces/{YAML_NS}/configmaps"
+    named = cluster.call("POST", path, body=yaml_configmap("  name: y-0\n"),
+                         content_type="application/yaml", server=gate.url)
+    assert named.status == 201, named.body
+    generated = cluster.call("POST", path, body=yaml_configmap("  generateName: 'y-'\n"),
+                             content_type="application/yaml", server=gate.url)
+    assert generated.status == 201, generated.body
+    wait_for("the watch to count the YAML creates", lambda: metric(
+        gate, "opgate_quota_usage", {"namespace": YAML_NS, "resource": "configmaps"}) == 2)
+    third = cluster.call("POST", path, body=configmap("y-2", YAML_NS), server=gate.url)
+    assert third.status == 201, third.body  # 2 objects, not 2 objects + 2 reservations
+    denied = cluster.call("POST", path, body=yaml_configmap('  name: "y-3"\n'),
+                          content_type="application/yaml", server=gate.url)
+    assert (denied.status, denied.json()["message"]) == (403, quota_message(
+        "y-3", "e2e-quota", used=3, limit=3))
+    assert denied.json()["details"] == {"name": "y-3", "kind": "configmaps"}
 
 
 def yaml_apply(obj: dict[str, Any]) -> str:

@@ -814,6 +814,29 @@ def test_a_create_that_lost_the_race_for_its_name_keeps_the_room_of_the_winner()
     assert [m.partition("|")[0] for m in reservations(mw)] == ["same"]
 
 
+def test_a_yaml_create_is_named_and_counted_once() -> None:
+    """``Content-Type: application/yaml`` (the apiserver accepts it): its name was not read,
+    so its denial named no object and its reservation was counted next to its object until it
+    ended."""
+    counts = MemoryQuotaCounts()
+    counts.set("", "configmaps", "team-a", 1)
+    mw = Quota(counts=counts)
+    pset = policies(SIMPLE)
+    body = b"apiVersion: v1\ndata: {k: v}\nkind: ConfigMap\nmetadata:\n  name: y-1\n"
+    made = ctx_for(pset, body=body, ctype="application/yaml")
+    assert mw.wants_body(made)
+    assert decide(mw, made) is None
+    assert [m.partition("|")[0] for m in reservations(mw)] == ["y-1"]
+    run(_exit(mw, made, 201))
+    counts.add("", "configmaps", "team-a", "y-1")
+    assert used(mw, counts) == 2  # the object, once
+    assert decide(mw, ctx_for(pset, body={"metadata": {"name": "j-2"}})) is None
+    denied = decide(mw, ctx_for(pset, body=b"metadata: {name: y-3}", ctype="application/yaml"))
+    assert isinstance(denied, Deny)
+    assert denied.status.message.startswith('configmaps "y-3" is forbidden: exceeded quota')
+    assert denied.status.details == {"name": "y-3", "kind": "configmaps"}
+
+
 UPSERTS = """\
     - {resources: [services, endpoints, limitranges, events, configmaps], namespaces: ['team-*'],
        max: 1}
