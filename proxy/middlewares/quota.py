@@ -10,7 +10,8 @@ smallest of its ``max`` and, with ``alignWith``, the ``count/<resource>[.<group>
 ``configmaps``, ``secrets``…) hard limits of every ResourceQuota in that namespace and of every
 ClusterResourceQuota (``quota.openshift.io/v1``, when the cluster serves it) that selects the
 namespace (less the objects in the other namespaces it selects: OpenShift counts them
-together). Over it,
+together); events aside, which the apiserver's quota ignores (:data:`QUOTA_IGNORED`: only the
+entry's ``max`` limits them). Over it,
 the call gets the 403 the apiserver's ResourceQuota admission would send, word for word::
 
     configmaps "cm-7" is forbidden: exceeded quota: team-quota, requested: count/configmaps=1,
@@ -96,6 +97,7 @@ from proxy.middlewares.quota_limits import (
 )
 from proxy.middlewares.quota_spec import (
     CLUSTER_RESOURCE_QUOTA,
+    QUOTA_IGNORED,
     RESOURCE_QUOTA,
     SECTION,
     BoundQuota,
@@ -318,8 +320,9 @@ class Quota:
         if upsert and self.counts.exists(group, resource, namespace, info.name):
             return None  # an apply or PUT to an object that exists is an update, not a create
         observed = self.counts.observed(group, resource, namespace)
-        rq = any(RESOURCE_QUOTA in b.rule.align_with for b in matched)
-        crq = any(CLUSTER_RESOURCE_QUOTA in b.rule.align_with for b in matched)
+        ignored = (group, resource) in QUOTA_IGNORED  # the apiserver's quota never counts them
+        rq = not ignored and any(RESOURCE_QUOTA in b.rule.align_with for b in matched)
+        crq = not ignored and any(CLUSTER_RESOURCE_QUOTA in b.rule.align_with for b in matched)
         aligned = (self.counts.aligned(namespace, resource_quotas=rq, cluster_quotas=crq)
                    if rq or crq else ())
         checked: list[BoundQuota] = []

@@ -36,7 +36,8 @@ from typing import Any
 from proxy.engine.match import NAMESPACE_NAME, Patterns, never_a_namespace
 from proxy.engine.schema import Fields, Located, PolicyError, sequence
 
-__all__ = ["ALIGN_KINDS", "CLUSTER_RESOURCE_QUOTA", "LEGACY_COUNTS", "RESOURCE_QUOTA", "SECTION",
+__all__ = ["ALIGN_KINDS", "CLUSTER_RESOURCE_QUOTA", "LEGACY_COUNTS", "QUOTA_IGNORED",
+           "RESOURCE_QUOTA", "SECTION",
            "BoundQuota", "QuotaRule", "bind_quotas", "count_key", "legacy_key", "live_key",
            "parse_section", "qualified"]
 
@@ -47,6 +48,9 @@ ALIGN_KINDS = (RESOURCE_QUOTA, CLUSTER_RESOURCE_QUOTA)
 # core resources whose ResourceQuota also accepts the bare name (quota/v1/evaluator/core)
 LEGACY_COUNTS = frozenset({"pods", "services", "replicationcontrollers", "resourcequotas",
                            "secrets", "configmaps", "persistentvolumeclaims"})
+# what the apiserver's quota never counts (quota/v1/install DefaultIgnoredResources, which
+# OpenShift's ClusterResourceQuota admission uses too): an aligned limit on them limits nothing
+QUOTA_IGNORED = frozenset({("", "events"), ("events.k8s.io", "events")})
 _RESOURCE = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
 _GROUP = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
 _NAME = re.compile(r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?")

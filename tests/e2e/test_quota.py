@@ -42,7 +42,7 @@ PODS_STUCK = "quota-pods-stuck"
 BODIES = "quota-bodies"
 CRQ_A, CRQ_B = "quota-crq-a", "quota-crq-b"
 TERMINATING, COLLECTION, DRY_RUNS = "quota-terminating", "quota-collection", "quota-dry-runs"
-UPSERT, YAML_NS = "quota-upsert", "quota-yaml"
+UPSERT, YAML_NS, EVENTS = "quota-upsert", "quota-yaml", "quota-events"
 POLICY = f"""\
 apiVersion: opgate.dev/v1alpha1
 kind: Policy
@@ -80,6 +80,10 @@ spec:
       alignWith: [ResourceQuota]
     - resources: [configmaps]
       namespaces: [{YAML_NS}]
+      max: 3
+      alignWith: [ResourceQuota]
+    - resources: [events]
+      namespaces: [{EVENTS}]
       max: 3
       alignWith: [ResourceQuota]
 ---
@@ -145,6 +149,7 @@ def start_synced(opgate_factory: Callable[..., Opgate], token_file: Path, crq: s
         line = next((x for x in body.splitlines() if "quota-counts" in x), "")
         return ("configmaps=synced" in line and "secrets=synced" in line
                 and "pods=synced" in line and "services=synced" in line
+                and "events=synced" in line
                 and "resourcequotas=synced" in line
                 and f"clusterresourcequotas={crq}" in line)
 
@@ -156,7 +161,7 @@ def start_synced(opgate_factory: Callable[..., Opgate], token_file: Path, crq: s
 def token_file(cluster: LocalCluster, tmp_path_factory: pytest.TempPathFactory) -> Path:
     for namespace in (BELOW, ABOVE, FREED, DRY, BARE, SSA, SHARED, QUANTITY, PODS, PODS_BOTH,
                       PODS_COUNT, PODS_STUCK, COMPACT, TERMINATING, COLLECTION, DRY_RUNS,
-                      BODIES, UPSERT, YAML_NS):
+                      BODIES, UPSERT, YAML_NS, EVENTS):
         cluster.create_namespace(namespace)
     cluster.create_namespace(CLUSTER, labels={"team": "crq"})
     for namespace in (CRQ_A, CRQ_B):
@@ -783,6 +788,31 @@ def test_a_put_that_creates_is_checked_like_a_create(cluster: LocalCluster, gate
     assert cluster.call("PUT", f"{path}/s-1", body=current, server=gate.url).status == 200
     assert cluster.call("GET", f"{path}/s-3").status == 404
     assert len(cluster.call("GET", path).json()["items"]) == 3
+
+
+def event(name: str) -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "Event", "metadata": {"name": name, "namespace": EVENTS},
+            "involvedObject": {"kind": "Pod", "name": "p", "namespace": EVENTS},
+            "reason": "Tested", "message": "m", "type": "Normal"}
+
+
+def test_a_resource_quota_does_not_limit_events_as_the_apiserver_ignores_them(
+        cluster: LocalCluster, gate: Opgate) -> None:
+    """The apiserver's ResourceQuota admission ignores events (they are not counted however
+    many a ResourceQuota allows, ``count/events`` included): opgate aligned with that limit
+    and denied the event creates the apiserver admits (an operator's event recorder dropping
+    its events). The entry's own ``max`` still counts them."""
+    resource_quota(cluster, EVENTS, "rq-events", {"count/events": "1"})
+    path = f"/api/v1/namespaces/{EVENTS}/events"
+    for i in range(2):  # the apiserver alone: past count/events=1
+        assert cluster.call("POST", path, body=event(f"e-{i}")).status == 201
+    wait_for("the watch to count the events", lambda: metric(
+        gate, "opgate_quota_usage", {"namespace": EVENTS, "resource": "events"}) == 2)
+    made = cluster.call("POST", path, body=event("e-2"), server=gate.url)
+    assert made.status == 201, made.body
+    denied = cluster.call("POST", path, body=event("e-3"), server=gate.url)
+    assert (denied.status, denied.json()["message"]) == (403, quota_message(
+        "e-3", "e2e-quota", used=3, limit=3, resource="events"))
 
 
 def yaml_configmap(meta: str) -> str:

@@ -837,6 +837,36 @@ def test_a_yaml_create_is_named_and_counted_once() -> None:
     assert denied.status.details == {"name": "y-3", "kind": "configmaps"}
 
 
+@pytest.mark.parametrize("group", ["", "events.k8s.io"])
+def test_aligned_quotas_do_not_limit_events(group: str) -> None:
+    """The apiserver's quota ignores events (``DefaultIgnoredResources``: neither its admission
+    nor its controller counts them, whatever ``count/events`` says), so aligning with a
+    ResourceQuota or ClusterResourceQuota denied events the apiserver admits. The entry's own
+    ``max`` still counts them; with ``alignWith`` only nothing limits them."""
+    counts = MemoryQuotaCounts()
+    counts.set(group, "events", "team-a", 2)
+    counts.add_quota("ResourceQuota", "rq", {"count/events": 1, "count/events.events.k8s.io": 1},
+                     namespaces=["team-a"])
+    counts.add_quota("ClusterResourceQuota", "crq", {"count/events": 0,
+                                                     "count/events.events.k8s.io": 0})
+    mw = Quota(counts=counts)
+    aligned = f"alignWith: [ResourceQuota, ClusterResourceQuota], apiGroups: ['{group}']"
+    pset = policies(f"    - {{resources: [events], namespaces: ['team-*'], max: 3, {aligned}}}\n"
+                    f"    - {{name: only-aligned, resources: [events], namespaces: ['team-*'], "
+                    f"{aligned}}}")
+    base = f"/apis/{group}/v1" if group else "/api/v1"
+    path = f"{base}/namespaces/team-a/events"
+    assert decide(mw, ctx_for(pset, path, body={"metadata": {"name": "e-2"}})) is None
+    denied = decide(mw, ctx_for(pset, path, body={"metadata": {"name": "e-3"}}))
+    assert isinstance(denied, Deny)
+    key = f"count/events.{group}" if group else "count/events"
+    assert f"exceeded quota: team-quota, requested: {key}=1, used: {key}=3, limited: " \
+           f"{key}=3" in denied.status.message
+    counts.quotas_synced = False  # nor do they wait for the quotas' sync
+    assert isinstance(decide(mw, ctx_for(pset, path, body={"metadata": {"name": "e-4"}})),
+                      Deny)
+
+
 UPSERTS = """\
     - {resources: [services, endpoints, limitranges, events, configmaps], namespaces: ['team-*'],
        max: 1}
