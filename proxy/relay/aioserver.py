@@ -14,6 +14,8 @@ the same bytes). Loaded only by the aiohttp relay.
 
 from __future__ import annotations
 
+import asyncio
+import ssl
 from typing import Any
 
 from aiohttp import web
@@ -24,6 +26,7 @@ from proxy.relay import errors
 from proxy.relay.endpoint import MAX_HEADER_LINE
 from proxy.relay.fast.server import MAX_HEAD, MAX_HEADERS
 from proxy.relay.response import StatusLine11
+from proxy.relay.tlsaccept import Sniffer
 
 __all__ = ["HeadTooLarge", "StatusServer"]
 
@@ -111,7 +114,12 @@ class _Handler(RequestHandler):
 
 
 class StatusServer(web.Server):
-    """``web.Server`` whose connections refuse a request head with a Status (see above)."""
+    """``web.Server`` whose connections refuse a request head with a Status (see above); with
+    ``tls`` set, served over TLS by the site's plain listener, a plain HTTP request answered
+    as Go answers it (:mod:`proxy.relay.tlsaccept`)."""
 
-    def __call__(self) -> RequestHandler:
-        return _Handler(self, loop=self._loop, **self._kwargs)
+    tls: ssl.SSLContext | None = None
+
+    def __call__(self) -> asyncio.BaseProtocol:  # type: ignore[override]
+        handler = _Handler(self, loop=self._loop, **self._kwargs)
+        return handler if self.tls is None else Sniffer(handler, self.tls)

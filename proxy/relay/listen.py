@@ -7,7 +7,8 @@ router, no access log: the audit and metrics middlewares see every call) with
 and the relay closes the upstream stream. With TLS, the certificate
 and key files are polled every few seconds (``proxy.relay.servingcert``: cert-manager renewals,
 Secret updates); new handshakes get a new good pair, open connections keep theirs, and a bad
-pair keeps the old one and is logged.
+pair keeps the old one and is logged. A TLS listener accepts plain TCP and hands each connection
+to TLS after its first bytes (``proxy.relay.tlsaccept``): a plain HTTP request gets Go's 400.
 """
 
 from __future__ import annotations
@@ -233,16 +234,17 @@ async def _serve_aiohttp(
         # apiserver got the JSON under "Content-Encoding: gzip", cut at the compressed length)
         auto_decompress=False,
     )
+    server.tls = ctx  # (the site listens in plain TCP: see StatusServer)
     # the grace is given in stop() below; aiohttp's own is only for what is left after it
     runner = web.ServerRunner(server, shutdown_timeout=min(shutdown_timeout, AIOHTTP_LEFTOVER))
     await runner.setup()
     site: web.BaseSite
     try:
         if isinstance(where, str):
-            site = web.UnixSite(runner, where, ssl_context=ctx)
+            site = web.UnixSite(runner, where)
         else:
             site = web.TCPSite(
-                runner, where[0], where[1], ssl_context=ctx, reuse_port=reuse_port or None,
+                runner, where[0], where[1], reuse_port=reuse_port or None,
                 backlog=1024,
             )
         await site.start()

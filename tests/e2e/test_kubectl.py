@@ -369,3 +369,30 @@ def test_a_body_past_the_apiservers_limit_gets_its_413_on_the_plain_http_listene
         code, _, err = sidecar.both("-n", get_ns, "create", "configmap", "huge",
                                     f"--from-file={data}", "--dry-run=server")
         assert code == 1 and "Request entity too large: limit is 3145728" in err, err
+
+
+@pytest.mark.parametrize("relay", ["fast", "aiohttp"])
+def test_http_to_the_tls_port_is_answered_as_the_apiserver_answers_it(
+    kc: Kubectl, cluster: LocalCluster, opgate_factory: Callable[..., Opgate], get_ns: str,
+    tmp_path: Path, relay: str,
+) -> None:
+    """A kubeconfig (or curl) saying ``http://`` for a TLS port: the apiserver answers its
+    400 'Client sent an HTTP request to an HTTPS server.', and kubectl says at once 'the server
+    rejected our request'; opgate closed the connection unanswered, and kubectl retried for
+    50 s to say 'Unable to connect to the server: EOF'. Now the same bytes, the same output."""
+    gate = opgate_factory(extra_args=["--relay", relay])
+    plain_direct, plain_via = tmp_path / "direct.kubeconfig", tmp_path / "via.kubeconfig"
+    cluster.write_kubeconfig(plain_direct, server=cluster.url.replace("https://", "http://"),
+                             token="ignored-over-http")
+    cluster.write_kubeconfig(plain_via, server=gate.url.replace("https://", "http://"),
+                             token="ignored-over-http")
+    wrong = Kubectl(kc.binary, Kubeconfigs(direct=plain_direct, via_opgate=plain_via), kc.home)
+    klog = re.compile(r"^E\d{4} [\d:.]+ +\d+ ", re.MULTILINE)  # (its time and pid)
+    code, _, err = wrong.both("-n", get_ns, "get", "cm", norm=lambda s: klog.sub("E ", s))
+    assert code == 1 and "the server rejected our request for an unknown reason" in err, err
+    answers = [subprocess.run(["curl", "-sS", "-i", "--max-time", "10",
+                               url.replace("https://", "http://") + "/api"],
+                              capture_output=True, timeout=30)
+               for url in (cluster.url, gate.url)]
+    assert answers[1].stdout == answers[0].stdout, (answers[0], answers[1])
+    assert answers[0].stdout.startswith(b"HTTP/1.0 400 Bad Request\r\n")

@@ -55,6 +55,7 @@ from proxy.relay.errors import (
 from proxy.relay.fast.request import BODY_HIGH_WATER, Flow, FlowForwarding, Request
 from proxy.relay.fast.wire import Headers
 from proxy.relay.hostguard import HostGuard
+from proxy.relay.tlsaccept import accepting
 
 __all__ = ["ClientConnection", "FastServer", "Handler"]
 
@@ -513,19 +514,24 @@ class FastServer:
     def _protocol(self) -> ClientConnection:
         return ClientConnection(self._handler, self)
 
+    def _factory(self, tls: ssl.SSLContext | None) -> Callable[[], asyncio.BaseProtocol]:
+        """Plain connections, or TLS ones answering a plain HTTP request as Go does
+        (:mod:`proxy.relay.tlsaccept`)."""
+        return self._protocol if tls is None else accepting(self._protocol, tls)
+
     async def listen_tcp(
         self, host: str, port: int, *, tls: ssl.SSLContext | None, reuse_port: bool
     ) -> list[tuple[str, int]]:
         loop = asyncio.get_running_loop()
         server = await loop.create_server(
-            self._protocol, host, port, ssl=tls, reuse_port=reuse_port or None, backlog=1024
+            self._factory(tls), host, port, reuse_port=reuse_port or None, backlog=1024
         )
         self._server = server
         return [s.getsockname()[:2] for s in server.sockets]
 
     async def listen_unix(self, path: str, *, tls: ssl.SSLContext | None) -> None:
         loop = asyncio.get_running_loop()  # (it replaces a stale socket file of an earlier run)
-        self._server = await loop.create_unix_server(self._protocol, path, ssl=tls, backlog=1024)
+        self._server = await loop.create_unix_server(self._factory(tls), path, backlog=1024)
 
     def hurry(self) -> None:
         """Cut the grace of a :meth:`close` under way short: what is still running is cut now."""
