@@ -163,7 +163,9 @@ WORKER_READYZ_WITHIN = 6.5
 
 def worker_checks(workers: Sequence[WorkerView]) -> list[NamedCheck]:
     """``/readyz`` of the supervisor: ``worker-N`` passes while N runs and its ``/readyz``
-    passes (with the same ``?exclude=``); else the detail names the worker's failing checks."""
+    passes (with the same ``?exclude=``), its detail then repeating a passing check's
+    ``warning:`` (a certificate the worker refused); else the detail names the worker's
+    failing checks."""
 
     def check_of(worker: WorkerView) -> ReadyCheck:
         async def check() -> tuple[bool, str]:
@@ -178,7 +180,8 @@ def worker_checks(workers: Sequence[WorkerView]) -> list[NamedCheck]:
                 if worker.up:  # it answered: now it is stuck
                     return False, f"pid {pid}: not answering its admin socket"
                 return False, f"pid {pid}: starting (its admin socket does not answer yet)"
-            if status == 200:  # ready, but say what runs degraded (Redis away, say)
+            if status == 200:  # ready, but say what runs degraded or warns (Redis away, a
+                # refused certificate)
                 return True, "; ".join([f"pid {pid}", *_degraded(body)])
             failing = [line for line in body.splitlines() if line.startswith("[-]")]
             return False, f"pid {pid}: " + "; ".join(failing or [f"HTTP {status}"])
@@ -191,12 +194,17 @@ def worker_checks(workers: Sequence[WorkerView]) -> list[NamedCheck]:
 
 def _degraded(verbose: str) -> list[str]:
     """``NAME degraded: why`` for each passing check of a verbose ``/readyz`` whose detail
-    says ``degraded`` (a rate-limit store that is down leaves a worker ready)."""
+    says ``degraded`` (a rate-limit store that is down leaves a worker ready), and ``NAME ok:
+    warning: why`` for each that warns (a certificate change it refused)."""
     found = []
     for line in verbose.splitlines():
-        name, sep, detail = line.removeprefix("[+]").partition(" ok: degraded")
-        if line.startswith("[+]") and sep:
+        if not line.startswith("[+]"):
+            continue
+        name, sep, detail = line[3:].partition(" ok: degraded")
+        if sep:
             found.append(f"{name} degraded{detail}")
+        elif " ok: warning: " in line:
+            found.append(line[3:])
     return found
 
 

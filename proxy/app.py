@@ -333,6 +333,8 @@ async def _serve(settings: Settings, *, reuse_port: bool, parent_fd: int | None,
         except (OSError, TLSFilesError, ValueError) as exc:
             log.error("%s", listen_failure("--listen", settings.listen.listen, exc))
             return 2
+        if listener.tls:  # what it serves, and a reload that failed (never unready for it)
+            checks.append(NamedCheck("serving-cert", listener.serving_cert))
         try:
             admin = await serve_admin(
                 build_admin_app(checks=checks, describe_policies=describe_policies,

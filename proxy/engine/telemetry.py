@@ -417,6 +417,19 @@ POLICY_RELOADS = Counter(
 # unchanged, and a series born at 1 has no increase for an alert's increase() to see
 for _result in ("success", "error", "unchanged"):
     POLICY_RELOADS.labels(result=_result)
+TLS_CERT_EXPIRY = Gauge(
+    "opgate_tls_cert_expiry_timestamp_seconds", "The notAfter of the certificate the TLS API "
+    "listener serves new connections, as a Unix time; cert: the --tls-cert file (no series "
+    "without TLS: a 0 would read as expired).", ["cert"], registry=REGISTRY,
+    multiprocess_mode="livemin",  # the soonest any live worker's ends
+)
+TLS_CERT_RELOADS = Counter(
+    "opgate_tls_cert_reloads_total", "Reloads of the TLS API listener's certificate and key "
+    "after their files changed, by result (error: not served, the old pair serves on).",
+    ["result"], registry=REGISTRY,
+)
+for _result in ("success", "error"):  # (at 0 from the start, as the policy reloads)
+    TLS_CERT_RELOADS.labels(result=_result)
 QUOTA_RESERVATIONS = Counter(
     "opgate_quota_reservations_total",
     "Quota'd creates admitted and reserved, by the store that reserved them (redis: shared by "

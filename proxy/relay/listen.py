@@ -141,6 +141,17 @@ class Listener:
         self._unix_path = unix_path
         self._reloader = reloader
 
+    @property
+    def tls(self) -> bool:
+        return self._reloader is not None
+
+    async def serving_cert(self) -> tuple[bool, str]:
+        """``/readyz``'s ``serving-cert`` check of a TLS listener: passes, and says what is
+        served and why changed files are not (:meth:`CertReloader.describe`)."""
+        if self._reloader is None:
+            return True, "no TLS"
+        return self._reloader.describe()
+
     async def close(self) -> None:
         if self._reloader is not None:
             await self._reloader.stop()

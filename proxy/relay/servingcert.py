@@ -9,7 +9,9 @@ left it unusable by a pair caught half-written (OpenSSL drops the key a new cert
 not match, then refuses the old key: every handshake failed until the next good pair), and
 kept the old certificate served beside a new one of another key type (ECDSA and RSA have a slot
 each). A new certificate already expired is refused too (the old one may still be good);
-at start it is only said. Open connections keep the context they were made with.
+at start it is only said. Open connections keep the context they were made with. A refused
+pair is seen besides its log line: in the metrics and on ``/readyz?verbose``
+(:class:`CertReloader`), never by failing readiness.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ import datetime as dt
 import logging
 import os
 import ssl
+
+from proxy.engine import telemetry
 
 __all__ = ["CertReloader", "TLSFilesError", "server_tls_context"]
 
@@ -112,21 +116,31 @@ def _not_after(der: bytes) -> dt.datetime:
                                 ).replace(tzinfo=dt.UTC)
 
 
-def expired(cert: str) -> str | None:
-    """Why the file's certificate (its first) can be served to no client, or ``None``: clients
-    refuse one past its notAfter (not one not yet valid: a clock a little behind the issuer's
-    would refuse a fresh renewal)."""
+def not_after(cert: str) -> dt.datetime | None:
+    """The notAfter of the file's certificate (its first); ``None`` when it cannot be read
+    (what cannot be read is load_cert_chain's to say)."""
     try:
         with open(cert, encoding="ascii", errors="replace") as f:
             pem = f.read()
         begin = pem.index("-----BEGIN CERTIFICATE-----")
         end = pem.index("-----END CERTIFICATE-----", begin) + len("-----END CERTIFICATE-----")
-        not_after = _not_after(ssl.PEM_cert_to_DER_cert(pem[begin:end]))
+        return _not_after(ssl.PEM_cert_to_DER_cert(pem[begin:end]))
     except (OSError, ValueError, IndexError):
-        return None  # (what cannot be read is load_cert_chain's to say)
-    if not_after >= dt.datetime.now(dt.UTC):
         return None
-    return f"--tls-cert {cert}: the certificate expired at {not_after:%Y-%m-%dT%H:%M:%SZ}"
+
+
+def _stamp(when: dt.datetime) -> str:
+    return f"{when:%Y-%m-%dT%H:%M:%SZ}"
+
+
+def expired(cert: str, ends: dt.datetime | None = None) -> str | None:
+    """Why the file's certificate (its first; ``ends``: its notAfter, when read already) can
+    be served to no client, or ``None``: clients refuse one past its notAfter (not one not yet
+    valid: a clock a little behind the issuer's would refuse a fresh renewal)."""
+    ends = ends or not_after(cert)
+    if ends is None or ends >= dt.datetime.now(dt.UTC):
+        return None
+    return f"--tls-cert {cert}: the certificate expired at {_stamp(ends)}"
 
 
 def _read_stamp(cert: str, key: str) -> _Stamp:
@@ -142,19 +156,33 @@ def _read_stamp(cert: str, key: str) -> _Stamp:
 
 
 class CertReloader:
-    """Polls the cert/key files and makes a good new pair the context of new handshakes."""
+    """Polls the cert/key files and makes a good new pair the context of new handshakes.
+
+    What it serves, and a reload that failed, are seen without reading the log: the gauge
+    ``opgate_tls_cert_expiry_timestamp_seconds`` (the notAfter of the certificate new
+    handshakes get), the counter ``opgate_tls_cert_reloads_total{result}``, and
+    :meth:`describe` (``/readyz``'s ``serving-cert`` line). A failed reload fails no readiness:
+    the old pair still serves, and an unready pod is taken out of its Service for a problem its
+    clients do not have yet (the expiry gauge is what to alert on)."""
 
     def __init__(self, ctx: ssl.SSLContext, cert: str, key: str) -> None:
         self._cert, self._key = cert, key
         self._serving = ctx
         self._stamp = _read_stamp(cert, key)
-        if (why := expired(cert)) is not None:  # (served all the same: there is no other)
+        self._not_after = not_after(cert)
+        self.failure: str | None = None  # why the files as they are now are not served
+        if (why := expired(cert, self._not_after)) is not None:  # (served: there is no other)
             log.warning("TLS certificate: %s; clients will refuse it", why)
+        self._show()
         ctx.sni_callback = self._choose
         self._task = asyncio.get_running_loop().create_task(self._run())
 
     def _choose(self, conn: ssl.SSLObject, _name: str | None, _ctx: ssl.SSLContext) -> None:
         conn.context = self._serving
+
+    def _show(self) -> None:
+        if self._not_after is not None:
+            telemetry.TLS_CERT_EXPIRY.labels(cert=self._cert).set(self._not_after.timestamp())
 
     async def _run(self) -> None:
         while True:
@@ -165,15 +193,40 @@ class CertReloader:
             # a pair that fails is tried again once the files change (the key written after
             # the cert), not every poll: one warning for each state, not one every 5 s
             self._stamp = stamp
-            try:
-                fresh = server_tls_context(self._cert, self._key)
-                if (why := expired(self._cert)) is not None:
-                    raise TLSFilesError(why)
-            except TLSFilesError as e:
-                log.warning("TLS certificate reload failed, keeping the old one: %s", e)
-                continue
-            self._serving = fresh
-            log.info("TLS certificate reloaded from %s", self._cert)
+            self._reload()
+
+    def _reload(self) -> None:
+        try:
+            fresh = server_tls_context(self._cert, self._key)
+            ends = not_after(self._cert)
+            if (why := expired(self._cert, ends)) is not None:
+                raise TLSFilesError(why)
+        except TLSFilesError as e:
+            log.warning("TLS certificate reload failed, keeping the old one: %s", e)
+            telemetry.TLS_CERT_RELOADS.labels(result="error").inc()
+            self.failure = f"{e} (since {_stamp(dt.datetime.now(dt.UTC))})"
+            return
+        self._serving, self._not_after, self.failure = fresh, ends, None
+        self._show()
+        telemetry.TLS_CERT_RELOADS.labels(result="success").inc()
+        log.info("TLS certificate reloaded from %s", self._cert)
+
+    def describe(self) -> tuple[bool, str]:
+        """``/readyz``'s ``serving-cert`` check: always passing (see the class docstring); its
+        detail starts ``warning:`` while a changed pair is refused or the one served expired
+        (the supervisor of ``--workers`` repeats such a detail of a worker)."""
+        ends = "" if self._not_after is None else f", notAfter {_stamp(self._not_after)}"
+        serving = f"{self._cert}{ends}"
+        warnings = []
+        if self.failure is not None:
+            warnings.append(f"the changed files are not served: {self.failure}; the old "
+                            f"certificate serves on ({serving})")
+        if self._not_after is not None and self._not_after < dt.datetime.now(dt.UTC):
+            warnings.append(f"the certificate served expired at {_stamp(self._not_after)}: "
+                            "clients refuse it")
+        if warnings:
+            return True, "warning: " + "; ".join(warnings)
+        return True, serving
 
     async def stop(self) -> None:
         self._task.cancel()

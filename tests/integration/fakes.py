@@ -229,10 +229,10 @@ async def running_proxy(
 
 def make_cert(
     directory: str, *, name: str = "cert", common_name: str = "127.0.0.1", rsa_key: bool = False,
-    expired: bool = False,
+    expired: bool = False, hours: int = 24,
 ) -> tuple[str, str]:
     """A self-signed certificate for 127.0.0.1/localhost (an ECDSA key, or an RSA one; valid
-    for a day, or ``expired`` an hour ago); returns (cert path, key path)."""
+    for ``hours``, or ``expired`` an hour ago); returns (cert path, key path)."""
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec, rsa
@@ -250,7 +250,7 @@ def make_cert(
         .public_key(key.public_key())
         .serial_number(x509.random_serial_number())
         .not_valid_before(now - datetime.timedelta(days=2 if expired else 0, minutes=5))
-        .not_valid_after(now + datetime.timedelta(hours=-1 if expired else 24))
+        .not_valid_after(now + datetime.timedelta(hours=-1 if expired else hours))
         .add_extension(
             x509.SubjectAlternativeName(
                 [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from proxy.engine import limitlog
+from proxy.engine import limitlog, telemetry
 from proxy.relay import servingcert, tlsaccept
 from tests.integration.fakes import (
     AiohttpUpstream,
@@ -395,3 +395,71 @@ def test_a_client_that_stalls_before_its_handshake_is_closed_after_the_timeout(
             await up.close()
 
     run_on(loop, main)
+
+
+# --- what a failed reload shows besides its log line ----------------------------------------
+
+def expiry_metric(cert: str) -> float | None:
+    return telemetry.REGISTRY.get_sample_value(
+        "opgate_tls_cert_expiry_timestamp_seconds", {"cert": cert})
+
+
+def reloads_metric(result: str) -> float:
+    value = telemetry.REGISTRY.get_sample_value("opgate_tls_cert_reloads_total",
+                                                {"result": result})
+    assert value is not None
+    return value
+
+
+def not_after_of(cert: str) -> float:
+    ends = servingcert.not_after(cert)
+    assert ends is not None
+    return ends.timestamp()
+
+
+@pytest.mark.asyncio
+async def test_a_refused_reload_is_seen_in_the_metrics_and_the_serving_cert_check(
+    tmp_path: Path, reloads: ReloadLog
+) -> None:
+    """A changed pair that cannot be served (a key of another cert, an expired renewal) was one
+    WARNING line and nothing else: now the expiry gauge goes on showing the certificate that
+    still serves, the error count grows, and the ``serving-cert`` check (passing: the old one
+    serves) says why; a good pair then moves the gauge and clears the warning."""
+    old = make_cert(str(tmp_path), name="old", hours=24)
+    new = make_cert(str(tmp_path), name="new", hours=48)
+    stale = make_cert(str(tmp_path), name="stale", expired=True)
+    volume = tmp_path / "volume"
+    volume.mkdir()
+    cert, key = kubelet_volume(volume, old, "1")
+    errors, successes = reloads_metric("error"), reloads_metric("success")
+    up = await AiohttpUpstream(ok_handler).start()
+    try:
+        async with running_proxy(up.url, tls_cert=cert, tls_key=key) as proxy:
+            listener = proxy.listener
+            assert expiry_metric(cert) == not_after_of(old[0])
+            ok, detail = await listener.serving_cert()
+            assert ok and detail.startswith(f"{cert}, notAfter 20"), detail
+            kubelet_volume(volume, (new[0], old[1]), "2")  # (a Secret with another's key)
+            assert "reload failed" in await reloads.nth(1)
+            assert reloads_metric("error") == errors + 1
+            assert expiry_metric(cert) == not_after_of(old[0])
+            ok, detail = await listener.serving_cert()
+            assert ok, detail
+            assert detail.startswith(f"warning: the changed files are not served: --tls-key "
+                                     f"{key} is not the private key of --tls-cert {cert} "
+                                     "(since 20"), detail
+            assert detail.endswith(f"; the old certificate serves on ({cert}, notAfter "
+                                   f"{servingcert.not_after(old[0]):%Y-%m-%dT%H:%M:%SZ})")
+            kubelet_volume(volume, new, "3")
+            assert "reloaded" in await reloads.nth(2)
+            assert reloads_metric("success") == successes + 1
+            assert expiry_metric(cert) == not_after_of(new[0]) != not_after_of(old[0])
+            assert (await listener.serving_cert())[1].startswith(f"{cert}, notAfter 20")
+            kubelet_volume(volume, stale, "4")
+            failed = await reloads.nth(3)
+            assert "expired" in failed, failed
+            assert reloads_metric("error") == errors + 2
+            assert expiry_metric(cert) == not_after_of(new[0])
+            assert "the certificate expired at" in (await listener.serving_cert())[1]
+    finally:
+        await up.close()

@@ -11,6 +11,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -26,8 +27,9 @@ from prometheus_client.openmetrics.parser import (
     text_string_to_metric_families as openmetrics_families,
 )
 
+from proxy.relay import servingcert
 from proxy.workers import LIVENESS_GRACE
-from tests.integration.fakes import AiohttpUpstream, status_of
+from tests.integration.fakes import AiohttpUpstream, make_cert, status_of
 from tests.integration.opgate_proc import OpgateProcess
 from tests.integration.redis_server import RedisServer
 
@@ -732,4 +734,59 @@ async def test_workers_serve_on_without_room_for_their_metric_files(
                 os.kill(pid, signal.SIGKILL)
     warned = [line for line in proc.stderr().splitlines() if "go on in memory" in line]
     assert 1 <= len(warned) <= 2, proc.stderr()  # once per worker that ran out of room
+    assert "Traceback" not in proc.stderr()
+
+
+@pytest.mark.asyncio
+async def test_a_refused_certificate_shows_on_the_supervisors_readyz_and_metrics(
+    upstream: str, redis_server: RedisServer, tmp_path: Path
+) -> None:
+    """Each worker reloads the pair on its own: a changed pair they refuse (the cert renewed,
+    its key not) shows on the supervisor's ``/readyz?verbose`` for each worker, still 200
+    (the old certificate serves); its ``/metrics`` counts each worker's refusal and keeps the
+    old certificate's notAfter; the pair made whole again moves it and clears the warnings."""
+    old = make_cert(str(tmp_path), name="old", hours=24)
+    new = make_cert(str(tmp_path), name="new", hours=48)
+    cert, key = str(tmp_path / "tls.crt"), str(tmp_path / "tls.key")
+    shutil.copy(old[0], cert)
+    shutil.copy(old[1], key)
+    proc = OpgateProcess("--upstream", upstream, "--redis-url", redis_server.url,
+                         "--redis-timeout", "2", "--tls-cert", cert, "--tls-key", key,
+                         "--workers", "2", log_dir=tmp_path)
+    workers: set[int] = set()
+    expiry = rf'opgate_tls_cert_expiry_timestamp_seconds{{cert="{re.escape(cert)}"}}'
+
+    async def metrics() -> str:
+        return (await _get(proc.admin_url + "/metrics"))[1]
+
+    def not_after(pem: str) -> float:
+        ends = servingcert.not_after(pem)
+        assert ends is not None
+        return ends.timestamp()
+
+    try:
+        await asyncio.to_thread(proc.wait_ready)
+        workers = children(proc.proc.pid)
+        await _until(lambda: _get(proc.admin_url + "/readyz"), lambda r: r[0] == 200)
+        await _until(metrics, lambda m: _sample(m, expiry) == not_after(old[0]))
+        shutil.copy(new[0], cert + ".new")
+        os.replace(cert + ".new", cert)
+        warned = "serving-cert ok: warning: the changed files are not served: --tls-key"
+        status, body = await _until(lambda: _get(proc.admin_url + "/readyz?verbose"),
+                                    lambda r: r[1].count(warned) == 2, within=30)
+        assert status == 200, body
+        assert re.search(rf"^\[\+\]worker-0 ok: pid \d+; {warned}", body, re.M), body
+        found = await _until(metrics, lambda m: _sample(
+            m, 'opgate_tls_cert_reloads_total{result="error"}') == 2)
+        assert _sample(found, expiry) == not_after(old[0])
+        shutil.copy(new[1], key + ".new")
+        os.replace(key + ".new", key)
+        await _until(metrics, lambda m: _sample(m, expiry) == not_after(new[0]), within=30)
+        assert "warning" not in (await _get(proc.admin_url + "/readyz?verbose"))[1]
+    finally:
+        workers |= children(proc.proc.pid)
+        proc.stop()
+        for pid in workers:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
     assert "Traceback" not in proc.stderr()
