@@ -8,6 +8,7 @@ key after it). A client is Python's ``ssl``; each test runs on both relay cores.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import shutil
@@ -463,3 +464,62 @@ async def test_a_refused_reload_is_seen_in_the_metrics_and_the_serving_cert_chec
             assert "the certificate expired at" in (await listener.serving_cert())[1]
     finally:
         await up.close()
+
+
+async def get_with_the_hello_split(address: str, ca: str) -> bytes:
+    """``GET /version`` over TLS whose ClientHello's first byte is sent alone, the rest 0.1 s
+    later (a client, or a network, cutting its first write): the answer's body."""
+    host, port = address.rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+    tls = ssl.create_default_context(cafile=ca).wrap_bio(incoming, outgoing,
+                                                         server_hostname="127.0.0.1")
+    with contextlib.suppress(ssl.SSLWantReadError):
+        tls.do_handshake()
+    hello = outgoing.read()
+    writer.write(hello[:1])
+    await writer.drain()
+    await asyncio.sleep(0.1)  # (what is tested is a pause: nothing to wait for instead)
+    writer.write(hello[1:])
+    async with asyncio.timeout(10):
+        while True:
+            received = await reader.read(65536)
+            if not received:
+                raise ConnectionError("closed during the handshake")
+            incoming.write(received)
+            try:
+                tls.do_handshake()
+                break
+            except ssl.SSLWantReadError:
+                writer.write(outgoing.read())
+        tls.write(b"GET /version HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        writer.write(outgoing.read())
+        answer = b""
+        while chunk := await reader.read(65536):
+            incoming.write(chunk)
+            try:
+                while more := tls.read(65536):
+                    answer += more
+            except ssl.SSLWantReadError:
+                continue
+            break  # (b"": its close_notify, after the answer)
+    writer.close()
+    return answer.partition(b"\r\n\r\n")[2]
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_a_client_hello_whose_first_byte_comes_alone_is_served(loop: str, tmp_path: Path) -> None:
+    """The first read decides plain HTTP or TLS and is handed to the TLS layer: one that holds
+    a single byte of the ClientHello must leave the layer the rest to read."""
+    cert, key = make_cert(str(tmp_path))
+
+    async def main() -> None:
+        up = await AiohttpUpstream(ok_handler).start()
+        try:
+            async with running_proxy(up.url, tls_cert=cert, tls_key=key) as proxy:
+                assert await get_with_the_hello_split(proxy.listener.address, cert) \
+                    == b'{"kind":"Fine"}'
+        finally:
+            await up.close()
+
+    run_on(loop, main)
