@@ -285,7 +285,7 @@ async def _serve_aiohttp(
                 if getattr(conn, "_request_in_progress", True):  # (aiohttp's, no public one)
                     busy = True
                 else:
-                    conn.close()
+                    _close_when_idle(conn)
             if not busy or loop.time() >= deadline:
                 break
             await asyncio.sleep(0.05)
@@ -294,3 +294,16 @@ async def _serve_aiohttp(
 
     hurried = asyncio.Event()
     return stop, hurried.set, address
+
+
+def _close_when_idle(conn: Any) -> None:
+    """Close an aiohttp connection no call runs on: at once if it waits for a request (an idle
+    keep-alive one), else once what it does ends (an answer written out, the rest of a body
+    read and dropped). aiohttp's ``close()`` alone cancels an idle connection's wait and ends
+    its task without closing the transport: the connection stayed open, unread, until the
+    drain ended, and a call its client sent on it meanwhile was never answered."""
+    waiter = getattr(conn, "_waiter", None)  # (aiohttp's, no public one)
+    if waiter is not None and not waiter.done():
+        conn.force_close()
+    else:
+        conn.close()

@@ -134,6 +134,49 @@ async def test_a_kept_alive_connection_takes_no_new_call_once_draining(
     assert second != "200", "a call was started on a connection of a draining opgate"
 
 
+async def _idle_kept_alive(url: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A connection that has had one call answered and is kept alive, idle."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(f"GET {SLOW} HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
+    head = (await reader.readuntil(b"\r\n\r\n")).decode().lower()
+    assert head.startswith("http/1.1 200") and "connection: close" not in head, head
+    length = head.split("content-length:", 1)[1].split("\r\n", 1)[0]
+    await reader.readexactly(int(length))
+    return reader, writer
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("relay", ["fast", "aiohttp"])
+async def test_an_idle_kept_alive_connection_is_closed_as_the_drain_starts(
+        upstream: str, tmp_path: Path, relay: str) -> None:
+    """An idle keep-alive connection is closed at SIGTERM, not when the drain ends: its client
+    (Go's transport sees the EOF and drops it from its pool) dials again for its next call and
+    is refused at once. On the aiohttp relay the connection stayed open, unread, until the
+    calls in flight had finished (up to the grace): a call its client sent on it meanwhile was
+    never answered, and got an EOF only as opgate exited."""
+    opgate = OpgateProcess("--upstream", upstream, "--relay", relay, "--shutdown-grace", "30",
+                           log_dir=tmp_path)
+    try:
+        await asyncio.to_thread(opgate.wait_ready)
+        reader, writer = await _idle_kept_alive(opgate.url)
+        slow = asyncio.create_task(status_of(opgate.url + SLOW + "?sleep=60"))
+        await _until_in_flight(opgate, 1)
+        opgate.proc.send_signal(signal.SIGTERM)
+        try:
+            left = await asyncio.wait_for(reader.read(), 10)  # (the grace is 30 s)
+        finally:
+            writer.close()
+        assert opgate.proc.poll() is None  # still draining: the slow call has its grace
+        opgate.proc.send_signal(signal.SIGTERM)  # (cut it: the test is done)
+        code = await asyncio.to_thread(opgate.proc.wait, 20)
+        await asyncio.wait_for(slow, 10)
+    finally:
+        opgate.stop()
+    assert left == b"", left
+    assert code == 0, opgate.stderr()
+
+
 @pytest.mark.asyncio
 @pytest.mark.parametrize("relay", ["fast", "aiohttp"])
 async def test_sigint_drains_like_sigterm(upstream: str, tmp_path: Path, relay: str) -> None:
