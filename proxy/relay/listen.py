@@ -43,7 +43,7 @@ __all__ = ["Listener", "TLSFilesError", "listen_failure", "parse_listen",
 log = logging.getLogger("opgate.listen")
 
 _ACCEPT_FAILED = "socket.accept() out of system resource"  # (asyncio's message)
-AIOHTTP_LEFTOVER = 1.0  # seconds aiohttp's shutdown gives the calls still running after the grace
+AIOHTTP_LEFTOVER = 1.0  # seconds aiohttp's shutdown gives what is still running after the cut
 
 
 def raise_open_files_limit() -> None:
@@ -289,7 +289,11 @@ async def _serve_aiohttp(
             if not busy or loop.time() >= deadline:
                 break
             await asyncio.sleep(0.05)
-        relay.cut()  # what aiohttp's cleanup cancels now was cut by opgate
+        relay.cut()  # what is cut now was cut by opgate, not left by its client
+        for conn in list(server.connections):  # cut now, as the fast relay does: aiohttp's
+            transport = conn.transport  # cleanup would wait for each handler once more, then
+            if transport is not None:  # cancel it and wait again (twice its leftover)
+                transport.abort()  # (connection_lost cancels the handler)
         await runner.cleanup()
 
     hurried = asyncio.Event()

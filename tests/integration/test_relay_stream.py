@@ -595,6 +595,50 @@ async def test_shutdown_ends_watches_at_once_and_lets_calls_finish() -> None:
 
 
 @pytest.mark.asyncio
+@pytest.mark.parametrize("how", ["grace", "hurry"])
+async def test_a_call_cut_at_shutdown_is_cut_at_once(
+        how: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once the grace has run out (or a second signal hurries the close), the calls still in
+    flight are cut at once and the listener is closed. The aiohttp relay left them to aiohttp's
+    own shutdown, which waited once more for each handler, then cancelled it and waited again
+    (2 s past the grace, or past the second signal, where the README says 'at once'): here its
+    leftover is made long, so the cut must not depend on it."""
+    from proxy.relay import listen
+    monkeypatch.setattr(listen, "AIOHTTP_LEFTOVER", 30.0)
+    hold = asyncio.Event()
+
+    async def stall(request: web.BaseRequest) -> web.StreamResponse:
+        await hold.wait()
+        return web.Response(text="late")
+
+    up = await AiohttpUpstream(stall).start()
+    grace = 3.0 if how == "grace" else 60.0  # (aiohttp's leftover: the grace at most)
+    try:
+        async with running_proxy(up.url, shutdown_timeout=grace) as proxy, client() as c:
+            call = asyncio.create_task(c.get(proxy.url + "/api/v1/pods"))
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + 10
+            while telemetry.INFLIGHT.now < 1:  # the call is in flight
+                assert loop.time() < deadline
+                await asyncio.sleep(0.02)
+            closing = asyncio.create_task(proxy.listener.close())
+            await asyncio.sleep(0.2)  # the listener is draining
+            started = loop.time()
+            if how == "hurry":
+                proxy.listener.hurry()
+            await asyncio.wait_for(closing, 20)
+            took = loop.time() - started
+            with pytest.raises(aiohttp.ClientError):
+                await asyncio.wait_for(call, 5)  # cut, no answer
+    finally:
+        hold.set()
+        await up.close()
+    if how == "hurry":
+        grace = 0.0  # (cut at once)
+    assert took < grace + 3.0, f"closed {took:.1f} s after the start of the cut (grace {grace} s)"
+
+
+@pytest.mark.asyncio
 async def test_shutdown_lets_a_call_still_uploading_its_body_finish() -> None:
     """A create whose body is still arriving when the listener closes gets its grace: the rest
     of the body is relayed and the upstream's answer reaches the client. (The aiohttp relay
