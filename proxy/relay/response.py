@@ -13,7 +13,7 @@ added when missing (the apiserver always sends one).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 import aiohttp
@@ -181,7 +181,12 @@ async def pump_watch(
     when none does by ``events.ending``. ``idle``: the watch idle timeout (0: none), kept here
     rather than by aiohttp's ``sock_read``, after which nothing more could be read."""
     content = upstream.content
-    read = content.readany if ctx.tap is None else tee_read(content.readany, ctx.tap)
+    # inside an event, one HTTP chunk a read: readany would join the chunk that ends the
+    # event to the next ones aiohttp holds behind it (events back to back), and a watch asked
+    # to end inside it could then only be cut
+    read_any, read_chunk = content.readany, _chunk_reader(content)
+    if ctx.tap is not None:
+        read_any, read_chunk = tee_read(read_any, ctx.tap), tee_read(read_chunk, ctx.tap)
     write = resp.write
     loop = asyncio.get_running_loop()
     framed = upstream.content_length is not None  # (an error Status: it cannot end early)
@@ -192,6 +197,7 @@ async def pump_watch(
             wait = idle or None
             if events.ending:
                 wait = max(events.ending - loop.time(), 0.0)
+            read = read_any if events.between else read_chunk
             try:
                 async with asyncio.timeout(wait):
                     chunk = await read()
@@ -235,6 +241,17 @@ async def pump_watch(
                 return True
     finally:
         ctx.bytes_out = sent
+
+
+def _chunk_reader(content: aiohttp.StreamReader) -> Callable[[], Awaitable[bytes]]:
+    """``content.readany`` that returns at most one HTTP chunk's data (``b""`` at the end)."""
+    async def read() -> bytes:
+        while True:
+            data, chunk_end = await content.readchunk()
+            if data or not chunk_end:  # ((b"", True): a chunk's end already read up to)
+                return data
+
+    return read
 
 
 async def send_continue(request: web.BaseRequest) -> None:

@@ -129,6 +129,61 @@ async def test_shutdown_inside_a_split_event_ends_after_it(kind: str, tapped: bo
     assert clean, "no last chunk"
 
 
+class BusyWatch(SplitWatch):
+    """A watch whose events come back to back (a backlog: a watch's initial events, a busy
+    namespace): the rest of the split event, then one more whole, then half of the next, all
+    in one write (one read at the relay), then silence."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__(kind)
+        make = KINDS[kind][1]
+        self.third, self.fourth = make(3, 300), make(4, 3000)
+
+    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_head(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: %b\r\nTransfer-Encoding: chunked\r\n\r\n"
+                     % self.content_type.encode() + _chunk(self.first))
+        await writer.drain()
+        await asyncio.sleep(0.05)
+        writer.write(_chunk(self.second[:2048]))
+        await writer.drain()
+        self.split.set()
+        await self.go_on.wait()
+        writer.write(_chunk(self.second[2048:]) + _chunk(self.third)
+                     + _chunk(self.fourth[:2048]))
+        await writer.drain()
+        await wait_closed(reader)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("tapped", [False, True], ids=["as-it-came", "tapped"])
+@pytest.mark.parametrize("kind", list(KINDS))
+async def test_shutdown_ends_a_busy_watch_after_the_event_in_flight(kind: str,
+                                                                    tapped: bool) -> None:
+    """SIGTERM inside an event whose end comes in one read with the next events: the watch
+    ends between two events of that read, with the last chunk. The fast relay, passing the
+    body on as it came, looked only at where each read ended: inside the next event, so a
+    watch whose events came back to back (a backlog of big objects) was cut after 1 s, an
+    event short (client-go: an unexpected EOF)."""
+    watch = BusyWatch(kind)
+    up = await RawUpstream(watch.serve).start()
+    try:
+        async with running_proxy(up.url, shutdown_timeout=5.0,
+                                 middlewares=(Tapping(),) if tapped else ()) as proxy:
+            reader, writer = await _open_watch(proxy.url, watch)
+            closing = asyncio.create_task(proxy.listener.close())
+            await asyncio.sleep(PAUSE)  # the rest comes within the listener's 1 s
+            watch.go_on.set()
+            data, clean = await asyncio.wait_for(read_body(reader), 5)
+            writer.close()
+            await asyncio.wait_for(closing, 8)
+    finally:
+        await up.close()
+    whole = watch.first + watch.second
+    assert data in (whole, whole + watch.third), f"{len(data)} bytes: not whole events"
+    assert clean, "no last chunk"
+
+
 @pytest.mark.asyncio
 @pytest.mark.parametrize("kind", list(KINDS))
 async def test_shutdown_inside_a_split_event_ends_after_it_for_http10(kind: str) -> None:

@@ -122,3 +122,24 @@ def test_a_clean_end_after_any_whole_chunk(fed: bytes, closing: bytes | None) ->
     if closing is not None:  # what the client then gets is a whole body, for llhttp too
         data_of(fed + closing)
         assert framing.feed(closing) == len(closing) and framing.ended
+
+
+@pytest.mark.parametrize("split", [0, 5, 9, 13, 20], ids=lambda n: f"read-split-at-{n}")
+def test_a_watch_asked_to_end_stops_after_the_chunk_that_ends_its_event(split: int) -> None:
+    """Asked to end inside an event (``events.ending``), the framing stops right after the
+    chunk whose data ends it, even with more chunks in the same read: ``stop`` is the offset in
+    that read, what was fed up to it closes cleanly, and nothing after it is looked at (not
+    even framing that is malformed)."""
+    from proxy.relay.events import LineEnds
+
+    first, second, third = b"4\r\n{\"a\"\r\n", b"3\r\n:1}\r\n", b"2\r\n\n{\r\n"
+    body = first + second + b"2\r\n}\n\r\n" + third + b"zz"  # (the 'zz' never read)
+    events = LineEnds()
+    framing = ChunkedFraming(events)
+    if split:
+        assert framing.feed(body[:split]) == -1
+    events.ending = 1.0  # (the shutdown, while the event '{"a":1}}\n' is in flight)
+    assert framing.feed(body[split:]) == -1
+    assert split + framing.stop == len(first + second + b"2\r\n}\n")
+    assert framing.closing() == b"\r\n0\r\n\r\n"
+    assert framing.feed(b"more") == -1 and framing.stop >= 0

@@ -38,7 +38,7 @@ class ChunkedFraming:
     order), counting its data bytes (``body``), and shows each piece of data to ``events`` (a
     watch's: where its events end) when there is one."""
 
-    __slots__ = ("_carry", "_first", "_skip", "_trailers", "body", "ended", "events")
+    __slots__ = ("_carry", "_first", "_skip", "_trailers", "body", "ended", "events", "stop")
 
     def __init__(self, events: EventEnds | None = None) -> None:
         self.events = events
@@ -48,10 +48,17 @@ class ChunkedFraming:
         self._trailers = False  # after the last chunk: trailer lines until an empty one
         self.body = 0  # data bytes seen
         self.ended = False
+        # a watch asked to end inside an event (``events.ending``): the offset in the read
+        # just past the chunk that ended that event, when more followed it in the same read
+        # (the watch ends there; the rest is never read); -1: not stopped
+        self.stop = -1
 
     def feed(self, data: bytes) -> int:
         """The offset in ``data`` just past the body's end, or -1 when the body goes on past
-        ``data``. Raises :class:`FramingError` on malformed framing."""
+        ``data`` (or :attr:`stop` was set: nothing after it is looked at). Raises
+        :class:`FramingError` on malformed framing."""
+        if self.stop >= 0:
+            return -1
         carry = self._carry
         if carry:
             buf = carry + data
@@ -75,6 +82,9 @@ class ChunkedFraming:
             pos = skip
             if events is not None:
                 events.data(buf, 0, pos)
+                if events.ending and events.between:
+                    self.stop = pos
+                    return -1
         while True:
             start = pos  # framing from here: what is carried when a read ends in it
             if self._trailers:
@@ -119,6 +129,9 @@ class ChunkedFraming:
             self.body += size
             if events is not None:
                 events.data(buf, pos, pos + size)
+                if events.ending and events.between:  # (right after the data: no carry)
+                    self.stop = pos + size - base
+                    return -1
             pos += size
         carried = buf[start:]
         if self._trailers and len(carried) > MAX_TRAILERS:

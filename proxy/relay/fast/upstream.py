@@ -273,7 +273,8 @@ class UpstreamConnection(FlowForwarding, asyncio.Protocol):
             exchange.on_lost(e)
             return
         if end < 0:
-            exchange.on_raw(data, framing.body - before)
+            stop = framing.stop  # (a watch ending after the event in this read: it ends
+            exchange.on_raw(data if stop < 0 else data[:stop], framing.body - before)  # there)
             return
         self._framing = None
         extra = end < len(data)

@@ -6,9 +6,10 @@ The apiserver splits an event over two chunks when its chunked writer's 2,048-by
 For a watch (:meth:`WatchExchange.watch`) whose ``Content-Type`` says where its events end
 (:mod:`proxy.relay.events`: JSON lines, protobuf frames) the body passed on is followed, through
 the chunked framing when it passes as it came, else chunk by chunk. Asked to end inside an event
-(``end`` at shutdown, or the idle timeout), it ends with the piece that completes the event;
-one that does not come within ``LONG_RUNNING_END`` (1 s) is cut, as inside a chunk: the client
-sees a broken stream rather than a short event read as whole.
+(``end`` at shutdown, or the idle timeout), it ends with the piece that completes the event
+(passed as it came: right after the chunk that does, the next events of the same read left
+unsent); one that does not come within ``LONG_RUNNING_END`` (1 s) is cut, as inside a chunk:
+the client sees a broken stream rather than a short event read as whole.
 
 Only long-running calls use this class (and tapped ones: :class:`TappedExchange` builds on it),
 so every other call pays nothing for it.
