@@ -93,3 +93,21 @@ async def test_accepts_failing_for_want_of_descriptors_are_logged_once(
     lines = [line for line in failures.splitlines() if "accept" in line]
     assert len(lines) == 1, failures[-3000:]
     assert "WARNING" in lines[0] and "Too many open files" in lines[0], lines
+
+
+@pytest.mark.asyncio
+async def test_calls_out_of_descriptors_wait_for_one_rather_than_fail(
+        upstream: AiohttpUpstream, tmp_path: Path) -> None:
+    """With every descriptor of the hard limit taken by client connections (200 clients
+    connected, then one GET each, all at once; the limit cannot be raised), a call whose
+    upstream connection cannot be opened waits for a descriptor to be freed (an idle pooled
+    connection closed for it, a call ending), as Go's servers back off on EMFILE, within the
+    connect timeout. Each such call got 503 'Too many open files' at once (141 of 200)."""
+    opgate = OpgateProcess("--upstream", upstream.url, "--no-access-log", log_dir=tmp_path,
+                           wrapper=("prlimit", "--nofile=256:256", "--"))
+    try:
+        await asyncio.to_thread(opgate.wait_ready)
+        got = await statuses(opgate.port, 200)
+    finally:
+        assert opgate.stop() == 0
+    assert got == {b"HTTP/1.1 200 OK": 200}, (got, opgate.stderr()[-2000:])

@@ -45,6 +45,8 @@ deadline rather than arming and cancelling a loop timer each.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import errno
 import socket
 import ssl
 import time
@@ -69,6 +71,9 @@ READ_SIZE = 256 * 1024  # the BodyReader's buffer: one read (over TLS: up to 16 
 LOWAT = 128 * 1024  # meanwhile, wake up for no less (SO_RCVLOWAT) ...
 LOWAT_MARGIN = 2 * READ_SIZE  # ... while more than this is due besides (a TLS layer's backlog)
 MAX_HEAD = 1024 * 1024  # a response head (interim ones included) longer than this fails the call
+OUT_OF_FILES = (errno.EMFILE, errno.ENFILE)
+ROOM_FIRST, ROOM_MAX = 0.005, 1.0  # seconds between dials out of descriptors (Go's EMFILE backoff)
+ROOM_BOUND = 5.0  # seconds a dial waits for a descriptor without a connect timeout
 
 
 class Exchange(Protocol):
@@ -492,6 +497,7 @@ class UpstreamPool:
         self._max_idle = max_idle
         self._idle: list[UpstreamConnection] = []
         self._all: set[UpstreamConnection] = set()
+        self._room = asyncio.Event()  # a connection closed or given back (out of descriptors)
         self.opened = 0  # connections ever opened (for tests and benchmarks)
 
     async def acquire(self, now: float | None = None) -> tuple[UpstreamConnection, bool]:
@@ -520,8 +526,32 @@ class UpstreamPool:
 
     async def connect(self, *, tunnel: bool = False) -> UpstreamConnection:
         """A new connection (for the pool, or with ``tunnel`` for an upgrade's tunnel: over
-        TLS, asyncio's TLS layer then, which ``proxy.relay.tlsconnect`` explains)."""
+        TLS, asyncio's TLS layer then, which ``proxy.relay.tlsconnect`` explains).
+
+        Out of descriptors (EMFILE: the client connections took them all), it waits for one
+        rather than failing the call at once (a 503), as Go's servers back off on EMFILE: an
+        idle pooled connection is closed to make room, and the dial is tried again when a
+        connection of the pool closes or is given back, or after a backoff (a client leaving
+        frees one too), for at most the connect timeout."""
         loop = asyncio.get_running_loop()
+        give_up = loop.time() + (self._connect_timeout or ROOM_BOUND)
+        wait = ROOM_FIRST
+        while True:
+            try:
+                return await self._dial(loop, tunnel)
+            except OSError as e:
+                if e.errno not in OUT_OF_FILES or loop.time() >= give_up:
+                    raise
+            idle = self._idle
+            if idle:  # (its descriptor is freed once it is closed: connection_lost)
+                idle.pop(0).close()  # the coldest
+            self._room.clear()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(min(wait, max(give_up - loop.time(), 0.0))):
+                    await self._room.wait()
+            wait = min(wait * 2, ROOM_MAX)
+
+    async def _dial(self, loop: asyncio.AbstractEventLoop, tunnel: bool) -> UpstreamConnection:
         tls = self.tls
         try:
             async with asyncio.timeout(self._connect_timeout):
@@ -553,9 +583,11 @@ class UpstreamPool:
             conn.resume_reading()
         conn.idle_since = time.monotonic()
         self._idle.append(conn)
+        self._room.set()
 
     def discard(self, conn: UpstreamConnection) -> None:
         self._all.discard(conn)
+        self._room.set()
 
     def close(self) -> None:
         for conn in list(self._all):
