@@ -298,7 +298,7 @@ class Relay:
         unread = request.body_exists and not request.content.is_eof()
         resp, size = await send_status(
             request, status, extra=(*ctx.response_headers, ("Audit-Id", ctx.audit_id)),
-            close=close or unread)
+            close=close or unread or self._draining)
         transport = request.transport
         if unread and transport is not None and transport.can_write_eof():
             transport.write_eof()
@@ -375,9 +375,12 @@ class Relay:
                 reason=upstream.reason,
                 headers=response_headers(upstream.headers, extra=ctx.response_headers),
             )
-            if upstream.content_length is None and request.version < aiohttp.HttpVersion11:
+            http10_stream = upstream.content_length is None \
+                and request.version < aiohttp.HttpVersion11
+            if http10_stream or self._draining:
                 # an HTTP/1.0 client's body ends with the connection: aiohttp would keep a
-                # "Connection: keep-alive" one open, and the client wait for an end
+                # "Connection: keep-alive" one open, and the client wait for an end; while the
+                # listener drains the connection ends after the call: Connection: close says so
                 resp.force_close()
             await resp.prepare(request)
             ctx.status_code = upstream.status

@@ -179,6 +179,37 @@ async def test_an_idle_kept_alive_connection_is_closed_as_the_drain_starts(
 
 @pytest.mark.asyncio
 @pytest.mark.parametrize("relay", ["fast", "aiohttp"])
+async def test_an_answer_written_while_draining_says_connection_close(
+        upstream: str, tmp_path: Path, relay: str) -> None:
+    """A call in flight at SIGTERM is answered with ``Connection: close``, as the apiserver
+    answers while it shuts down (Go's server turns keep-alives off): its client then never
+    sends another call on the connection. Without it the connection was closed after the
+    answer unannounced, and a client that took it from its pool for its next call before it
+    saw the FIN lost that call (Go retries only a replayable one)."""
+    opgate = OpgateProcess("--upstream", upstream, "--relay", relay, log_dir=tmp_path)
+    try:
+        await asyncio.to_thread(opgate.wait_ready)
+        host, port = opgate.url.removeprefix("http://").rsplit(":", 1)
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(f"GET {SLOW}?sleep=1 HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
+        await _until_in_flight(opgate, 1)
+        opgate.proc.send_signal(signal.SIGTERM)
+        try:
+            head = (await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 20)).lower()
+            rest = await asyncio.wait_for(reader.read(), 20)
+        finally:
+            writer.close()
+        code = await asyncio.to_thread(opgate.proc.wait, 20)
+    finally:
+        opgate.stop()
+    assert head.startswith(b"http/1.1 200"), head
+    assert b"\r\nconnection: close\r\n" in head, head
+    assert rest.endswith(b"[]}"), rest  # the whole answer, then the connection's end
+    assert code == 0, opgate.stderr()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("relay", ["fast", "aiohttp"])
 async def test_sigint_drains_like_sigterm(upstream: str, tmp_path: Path, relay: str) -> None:
     opgate = OpgateProcess("--upstream", upstream, "--relay", relay, log_dir=tmp_path)
     try:

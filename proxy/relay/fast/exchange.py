@@ -188,6 +188,8 @@ class Exchange:
         if conn is not None and conn.body_pending:  # answered before the request body came
             self.close_client = True  # whole: the connection ends after it (ClientConnection
             # .linger), as the apiserver said (its Connection: close is hop-by-hop, not relayed)
+        elif self.client.draining:  # (the connection ends after this call: say so)
+            self.close_client = True
         if length is not None:
             framing = b"Content-Length: " + length + b"\r\n"
         elif self._head_only or status in (204, 304):

@@ -261,7 +261,7 @@ class FastRelay:
         lines.append(b"Audit-Id: %s\r\n" % ctx.audit_id.encode("latin-1"))
         # a body not (yet) read whole ends the connection (see FastServer): say so, e.g. to a
         # client refused before it sent its Expect: 100-continue body
-        if close or not req.keep_alive or not req.body_done:
+        if close or not req.keep_alive or not req.body_done or req.conn.draining:
             lines.append(b"Connection: close\r\n")
             req.keep_alive = False
         lines.append(b"Content-Length: %d\r\n\r\n" % length)

@@ -158,6 +158,12 @@ class ClientConnection(FlowForwarding, asyncio.Protocol):
     def current(self) -> Request | None:
         return self._current
 
+    @property
+    def draining(self) -> bool:
+        """The listener is closing: an answer written now says ``Connection: close`` (the
+        connection ends after it), as the apiserver's do while it shuts down."""
+        return self._server is not None and self._server.closing
+
     # --- asyncio.Protocol ----------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's is no asyncio.Transport
