@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
+import resource
 import ssl
 import sys
 from collections.abc import AsyncIterator
@@ -203,8 +205,22 @@ def upstream_failed(exc: BaseException, ctx: RequestContext, where: str, *,
         what = "connect" if kind == "connect_timeout" else "respond"
         return Answer(gateway_timeout(f"opgate: the apiserver did not {what} in time ({text})",
                                       retry_after=retry_after))
+    if _out_of_descriptors(exc):  # opgate's own limit, not the apiserver's state
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        return Answer(service_unavailable(
+            f"opgate is out of file descriptors (open files limit {soft}): cannot connect to "
+            "the apiserver", retry_after=retry_after))
     return Answer(service_unavailable(f"opgate: the apiserver is unavailable ({text})",
                                       retry_after=retry_after))
+
+
+def _out_of_descriptors(exc: BaseException) -> bool:
+    """Whether the upstream connection failed for want of a descriptor in opgate (EMFILE,
+    ENFILE: every one of its open files limit in use), aiohttp's wrapping included."""
+    aiohttp = sys.modules.get("aiohttp")
+    if aiohttp is not None and isinstance(exc, aiohttp.ClientConnectorError):
+        exc = exc.os_error
+    return isinstance(exc, OSError) and exc.errno in (errno.EMFILE, errno.ENFILE)
 
 
 def stream_broke(exc: BaseException, ctx: RequestContext, *, idle: bool) -> None:
