@@ -282,7 +282,12 @@ async def _serve_aiohttp(
             relay.end_long_running()  # (again: one may have started on a kept-alive connection)
             busy = False
             for conn in server.connections:
-                if getattr(conn, "_request_in_progress", True):  # (aiohttp's, no public one)
+                # (_request_in_progress: aiohttp's, no public one) a connection whose answer
+                # is still in its write buffer is busy too, as on the fast relay: the process
+                # must not exit, nor the cut below drop it, before that reaches the client
+                transport = conn.transport
+                if getattr(conn, "_request_in_progress", True) or (
+                        transport is not None and transport.get_write_buffer_size()):
                     busy = True
                 else:
                     _close_when_idle(conn)

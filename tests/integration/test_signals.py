@@ -10,6 +10,7 @@ import http.client
 import json
 import os
 import signal
+import socket
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -206,6 +207,49 @@ async def test_an_answer_written_while_draining_says_connection_close(
     assert b"\r\nconnection: close\r\n" in head, head
     assert rest.endswith(b"[]}"), rest  # the whole answer, then the connection's end
     assert code == 0, opgate.stderr()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("relay", ["fast", "aiohttp"])
+async def test_a_list_read_slowly_through_the_drain_reaches_its_client_whole(
+        tmp_path: Path, relay: str) -> None:
+    """A LIST in flight at SIGTERM, read slowly by its client (a busy controller), reaches it
+    whole within the grace, its last bytes included: opgate is done with the call only once
+    its answer has left opgate's write buffer. The aiohttp relay took a connection whose call
+    had been relayed to its end for idle while that buffer still held the answer's last bytes,
+    and (cutting what was left at the end of the drain) dropped them: the client saw a body
+    short of its Content-Length."""
+    size = 24 * 1024 * 1024  # (more than the kernel's socket buffers hold)
+
+    async def big(request: web.BaseRequest) -> web.StreamResponse:
+        return web.Response(body=b"x" * size, content_type="application/json")
+
+    up = await AiohttpUpstream(big).start()
+    opgate = OpgateProcess("--upstream", up.url, "--relay", relay, "--shutdown-grace", "30",
+                           log_dir=tmp_path)
+    try:
+        await asyncio.to_thread(opgate.wait_ready)
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.setblocking(False)
+        await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", opgate.port))
+        reader, writer = await asyncio.open_connection(sock=sock)
+        writer.write(b"GET /api/v1/pods HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        await reader.readuntil(b"\r\n\r\n")
+        try:
+            got = len(await reader.read(65536))
+            opgate.proc.send_signal(signal.SIGTERM)
+            while chunk := await asyncio.wait_for(reader.read(65536), 30):
+                got += len(chunk)
+                await asyncio.sleep(0.002)  # (a slow reader: opgate's buffers stay full)
+        finally:
+            writer.close()
+        code = await asyncio.to_thread(opgate.proc.wait, 20)
+    finally:
+        opgate.stop()
+        await up.close()
+    assert code == 0, opgate.stderr()
+    assert got == size, f"{size - got} bytes of the answer lost"
 
 
 @pytest.mark.asyncio
