@@ -11,7 +11,9 @@ counters and histograms into one ``<kind>_archive.db`` per kind, which the sums 
 other file: its counts stay (a counter never goes down), and the directory holds the live
 workers' files and one archive per kind. (Gauges of another mode than ``live*`` would keep
 their files: opgate has none.) A series a worker removed (a quota's namespace gone) is set to
-:data:`REMOVED` in its file, which :class:`Collector` leaves out.
+:data:`REMOVED` in its file, which :class:`Collector` leaves out, and every
+:data:`FORGET_AT` of them the worker rewrites the file without them (:func:`forget`): a
+namespace gone costs neither file nor memory for long.
 
 Only the supervisor merges and scrapes, and the two exclude each other (:data:`_LOCK`;
 :class:`Collector` reads under it): a scrape between the archive's replacement and the dead
@@ -41,6 +43,7 @@ import os
 import struct
 import threading
 from collections.abc import Iterable
+from typing import Any
 
 import prometheus_client.values
 from prometheus_client.metrics_core import Metric
@@ -145,6 +148,34 @@ class SpillingFile(ReservedFile):
         self._m, self._capacity, self._in_memory = memory, capacity, True
 
 
+    def drop_removed(self) -> None:
+        """Rewrite the file without its :data:`REMOVED` entries: a series removed stays in
+        the file as one otherwise (prometheus_client removes none), every namespace there ever
+        was. The new file is written under another name and renamed over this one, so a
+        scrape reads either whole; on a refusal (a full disk) the file stays as it is. A file
+        spilled to memory keeps them (it is this worker's alone, no scrape reads it)."""
+        if self._in_memory or self._f is None:  # (None: closed)
+            return
+        kept = [(k, v, ts) for k, v, ts, _ in self._read_all_values() if v != REMOVED]
+        partial = self._fname + ".compact"  # not *.db: a scrape never reads it
+        try:
+            fresh = ReservedFile(partial)
+        except OSError:
+            return
+        try:
+            for key, value, timestamp in kept:
+                fresh.write_value(key, value, timestamp)  # type: ignore[no-untyped-call]
+            os.replace(partial, self._fname)
+        except OSError:
+            fresh.close()  # type: ignore[no-untyped-call]
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(partial)
+            return
+        self.close()  # type: ignore[no-untyped-call]
+        self._f, self._m, self._capacity = fresh._f, fresh._m, fresh._capacity
+        self._used, self._positions = fresh._used, fresh._positions
+
+
 def _say_spilled(filename: str, exc: OSError) -> None:
     global _spilled_once
     if not _spilled_once:
@@ -160,6 +191,39 @@ def install() -> None:
     prometheus_client.values.MmapedDict = SpillingFile  # type: ignore[attr-defined]
 
 
+FORGET_AT = 256  # series forgotten before their entries and values are let go of
+_forgotten: list[Any] = []  # prometheus_client values of series removed since then
+
+
+def forget(value: Any) -> None:
+    """A live gauge's series was set to :data:`REMOVED` and taken out of its metric: let go of
+    its prometheus_client ``value`` (the library keeps every value it made in a list of its
+    own, to reopen its files after a fork) and, every ``FORGET_AT`` of them, drop the
+    entries at :data:`REMOVED` from their files (:meth:`SpillingFile.drop_removed`)."""
+    _forgotten.append(value)
+    if len(_forgotten) < FORGET_AT:
+        return
+    gone = {id(v) for v in _forgotten}
+    files = {id(f): f for f in (getattr(v, "_file", None) for v in _forgotten)}
+    _forgotten.clear()
+    made = _library_values()
+    if made is not None:
+        made[:] = [v for v in made if id(v) not in gone]
+    for file in files.values():
+        if isinstance(file, SpillingFile):
+            file.drop_removed()
+
+
+def _library_values() -> list[Any] | None:
+    """The list in which prometheus_client's multiprocess value class keeps every value it
+    made (a variable of its closure; ``None`` if a release keeps them otherwise)."""
+    init = prometheus_client.values.ValueClass.__init__
+    cells = dict(zip(init.__code__.co_freevars, init.__closure__ or (), strict=True))
+    cell = cells.get("values")
+    made = cell.cell_contents if cell is not None else None
+    return made if isinstance(made, list) else None
+
+
 def archive_path(path: str, kind: str) -> str:
     return os.path.join(path, f"{kind}_archive.db")
 
@@ -171,6 +235,9 @@ def retire(pid: int, path: str) -> None:
     as it is, still summed, and says so: the worker is restarted all the same."""
     with _LOCK:
         mark_process_dead(pid, path)  # type: ignore[no-untyped-call]
+        for partial in glob.glob(os.path.join(path, f"*_{pid}.db.*")):  # a rewrite it left
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(partial)
         for kind in ARCHIVED:
             dead = os.path.join(path, f"{kind}_{pid}.db")
             if not os.path.exists(dead):

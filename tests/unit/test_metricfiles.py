@@ -15,7 +15,7 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from proxy.engine import metricfiles
+from proxy.engine import metricfiles, telemetry
 from proxy.engine.metricfiles import Collector, retire
 
 WORKER = """
@@ -241,3 +241,50 @@ def test_a_series_one_worker_removed_shows_while_another_still_has_it(tmp_path: 
                        env={**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)})
     assert _scrape(tmp_path)[
         "opgate_quota_usage[('namespace', 'a'), ('resource', 'configmaps')]"] == 0
+
+
+COMING_AND_GOING = """
+import os, tracemalloc
+from proxy.engine import telemetry as t
+now = [1000.0]
+t._clock = lambda: now[0]
+t.set_quota_usage("live", "configmaps", 3)
+def churn(start, n):
+    for i in range(start, start + n):  # preview namespaces, each filled, emptied, deleted
+        t.set_quota_usage(f"preview-{{i}}", "configmaps", 1)
+        t.set_quota_usage(f"preview-{{i}}", "configmaps", 0)
+        now[0] += 1
+churn(0, {n})  # the series of the first namespaces gone and the heap settled
+tracemalloc.start()
+churn({n}, {n})
+before, _ = tracemalloc.get_traced_memory()
+churn(2 * {n}, {n})
+grown = tracemalloc.get_traced_memory()[0] - before
+t.set_quota_usage("live", "configmaps", 4)
+t.RATELIMIT_BACKEND.labels("redis").set(1)
+path = os.path.join(os.environ["PROMETHEUS_MULTIPROC_DIR"], f"gauge_livemax_{{os.getpid()}}.db")
+print(os.path.getsize(path), len(t.QUOTA_USAGE._metrics), grown)
+"""
+
+
+def test_namespaces_that_come_and_go_leave_a_workers_file_and_memory_bounded(
+        tmp_path: Path) -> None:
+    """With --workers, the series of namespaces gone leave the worker's file and memory, not
+    only the supervisor's /metrics: each namespace there ever was kept ~200 B of file and
+    ~1 KB of heap (its REMOVED entry, its gauge child and prometheus_client's value), so an
+    operator that touched a preview or e2e namespace an hour grew for as long as it ran
+    (20,000 namespaces: a 4 MiB file that every scrape read, 20 MB of heap)."""
+    n = 3000  # ten times the namespaces a 300 s window holds at one a second
+    done = subprocess.run([sys.executable, "-c", COMING_AND_GOING.format(n=n)], check=True,
+                          timeout=60, capture_output=True, text=True,
+                          env={**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)})
+    size, children, grown = map(int, done.stdout.split())
+    assert done.stderr == ""  # not prometheus_client's warning that it cannot remove a series
+    window = int(telemetry.QUOTA_USAGE_ZERO_SECONDS)  # the namespaces still within 5 minutes
+    assert size <= 2 * (1 << 16)  # the 64 KiB to start, at most once doubled
+    assert children <= 2 * window
+    assert grown < 50 * n  # bytes: not ~1 KB more per namespace
+    usage = {k: v for k, v in _scrape(tmp_path).items() if k.startswith("opgate_")}
+    assert usage["opgate_quota_usage[('namespace', 'live'), ('resource', 'configmaps')]"] == 4
+    assert usage["opgate_ratelimit_backend[('backend', 'redis')]"] == 1
+    assert len([k for k in usage if k.startswith("opgate_quota_usage")]) <= 2 * window

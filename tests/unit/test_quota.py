@@ -1325,7 +1325,8 @@ def test_quota_usage_series_are_marked_removed_not_cleared_under_workers(
 ) -> None:
     """prometheus_client cannot remove a series in multiprocess mode (it warns and keeps it):
     with --workers the old set's usage series are set to metricfiles.REMOVED, which the
-    supervisor's /metrics leaves out, instead of staying at their last value (or at 0)."""
+    supervisor's /metrics leaves out, instead of staying at their last value (or at 0), and
+    then taken out of the metric (the file's entry is dropped later, metricfiles.forget)."""
     from proxy.engine import telemetry
     from proxy.engine.metricfiles import REMOVED
 
@@ -1335,10 +1336,14 @@ def test_quota_usage_series_are_marked_removed_not_cleared_under_workers(
     def refuse() -> None:
         raise AssertionError("clear() is a no-op in multiprocess mode")
 
+    written: list[float] = []
+    child = telemetry.QUOTA_USAGE.labels("gone-ns", "configmaps")
+    monkeypatch.setattr(child, "set", written.append)
     monkeypatch.setattr(telemetry.QUOTA_USAGE, "clear", refuse)
     telemetry.clear_quota_usage()
+    assert written == [REMOVED]
     assert telemetry.REGISTRY.get_sample_value(
-        "opgate_quota_usage", {"namespace": "gone-ns", "resource": "configmaps"}) == REMOVED
+        "opgate_quota_usage", {"namespace": "gone-ns", "resource": "configmaps"}) is None
 
 
 def test_quota_usage_series_of_namespaces_left_at_zero_go_away(
