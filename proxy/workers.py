@@ -31,7 +31,10 @@ relay), all listening on the API address with ``SO_REUSEPORT`` so the kernel spr
 * SIGTERM/SIGINT go on to the workers as SIGTERM; each finishes its in-flight calls (a second
   signal is passed on too: each cuts what still runs); the supervisor exits when all have
   stopped. Workers also stop when the pipe whose write end only
-  the supervisor holds reads EOF, so even a SIGKILLed supervisor leaves no orphan. SIGHUP goes
+  the supervisor holds reads EOF, so even a SIGKILLed supervisor leaves no orphan (the last
+  worker out removes the run directory). A container killed whole (an OOM kill takes every
+  process at once) leaves its run directory in an emptyDir that outlives it: the next
+  supervisor removes those no live supervisor holds (:func:`sweep_run_dirs`). SIGHUP goes
   on to the workers too: each reloads its policy files (a worker still starting gets it once
   it serves: until then it would die of it).
 """
@@ -40,6 +43,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
+import glob
 import logging
 import os
 import select
@@ -84,7 +89,8 @@ def refusal(settings: Settings) -> str | None:
 def supervise(settings: Settings) -> int:
     """Run ``settings.runtime.workers`` workers until SIGTERM/SIGINT; the exit status."""
     try:  # in $TMPDIR, else /tmp, /var/tmp, /usr/tmp, the working directory
-        run_dir = tempfile.mkdtemp(prefix="opgate-workers-")
+        run_dir = tempfile.mkdtemp(prefix=RUN_DIR_PREFIX)
+        held_run_dir = hold_run_dir(run_dir)  # for this process's life: closed at exit
     except OSError as exc:
         print(f"opgate: --workers {settings.runtime.workers} needs a writable directory for "
               "the workers' shared metrics and admin sockets: set $TMPDIR to one (in a pod with "
@@ -96,6 +102,7 @@ def supervise(settings: Settings) -> int:
     # before prometheus_client is imported here or in any worker (the workers inherit it)
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
     _configure_logging(settings)
+    sweep_run_dirs(os.path.dirname(run_dir))
     held: list[socket.socket] = []
     try:
         try:
@@ -121,6 +128,41 @@ def supervise(settings: Settings) -> int:
         for sock in held:
             sock.close()
         shutil.rmtree(run_dir, ignore_errors=True)
+        os.close(held_run_dir)
+
+
+RUN_DIR_PREFIX = "opgate-workers-"
+RUN_DIR_LOCK = "supervisor.lock"  # locked (flock) by the supervisor whose run directory it is
+
+
+def hold_run_dir(run_dir: str) -> int:
+    """Lock ``run_dir``'s :data:`RUN_DIR_LOCK` for as long as the returned descriptor is open
+    (the kernel lets go of it when the process dies, however it dies). The file is locked
+    under another name and renamed: a sweep never finds it unlocked while it is this one's."""
+    partial = os.path.join(run_dir, RUN_DIR_LOCK + ".new")
+    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    os.rename(partial, os.path.join(run_dir, RUN_DIR_LOCK))
+    return fd
+
+
+def sweep_run_dirs(parent: str) -> None:
+    """Remove the run directories in ``parent`` whose supervisor is gone: their lock is free
+    (one without a lock file is not known to be opgate's, and stays)."""
+    for run_dir in glob.glob(os.path.join(glob.escape(parent), RUN_DIR_PREFIX + "*")):
+        try:
+            fd = os.open(os.path.join(run_dir, RUN_DIR_LOCK), os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # held: its supervisor runs
+            continue
+        else:
+            log.info("removing %s, left by a supervisor that is gone", run_dir)
+            shutil.rmtree(run_dir, ignore_errors=True)
+        finally:
+            os.close(fd)
 
 
 def hold_port(listen: str) -> tuple[str, list[socket.socket]]:

@@ -452,6 +452,44 @@ async def test_workers_stop_when_the_supervisor_is_killed(opgate: OpgateProcess)
     assert opgate.stderr().count("the supervisor is gone; shutting down") == 2
 
 
+async def test_a_run_dir_a_killed_container_left_goes_at_the_next_start(
+        upstream: str, redis_server: RedisServer, policy_file: Path, tmp_path: Path) -> None:
+    """A container killed whole (an OOM kill takes the supervisor and its workers at once) left
+    its run dir, metric files and all (~400 KiB with 2 workers), in the emptyDir that outlives
+    the container: every such restart added one until the pod passed the chart's 16 MiB
+    ``sidecar.tmpSizeLimit`` and was evicted. The next supervisor removes the dirs no live
+    supervisor holds, and only those (two opgates may share a $TMPDIR)."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    running: list[OpgateProcess] = []
+
+    async def start() -> OpgateProcess:
+        proc = OpgateProcess("--upstream", upstream, "--redis-url", redis_server.url,
+                             "--policies", str(policy_file.parent), "--workers", "2",
+                             log_dir=tmp_path, env={"TMPDIR": str(tmp)})
+        running.append(proc)
+        await asyncio.to_thread(proc.wait_ready)
+        return proc
+
+    try:
+        killed = await start()
+        everyone = {killed.proc.pid, *children(killed.proc.pid)}
+        for pid in everyone:
+            os.kill(pid, signal.SIGKILL)
+        killed.proc.wait(10)
+        await _until(lambda: _still_alive(everyone), lambda left: not left)
+        [left] = os.listdir(tmp)
+        assert os.listdir(tmp / left / "metrics")  # what the next start found
+        serving = [await start(), await start()]
+        held = {os.path.basename(_run_dir(next(iter(children(p.proc.pid))))) for p in serving}
+        assert sorted(os.listdir(tmp)) == sorted(held)
+        assert left not in held
+    finally:
+        for proc in running:
+            with contextlib.suppress(ProcessLookupError):
+                proc.stop()
+
+
 @pytest.mark.asyncio
 async def test_policy_edit_reaches_every_worker(opgate: OpgateProcess, policy_file: Path) -> None:
     responses = await _calls(opgate.url, 20)
