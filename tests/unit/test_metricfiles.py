@@ -288,3 +288,41 @@ def test_namespaces_that_come_and_go_leave_a_workers_file_and_memory_bounded(
     assert usage["opgate_quota_usage[('namespace', 'live'), ('resource', 'configmaps')]"] == 4
     assert usage["opgate_ratelimit_backend[('backend', 'redis')]"] == 1
     assert len([k for k in usage if k.startswith("opgate_quota_usage")]) <= 2 * window
+
+
+CHURNING = """
+import sys
+from proxy.engine import telemetry as t
+now = [1000.0]
+t._clock = lambda: now[0]
+t.set_quota_usage("live", "configmaps", 3)
+t.RATELIMIT_BACKEND.labels("redis").set(1)
+print("ready", flush=True)
+for i in range({n}):
+    t.set_quota_usage(f"preview-{{i}}", "configmaps", 1)
+    t.set_quota_usage(f"preview-{{i}}", "configmaps", 0)
+    now[0] += 1
+"""
+
+
+def test_a_scrape_while_a_worker_rewrites_its_file_reads_it_whole(tmp_path: Path) -> None:
+    """The worker rewrites its live-gauge file without the removed series under another name
+    and renames it over the old one: a scrape at any moment reads one file or the other, whole
+    (a rewrite in place would show it half written: series missing, a corrupt file)."""
+    worker = subprocess.Popen([sys.executable, "-c", CHURNING.format(n=8000)],
+                              stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)})
+    try:
+        assert worker.stdout is not None and worker.stdout.readline() == "ready\n"
+        scrapes = 0
+        while worker.poll() is None:
+            found = _scrape(tmp_path)
+            assert found["opgate_quota_usage[('namespace', 'live'), "
+                         "('resource', 'configmaps')]"] == 3
+            assert found["opgate_ratelimit_backend[('backend', 'redis')]"] == 1
+            scrapes += 1
+    finally:
+        worker.kill()
+        worker.wait()
+    assert worker.returncode == 0 and scrapes > 3
+    assert [f for f in os.listdir(tmp_path) if not f.endswith(".db")] == []
