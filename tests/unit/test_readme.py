@@ -24,6 +24,7 @@ from proxy.app import section_parsers
 from proxy.cli_parser import build_parser
 from proxy.engine import telemetry
 from proxy.engine.check import check
+from proxy.middlewares.audit_event import _DECISIONS
 from proxy.middlewares.ratelimit_spec import RESULTS
 from proxy.stores import REDIS_SCHEMES
 from proxy.stores.breaker import BACKENDS
@@ -150,6 +151,8 @@ def _served_metrics() -> dict[str, set[str]]:
 
 def test_the_readme_lists_the_served_metrics_with_their_labels() -> None:
     listed = _metric_list()
+    while (bare := re.sub(r"\([^()]*\)", "", listed)) != listed:  # a label's values, notes
+        listed = bare
     shown = {name: set(filter(None, labels.split(",")))
              for name, labels in re.findall(r"`([a-z]+_[a-z_]+)(?:\{([a-z_,]*)\})?`", listed)}
     served = _served_metrics()
@@ -181,10 +184,20 @@ def _metric_list() -> str:
     ("ratelimit_decisions_total", RESULTS),
     ("ratelimit_backend", BACKENDS),
     ("policy_reloads_total", ("success", "error", "unchanged")),
+    ("requests_total", tuple(_DECISIONS)),
+    ("identity_denials_total", ("missing_token", "invalid_token", "not_allowed", "rule_denied",
+                                "no_rule", "sar_denied")),  # identity.py, identity_sar.py
+    ("upstream_errors_total", ("connect", "connect_timeout", "timeout", "tls", "disconnect",
+                               "other")),  # relay/errors.py
 ])
 def test_the_readme_lists_a_metrics_label_values(metric: str, values: tuple[str, ...]) -> None:
     """What an alert on a bounded label is written against: ``result="denied"`` or
     ``"unavailable"`` of the rate limits was nowhere but in the code."""
-    text = _metric_list().split(f"`{metric}{{", 1)[1]
-    described = re.split(r", `[a-z]+_[a-z_]+(?:\{[a-z_,]*\})?`", text, maxsplit=1)[0]
+    text = _metric_list().split(f"`{metric}{{", 1)[1].split("}`", 1)[1].lstrip()
+    assert text.startswith("("), f"no (values) after {metric}"
+    depth = end = 0
+    while end == 0 or depth:  # the parenthesis after the metric, to its close
+        depth += {"(": 1, ")": -1}.get(text[end], 0)
+        end += 1
+    described = text[1:end - 1]
     assert {v for v in values if f"`{v}`" not in described} == set()
