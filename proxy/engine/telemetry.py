@@ -84,6 +84,8 @@ def flush() -> None:
 def _publish_levels() -> None:
     for level in _levels:
         level.publish()
+    if _quota_zero:  # (nothing at 0: nothing to sweep)
+        _sweep_quota_usage(_clock())
 
 
 def publish_levels() -> None:
@@ -357,9 +359,9 @@ _clock = time.monotonic
 def set_quota_usage(namespace: str, resource: str, count: int) -> None:
     """Set a namespace's usage. One that stays at 0 for ``QUOTA_USAGE_ZERO_SECONDS`` loses its
     series (as one that never held an object has none): namespaces come and go over the weeks
-    a sidecar runs, and each kept a series forever. Removed at the next update after that (in
-    multiprocess mode, where prometheus_client cannot remove one, see :func:`_remove_usage`)."""
-    global _quota_zero_sweep
+    a sidecar runs, and each kept a series forever. Removed at the next update or scrape after
+    that (in multiprocess mode, where prometheus_client cannot remove one, see
+    :func:`_remove_usage`)."""
     labels = (namespace, resource)
     QUOTA_USAGE.labels(namespace, resource).set(count)
     _QUOTA_USAGE_SET.add(labels)
@@ -368,13 +370,22 @@ def set_quota_usage(namespace: str, resource: str, count: int) -> None:
         _quota_zero.pop(labels, None)
     elif labels not in _quota_zero:
         _quota_zero[labels] = now
-    if now >= _quota_zero_sweep:
-        _quota_zero_sweep = now + QUOTA_USAGE_ZERO_SECONDS / 2
-        horizon = now - QUOTA_USAGE_ZERO_SECONDS
-        for stale in [k for k, since in _quota_zero.items() if since <= horizon]:
-            del _quota_zero[stale]
-            _QUOTA_USAGE_SET.discard(stale)
-            _remove_usage(stale)
+    _sweep_quota_usage(now)
+
+
+def _sweep_quota_usage(now: float) -> None:
+    """Remove the usage series at 0 for ``QUOTA_USAGE_ZERO_SECONDS`` (looked for every half of
+    it): at each update, and at each :func:`flush` (before every scrape; with ``--workers``
+    every ``FLUSH_EVERY`` too), so they go when nothing else changes after them too."""
+    global _quota_zero_sweep
+    if now < _quota_zero_sweep:
+        return
+    _quota_zero_sweep = now + QUOTA_USAGE_ZERO_SECONDS / 2
+    horizon = now - QUOTA_USAGE_ZERO_SECONDS
+    for stale in [k for k, since in _quota_zero.items() if since <= horizon]:
+        del _quota_zero[stale]
+        _QUOTA_USAGE_SET.discard(stale)
+        _remove_usage(stale)
 
 
 def _remove_usage(labels: tuple[str, str]) -> None:

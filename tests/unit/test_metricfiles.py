@@ -326,3 +326,22 @@ def test_a_scrape_while_a_worker_rewrites_its_file_reads_it_whole(tmp_path: Path
         worker.wait()
     assert worker.returncode == 0 and scrapes > 3
     assert [f for f in os.listdir(tmp_path) if not f.endswith(".db")] == []
+
+
+def test_a_quiet_workers_zeros_go_at_its_levels_tick(tmp_path: Path) -> None:
+    """With --workers, a usage series at 0 for 5 minutes leaves the supervisor's /metrics at the
+    worker's next levels tick (every FLUSH_EVERY: the flush it runs), not only once some other
+    usage changes (a quiet cluster kept the zeros of its deleted namespaces)."""
+    script = """
+from proxy.engine import telemetry as t
+now = [1000.0]
+t._clock = lambda: now[0]
+t.set_quota_usage("live", "configmaps", 3)
+t.set_quota_usage("preview-1", "configmaps", 0)
+now[0] += t.QUOTA_USAGE_ZERO_SECONDS + 1
+t.flush()
+"""
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=60,
+                   env={**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)})
+    usage = {k for k in _scrape(tmp_path) if k.startswith("opgate_quota_usage")}
+    assert usage == {"opgate_quota_usage[('namespace', 'live'), ('resource', 'configmaps')]"}

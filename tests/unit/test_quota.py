@@ -1346,6 +1346,34 @@ def test_quota_usage_series_are_marked_removed_not_cleared_under_workers(
         "opgate_quota_usage", {"namespace": "gone-ns", "resource": "configmaps"}) is None
 
 
+def test_quota_usage_series_at_zero_go_away_without_another_update(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A namespace's series at 0 for 5 minutes goes away (README) also when no other usage
+    changes after it: they went only at the next update of some usage, so once an operator's
+    preview namespaces were deleted and nothing else changed, their zeros stayed on every
+    dashboard for as long as the cluster was quiet. A scrape removes them (in a single process,
+    the flush before each render; with --workers the levels' tick, each 50 ms)."""
+    clock = Clock()
+    monkeypatch.setattr(telemetry, "_clock", clock, raising=False)
+    monkeypatch.setattr(telemetry, "_quota_zero_sweep", 0.0, raising=False)
+    telemetry.clear_quota_usage()
+
+    def scrape() -> dict[str, float]:
+        telemetry.flush()  # what /metrics runs on the loop before its render
+        return {s.labels["namespace"]: s.value for m in telemetry.REGISTRY.collect()
+                if m.name == "opgate_quota_usage" for s in m.samples}
+
+    telemetry.set_quota_usage("live", "configmaps", 3)
+    telemetry.set_quota_usage("preview-1", "configmaps", 2)
+    clock.now += 10
+    telemetry.set_quota_usage("preview-1", "configmaps", 0)  # its objects, then it, deleted
+    assert scrape() == {"live": 3, "preview-1": 0}
+    clock.now += telemetry.QUOTA_USAGE_ZERO_SECONDS + 1
+    assert scrape() == {"live": 3}
+    telemetry.clear_quota_usage()
+
+
 def test_quota_usage_series_of_namespaces_left_at_zero_go_away(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
