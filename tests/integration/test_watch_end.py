@@ -104,13 +104,10 @@ def _whole_events(data: bytes, watch: SplitWatch) -> None:
             json.loads(line)
 
 
-@pytest.mark.asyncio
-@pytest.mark.parametrize("tapped", [False, True], ids=["as-it-came", "tapped"])
-@pytest.mark.parametrize("kind", list(KINDS))
-async def test_shutdown_inside_a_split_event_ends_after_it(kind: str, tapped: bool) -> None:
-    """SIGTERM while the apiserver is between the two chunks of an event: the watch ends once
-    the event is whole, with the last chunk (before: right after its first half)."""
-    watch = SplitWatch(kind)
+async def _shut_down_inside_an_event(watch: SplitWatch, tapped: bool) -> tuple[bytes, bool]:
+    """Open ``watch`` through a proxy, close the listener (SIGTERM's drain) while the upstream
+    holds the rest of an event back, let it go on after ``PAUSE``: the body the client read,
+    and whether it ended with the last chunk."""
     up = await RawUpstream(watch.serve).start()
     try:
         async with running_proxy(up.url, shutdown_timeout=5.0,
@@ -124,6 +121,17 @@ async def test_shutdown_inside_a_split_event_ends_after_it(kind: str, tapped: bo
             await asyncio.wait_for(closing, 8)
     finally:
         await up.close()
+    return data, clean
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("tapped", [False, True], ids=["as-it-came", "tapped"])
+@pytest.mark.parametrize("kind", list(KINDS))
+async def test_shutdown_inside_a_split_event_ends_after_it(kind: str, tapped: bool) -> None:
+    """SIGTERM while the apiserver is between the two chunks of an event: the watch ends once
+    the event is whole, with the last chunk (before: right after its first half)."""
+    watch = SplitWatch(kind)
+    data, clean = await _shut_down_inside_an_event(watch, tapped)
     _whole_events(data, watch)
     assert data == watch.first + watch.second
     assert clean, "no last chunk"
@@ -166,19 +174,7 @@ async def test_shutdown_ends_a_busy_watch_after_the_event_in_flight(kind: str,
     watch whose events came back to back (a backlog of big objects) was cut after 1 s, an
     event short (client-go: an unexpected EOF)."""
     watch = BusyWatch(kind)
-    up = await RawUpstream(watch.serve).start()
-    try:
-        async with running_proxy(up.url, shutdown_timeout=5.0,
-                                 middlewares=(Tapping(),) if tapped else ()) as proxy:
-            reader, writer = await _open_watch(proxy.url, watch)
-            closing = asyncio.create_task(proxy.listener.close())
-            await asyncio.sleep(PAUSE)  # the rest comes within the listener's 1 s
-            watch.go_on.set()
-            data, clean = await asyncio.wait_for(read_body(reader), 5)
-            writer.close()
-            await asyncio.wait_for(closing, 8)
-    finally:
-        await up.close()
+    data, clean = await _shut_down_inside_an_event(watch, tapped)
     whole = watch.first + watch.second
     assert data in (whole, whole + watch.third), f"{len(data)} bytes: not whole events"
     assert clean, "no last chunk"
